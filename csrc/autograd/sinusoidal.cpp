@@ -1,0 +1,88 @@
+// Autograd of the sinusoidal family: torch::autograd::Functions at the Autograd key that call the
+// forward ops below autograd and the backward ops through the dispatcher.
+#include <posenc/embedding.h>
+#include <posenc/sinusoidal.h>
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace posenc {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void check_not_differentiable(const char* op, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq) {
+  TORCH_CHECK(!(positions && positions->requires_grad()) && !inv_freq.requires_grad(), "posenc.", op,
+              ": positions and inv_freq are not differentiable; detach them (they require grad here)");
+}
+
+// Positions and frequencies are constants of the encoding: the table has no parameters to train.
+at::Tensor sinusoidal_autograd(const at::Tensor& positions, const at::Tensor& inv_freq, c10::string_view layout,
+                               std::optional<at::ScalarType> dtype, int64_t offset) {
+  check_not_differentiable("sinusoidal", positions, inv_freq);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return sinusoidal(positions, inv_freq, layout, dtype, offset);
+}
+
+// d(x * x_scale + PE)/dx = x_scale: nothing but the scale is saved.
+struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                            const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
+    check_not_differentiable("add_sinusoidal", positions, inv_freq);
+    ctx->saved_data["x_scale"] = x_scale;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const double x_scale = ctx->saved_data["x_scale"].toDouble();
+    return {grad_outputs[0].mul(x_scale), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// d/d token_weight: the rows of grad scattered back to their tokens, times token_scale.
+struct EmbedSinusoidal : public torch::autograd::Function<EmbedSinusoidal> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& token_weight,
+                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double token_scale,
+                            std::optional<int64_t> padding_idx, c10::string_view layout, int64_t offset) {
+    check_not_differentiable("embed_sinusoidal", positions, inv_freq);
+    ctx->save_for_backward({tokens});
+    ctx->saved_data["vocab"] = token_weight.sym_size(0);
+    ctx->saved_data["token_scale"] = token_scale;
+    ctx->saved_data["padding_idx"] = padding_idx;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto tokens = ctx->get_saved_variables()[0];
+    const auto grad_weight = embedding_backward_symint(grad_outputs[0], tokens, ctx->saved_data["vocab"].toSymInt(),
+                                                       ctx->saved_data["token_scale"].toDouble(),
+                                                       ctx->saved_data["padding_idx"].toOptional<int64_t>());
+    return {at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor add_sinusoidal_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                                   const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
+  return AddSinusoidal::apply(x, positions, inv_freq, x_scale, layout, offset);
+}
+
+at::Tensor embed_sinusoidal_autograd(const at::Tensor& tokens, const at::Tensor& token_weight,
+                                     const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                     double token_scale, std::optional<int64_t> padding_idx, c10::string_view layout,
+                                     int64_t offset) {
+  return EmbedSinusoidal::apply(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
+  m.impl("sinusoidal", TORCH_FN(sinusoidal_autograd));
+  m.impl("add_sinusoidal", TORCH_FN(add_sinusoidal_autograd));
+  m.impl("embed_sinusoidal", TORCH_FN(embed_sinusoidal_autograd));
+}
+
+}  // namespace posenc

@@ -1,0 +1,79 @@
+#pragma once
+// Argument checks shared by every family. Each error names the op, the argument and the value
+// (SPEC section 5); every check reads metadata only, so CPU and Meta kernels run the same ones.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <optional>
+#include <string_view>
+
+namespace posenc {
+
+inline void check_defined(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "posenc.", op, ": ", arg, " is an undefined tensor");
+}
+
+inline void check_floating(const char* op, const char* arg, const at::Tensor& t) {
+  check_defined(op, arg, t);
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "posenc.", op, ": ", arg,
+              " must be a floating tensor, got ", t.scalar_type());
+}
+
+inline void check_index(const char* op, const char* arg, const at::Tensor& t) {
+  check_defined(op, arg, t);
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "posenc.", op, ": ", arg,
+              " must be an int64 or int32 tensor, got ", t.scalar_type());
+}
+
+// Positions may be integer (token indices) or floating (diffusion timesteps), never bool or complex.
+inline void check_positions_dtype(const char* op, const at::Tensor& positions) {
+  check_defined(op, "positions", positions);
+  const auto dtype = positions.scalar_type();
+  TORCH_CHECK((at::isIntegralType(dtype, /*includeBool=*/false) || at::isFloatingType(dtype)),
+              "posenc.", op, ": positions must be an integer or floating tensor, got ", dtype);
+}
+
+inline void check_same_device(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "posenc.", op, ": ", arg, " is on ", t.device(),
+              " but the other inputs are on ", ref.device());
+}
+
+inline void check_inv_freq(const char* op, const at::Tensor& inv_freq) {
+  check_floating(op, "inv_freq", inv_freq);
+  TORCH_CHECK(inv_freq.dim() == 1, "posenc.", op, ": inv_freq must be 1-D, got shape ", inv_freq.sym_sizes());
+  TORCH_CHECK(inv_freq.sym_size(0) > 0, "posenc.", op, ": inv_freq is empty; at least one frequency is needed");
+}
+
+// padding_idx names a row of the table whose gradient stays zero.
+inline void check_padding_idx(const char* op, std::optional<int64_t> padding_idx, const c10::SymInt& num_rows) {
+  if (!padding_idx) return;
+  TORCH_CHECK(*padding_idx >= 0 && num_rows > *padding_idx, "posenc.", op, ": padding_idx ", *padding_idx,
+              " is outside [0, ", num_rows, ")");
+}
+
+// Channel pairing of a fixed encoding: "interleaved" = [sin t0, cos t0, sin t1, ...],
+// "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)].
+enum class SinusoidalLayout { Interleaved, Half };
+
+inline SinusoidalLayout parse_sinusoidal_layout(const char* op, std::string_view layout) {
+  if (layout == "interleaved") return SinusoidalLayout::Interleaved;
+  if (layout == "half") return SinusoidalLayout::Half;
+  TORCH_CHECK(false, "posenc.", op, ": layout must be \"interleaved\" or \"half\", got \"", layout, "\"");
+}
+
+// Positions of a [..., S, D] input: absent (offset + arange(S)), [S] shared by every leading index,
+// or one per row (the input's leading shape). Returns whether they are shared.
+inline bool check_row_positions(const char* op, const char* input_arg, c10::SymIntArrayRef row_shape,
+                                const std::optional<at::Tensor>& positions) {
+  if (!positions.has_value()) return true;
+  check_positions_dtype(op, *positions);
+  const auto pos_shape = positions->sym_sizes();
+  const auto seq_len = row_shape.empty() ? c10::SymInt(1) : row_shape.back();
+  if (pos_shape.size() == 1 && pos_shape[0] == seq_len) return true;
+  TORCH_CHECK(pos_shape.equals(row_shape), "posenc.", op, ": positions has shape ", pos_shape,
+              " but ", input_arg, " needs [", seq_len, "] or ", row_shape);
+  return false;
+}
+
+}  // namespace posenc

@@ -1,0 +1,47 @@
+#pragma once
+// Sinusoidal positional encodings (SPEC 4.1).
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace posenc {
+
+// positions.shape + [2F]: sin/cos of (positions + offset) * inv_freq, "interleaved" or "half".
+at::Tensor sinusoidal(const at::Tensor& positions, const at::Tensor& inv_freq, std::string_view layout = "interleaved",
+                      std::optional<at::ScalarType> dtype = std::nullopt, int64_t offset = 0);
+
+// x [..., S, D] * x_scale + PE; positions absent (offset + arange(S)), [S] or x's leading shape.
+at::Tensor add_sinusoidal(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                          double x_scale = 1.0, std::string_view layout = "interleaved", int64_t offset = 0);
+
+// token_weight[tokens] * token_scale + PE, in one pass; the padding_idx row gets no gradient.
+at::Tensor embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& token_weight,
+                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                            double token_scale = 1.0, std::optional<int64_t> padding_idx = std::nullopt,
+                            std::string_view layout = "interleaved", int64_t offset = 0);
+
+namespace nn {
+
+// Adds a fixed encoding to x [..., S, dim]. Frequencies are float64 and not a registered buffer, so
+// module->to(torch::kBFloat16) leaves them exact; they follow x's device. An odd dim gets a zero column.
+class SinusoidalPositionalEncodingImpl : public torch::nn::Module {
+ public:
+  explicit SinusoidalPositionalEncodingImpl(int64_t dim, double base = 10000.0, int64_t shift = 0,
+                                            std::string layout = "interleaved", double x_scale = 1.0);
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& positions = std::nullopt,
+                     int64_t offset = 0);
+  const at::Tensor& inv_freq() const { return inv_freq_; }
+
+ private:
+  at::Tensor inv_freq_;
+  std::string layout_;
+  double x_scale_;
+};
+TORCH_MODULE(SinusoidalPositionalEncoding);
+
+}  // namespace nn
+}  // namespace posenc

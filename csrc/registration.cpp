@@ -1,0 +1,13 @@
+// The single schema table of posenc. Kernels live in one file per op family and dispatch key
+// (cpu/, meta/, autograd/) and are attached there with TORCH_LIBRARY_IMPL.
+#include <torch/library.h>
+
+TORCH_LIBRARY(posenc, m) {
+  // Shared: deterministic scatter-add of row gradients into an embedding table.
+  m.def("embedding_backward(Tensor grad, Tensor indices, SymInt num_rows, float scale=1.0, int? padding_idx=None) -> Tensor");
+
+  // Sinusoidal (SPEC 4.1).
+  m.def("sinusoidal(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor");
+  m.def("add_sinusoidal(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor");
+  m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
+}
