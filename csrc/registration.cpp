@@ -10,4 +10,12 @@ TORCH_LIBRARY(posenc, m) {
   m.def("sinusoidal(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor");
   m.def("add_sinusoidal(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor");
   m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
+
+  // Learned absolute (SPEC 4.2).
+
+  // Rotary (SPEC 4.3).
+
+  // ALiBi (SPEC 4.4).
+
+  // T5 relative bias (SPEC 4.5).
 }
