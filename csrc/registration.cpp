@@ -16,6 +16,13 @@ TORCH_LIBRARY(posenc, m) {
   // Rotary (SPEC 4.3).
 
   // ALiBi (SPEC 4.4).
+  m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");
+  m.def("add_alibi(Tensor scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
+  m.def("add_alibi_(Tensor(a!) scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> ()");
+  m.def("alibi_backward(Tensor grad, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
 
   // T5 relative bias (SPEC 4.5).
+  m.def("relative_position_bucket(Tensor relative_position, bool bidirectional=True, int num_buckets=32, int max_distance=128) -> Tensor");
+  m.def("t5_bias(Tensor weight, SymInt q_len, SymInt k_len, bool bidirectional, int num_buckets, int max_distance, SymInt q_offset=0) -> Tensor");
+  m.def("t5_bias_backward(Tensor grad, bool bidirectional, int num_buckets, int max_distance, SymInt q_offset=0) -> Tensor");
 }

@@ -1,9 +1,11 @@
 #pragma once
 // The public C++ API of posenc. Every function goes through the dispatcher, so autograd, tracing and
 // TorchScript see the same `posenc::` ops as Python's torch.ops.posenc.
+#include <posenc/alibi.h>
 #include <posenc/embedding.h>
 #include <posenc/frequencies.h>
 #include <posenc/sinusoidal.h>
+#include <posenc/t5.h>
 
 #include <cstdint>
 

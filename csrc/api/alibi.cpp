@@ -1,0 +1,89 @@
+#include <posenc/alibi.h>
+
+#include "common/dispatch.h"
+
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+
+namespace posenc {
+
+at::Tensor alibi_slopes(int64_t num_heads, at::ScalarType dtype) {
+  TORCH_CHECK(num_heads > 0, "posenc.alibi_slopes: num_heads must be positive, got ", num_heads);
+  TORCH_CHECK(at::isFloatingType(dtype), "posenc.alibi_slopes: dtype must be floating, got ", dtype);
+  int64_t power = 1;  // the largest power of two <= num_heads, in integers (log2 of a double can round up)
+  while (power <= num_heads / 2) power *= 2;
+  auto slopes = at::empty({num_heads}, at::kDouble);
+  double* m = slopes.mutable_data_ptr<double>();
+  const auto n = static_cast<double>(power);
+  for (int64_t k = 1; k <= power; ++k) m[k - 1] = std::pow(2.0, -8.0 * static_cast<double>(k) / n);
+  for (int64_t j = 1; j <= num_heads - power; ++j) {
+    m[power + j - 1] = std::pow(2.0, -4.0 * static_cast<double>(2 * j - 1) / n);
+  }
+  return slopes.to(dtype);
+}
+
+at::Tensor alibi_bias_symint(const at::Tensor& slopes, c10::SymInt q_len, c10::SymInt k_len, std::string_view mode,
+                             int64_t head_offset, std::optional<c10::SymInt> num_heads,
+                             std::optional<at::ScalarType> dtype) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, c10::SymInt, c10::SymInt, c10::string_view, int64_t,
+                         std::optional<c10::SymInt>, std::optional<at::ScalarType>)>("posenc::alibi_bias");
+  return op.call(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads), dtype);
+}
+
+at::Tensor alibi_bias(const at::Tensor& slopes, int64_t q_len, int64_t k_len, std::string_view mode,
+                      int64_t head_offset, std::optional<int64_t> num_heads, std::optional<at::ScalarType> dtype) {
+  return alibi_bias_symint(slopes, c10::SymInt(q_len), c10::SymInt(k_len), mode, head_offset,
+                           num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
+}
+
+at::Tensor add_alibi(const at::Tensor& scores, const at::Tensor& slopes, std::string_view mode, int64_t head_offset) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>(
+      "posenc::add_alibi");
+  return op.call(scores, slopes, mode, head_offset);
+}
+
+void add_alibi_(const at::Tensor& scores, const at::Tensor& slopes, std::string_view mode, int64_t head_offset) {
+  static const auto op =
+      find_op<void(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>("posenc::add_alibi_");
+  op.call(scores, slopes, mode, head_offset);
+}
+
+at::Tensor alibi_backward(const at::Tensor& grad, const at::Tensor& slopes, std::string_view mode,
+                          int64_t head_offset) {
+  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>(
+      "posenc::alibi_backward");
+  return op.call(grad, slopes, mode, head_offset);
+}
+
+namespace nn {
+
+ALiBiImpl::ALiBiImpl(int64_t num_heads, std::string mode, bool learnable, int64_t head_offset,
+                     std::optional<int64_t> num_local_heads)
+    : slopes_(alibi_slopes(num_heads)),
+      mode_(std::move(mode)),
+      learnable_(learnable),
+      head_offset_(head_offset),
+      num_local_heads_(num_local_heads.value_or(num_heads - head_offset)) {
+  TORCH_CHECK(mode_ == "causal" || mode_ == "symmetric",
+              "posenc.nn.ALiBi: mode must be \"causal\" or \"symmetric\", got \"", mode_, "\"");
+  TORCH_CHECK(head_offset_ >= 0 && num_local_heads_ > 0 && head_offset_ + num_local_heads_ <= num_heads,
+              "posenc.nn.ALiBi: heads [", head_offset_, ", ", head_offset_ + num_local_heads_,
+              ") are not a non-empty part of the ", num_heads, " heads");
+  if (learnable_) slopes_ = register_parameter("slopes", slopes_);
+}
+
+at::Tensor ALiBiImpl::forward(const at::Tensor& scores) {
+  TORCH_CHECK(scores.dim() == 4 && scores.size(1) == num_local_heads_, "posenc.nn.ALiBi: scores must be [B, ",
+              num_local_heads_, ", Q, K], got shape ", scores.sizes());
+  if (!learnable_ && slopes_.device() != scores.device()) slopes_ = slopes_.to(scores.device());
+  return add_alibi(scores, slopes_, mode_, head_offset_);
+}
+
+at::Tensor ALiBiImpl::bias(int64_t q_len, int64_t k_len, std::optional<at::ScalarType> dtype) {
+  return alibi_bias(slopes_, q_len, k_len, mode_, head_offset_, num_local_heads_, dtype);
+}
+
+}  // namespace nn
+}  // namespace posenc
