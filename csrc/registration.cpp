@@ -18,7 +18,9 @@ TORCH_LIBRARY(posenc, m) {
   // ALiBi (SPEC 4.4).
   m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");
   m.def("add_alibi(Tensor scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
-  m.def("add_alibi_(Tensor(a!) scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> ()");
+  // `alibi_mode`, not `mode`: torch.compile's auto_functionalized passes a mutable op's arguments as keywords
+  // beside its own `mode` parameter, so a mutable op cannot have an argument named mode.
+  m.def("add_alibi_(Tensor(a!) scores, Tensor slopes, str alibi_mode=\"causal\", int head_offset=0) -> ()");
   m.def("alibi_backward(Tensor grad, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
 
   // T5 relative bias (SPEC 4.5).

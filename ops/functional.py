@@ -46,3 +46,97 @@ def embedding_backward(grad: Tensor, indices: Tensor, num_rows: int, scale: floa
     """Sum of the rows of ``grad [..., D]`` into a ``[num_rows, D]`` table at ``indices`` (grad's leading
     shape or a suffix of it), times ``scale``. Deterministic: the same bits for any thread count."""
     return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
+
+
+# ---------------------------------------------------------------- ALiBi (SPEC 4.4)
+
+__all__ += ["alibi_slopes", "alibi_bias", "add_alibi", "add_alibi_", "alibi_backward"]
+
+
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The ALiBi slopes ``[num_heads]`` of the paper and BLOOM, for any head count.
+
+    With n = 2 ** floor(log2(num_heads)): m_k = 2 ** (-8k / n) for k = 1..n, then, past n heads,
+    2 ** (-4(2j - 1) / n) for j = 1..num_heads - n (every other slope of the 2n-head series). A plain
+    function of the configuration (float64 maths, returned as ``dtype``), twin of C++ ``posenc::alibi_slopes``.
+    """
+    if num_heads <= 0:
+        raise ValueError(f"posenc.alibi_slopes: num_heads must be positive, got {num_heads}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"posenc.alibi_slopes: dtype must be floating, got {dtype}")
+    power = 1 << (num_heads.bit_length() - 1)  # integer floor(log2): a float log2 can round up near 2 ** k
+    slopes = [2.0 ** (-8.0 * k / power) for k in range(1, power + 1)]
+    slopes += [2.0 ** (-4.0 * (2 * j - 1) / power) for j in range(1, num_heads - power + 1)]
+    return torch.tensor(slopes, dtype=torch.float64).to(dtype)
+
+
+def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", head_offset: int = 0,
+               num_heads: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The ALiBi bias ``[B or 1, num_heads, q_len, k_len]`` of ``slopes`` ``[H]`` or ``[B, H]``.
+
+    Bottom-right aligned (the last query sits on the last key): d = i + (k_len - q_len) - j;
+    ``"symmetric"`` gives -m * |d|, ``"causal"`` gives -m * d, equal to it wherever j <= i + k_len - q_len
+    (past that, the same line continues: mask those keys as usual). Head h uses
+    ``slopes[..., head_offset + h]``, so a tensor-parallel shard passes the global slopes and its first head;
+    ``num_heads`` defaults to every head from ``head_offset`` on, ``dtype`` to that of the slopes.
+    Differentiable w.r.t. slopes.
+    """
+    return torch.ops.posenc.alibi_bias(slopes, q_len, k_len, mode, head_offset, num_heads, dtype)
+
+
+def add_alibi(scores: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> Tensor:
+    """``scores [B, H, Q, K]`` plus the ALiBi bias of heads ``head_offset .. head_offset + H - 1``, in one pass.
+
+    Differentiable w.r.t. scores and slopes (learnable slopes); the slope gradient is only computed when the
+    slopes require grad.
+    """
+    return torch.ops.posenc.add_alibi(scores, slopes, mode, head_offset)
+
+
+def add_alibi_(scores: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> None:
+    """`add_alibi` in place, through the strides of ``scores``. For inference: raises if autograd would need it."""
+    torch.ops.posenc.add_alibi_(scores, slopes, mode, head_offset)
+
+
+def alibi_backward(grad: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> Tensor:
+    """The gradient w.r.t. ``slopes`` of an ALiBi bias whose output gradient is ``grad [B, H, Q, K]``.
+
+    Shape and dtype of ``slopes``; zero for heads outside ``head_offset .. head_offset + H - 1``. Deterministic:
+    the same bits for any thread count.
+    """
+    return torch.ops.posenc.alibi_backward(grad, slopes, mode, head_offset)
+
+
+# ---------------------------------------------------------------- T5 relative bias (SPEC 4.5)
+
+__all__ += ["relative_position_bucket", "t5_bias", "t5_bias_backward"]
+
+
+def relative_position_bucket(relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32,
+                             max_distance: int = 128) -> Tensor:
+    """T5's bucket (int64, same shape) of integer relative positions ``key_pos - query_pos``.
+
+    Identical to Hugging Face's ``T5Attention._relative_position_bucket``, float32 rounding at the bucket
+    edges included. Bidirectional: half the buckets per direction; causal: positive positions share bucket 0.
+    """
+    return torch.ops.posenc.relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance)
+
+
+def t5_bias(weight: Tensor, q_len: int, k_len: int, bidirectional: bool, num_buckets: int, max_distance: int,
+            q_offset: int = 0) -> Tensor:
+    """The T5 bias ``[1, H, q_len, k_len]``: ``weight[bucket(j - (i + q_offset)), h]`` for ``weight [num_buckets, H]``.
+
+    Queries sit at positions ``q_offset .. q_offset + q_len - 1`` (``q_offset`` = cache length when decoding)
+    and keys at ``0 .. k_len - 1``, as in Hugging Face's ``compute_bias``. Differentiable w.r.t. weight; the
+    backward is deterministic.
+    """
+    return torch.ops.posenc.t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance, q_offset)
+
+
+def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_distance: int,
+                     q_offset: int = 0) -> Tensor:
+    """The gradient ``[num_buckets, H]`` w.r.t. the table of a T5 bias whose output gradient is ``grad [1, H, Q, K]``.
+
+    Deterministic: the same bits for any thread count.
+    """
+    return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)

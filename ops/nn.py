@@ -80,3 +80,87 @@ class SinusoidalEmbedding(_ExactFrequencies):
     def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
         return torch.ops.posenc.embed_sinusoidal(tokens, self.weight, positions, self.inv_freq, self.token_scale,
                                                  self.padding_idx, self.layout, offset)
+
+
+# ---------------------------------------------------------------- ALiBi and T5 relative bias
+
+from .functional import alibi_slopes  # noqa: E402
+
+__all__ += ["ALiBi", "T5RelativeBias"]
+
+
+class ALiBi(torch.nn.Module):
+    """Adds ALiBi to attention scores ``[B, num_local_heads, Q, K]`` (SPEC 4.4); scriptable.
+
+    The slopes cover all ``num_heads`` heads of the model; this module's heads are ``head_offset ..
+    head_offset + num_local_heads - 1`` (a tensor-parallel shard; by default every head from ``head_offset``
+    on). Fixed slopes are a float32 buffer kept exact through ``.half()`` / ``.to(dtype)`` (rounded slopes
+    shift the bias by up to 5e-4 * m * distance) and stay out of the state dict; ``learnable=True`` makes
+    them a parameter ``slopes`` (all heads, so a checkpoint is the same on every shard).
+    """
+
+    def __init__(self, num_heads: int, mode: str = "causal", learnable: bool = False, head_offset: int = 0,
+                 num_local_heads: Optional[int] = None):
+        super().__init__()
+        if mode not in ("causal", "symmetric"):
+            raise ValueError(f'posenc.nn.ALiBi: mode must be "causal" or "symmetric", got "{mode}"')
+        local = num_heads - head_offset if num_local_heads is None else num_local_heads
+        if head_offset < 0 or local <= 0 or head_offset + local > num_heads:
+            raise ValueError(f"posenc.nn.ALiBi: heads [{head_offset}, {head_offset + local}) are not a "
+                             f"non-empty part of the {num_heads} heads")
+        self.num_heads, self.mode, self.learnable = num_heads, mode, learnable
+        self.head_offset, self.num_local_heads = head_offset, local
+        if learnable:
+            self.slopes = torch.nn.Parameter(alibi_slopes(num_heads))
+        else:
+            self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if not self.learnable:
+            self.slopes = alibi_slopes(self.num_heads).to(self.slopes.device)
+        return self
+
+    def forward(self, scores: Tensor) -> Tensor:
+        if scores.dim() != 4 or scores.size(1) != self.num_local_heads:
+            raise ValueError("posenc.nn.ALiBi: scores must be [B, " + str(self.num_local_heads) + ", Q, K], got shape "
+                             + str(list(scores.shape)))
+        return torch.ops.posenc.add_alibi(scores, self.slopes, self.mode, self.head_offset)
+
+    @torch.jit.export
+    def bias(self, q_len: int, k_len: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The bias alone, ``[1, num_local_heads, q_len, k_len]``, in ``dtype`` (default: that of the slopes)."""
+        return torch.ops.posenc.alibi_bias(self.slopes, q_len, k_len, self.mode, self.head_offset,
+                                           self.num_local_heads, dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, mode={self.mode!r}, learnable={self.learnable}, "
+                f"head_offset={self.head_offset}, num_local_heads={self.num_local_heads}")
+
+
+class T5RelativeBias(torch.nn.Module):
+    """The learned bucket table of a T5 attention layer (SPEC 4.5); scriptable.
+
+    ``weight [num_buckets, num_heads]`` has the layout of Hugging Face's ``relative_attention_bias.weight`` (a
+    state dict loads as is) and is initialised N(0, 1) like the ``nn.Embedding`` it replaces. ``forward(q_len,
+    k_len, q_offset)`` gives the bias ``[1, num_heads, q_len, k_len]`` to add to the scores; encoders are
+    bidirectional, decoders causal, and ``q_offset`` is the cache length when decoding.
+    """
+
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+        super().__init__()
+        self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
+        self.bidirectional = bidirectional
+        self.weight = torch.nn.Parameter(torch.empty(num_buckets, num_heads))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.normal_(self.weight)
+
+    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
+        return torch.ops.posenc.t5_bias(self.weight, q_len, k_len, self.bidirectional, self.num_buckets,
+                                        self.max_distance, q_offset)
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+                f"bidirectional={self.bidirectional}")
