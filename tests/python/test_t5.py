@@ -1,0 +1,294 @@
+"""T5 relative bias: bucketing against a reference written here and against Hugging Face's T5 where installed,
+the fused bias and its deterministic backward, opcheck, torch.compile, torch.export, TorchScript and bad input."""
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import posenc
+from posenc import functional as PF
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def reference_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """Mesh TensorFlow's bucketing as T5 implements it, float32 steps included: per direction N buckets, the
+    first N/2 exact distances, the rest log-spaced up to max_distance, everything beyond in the last one."""
+    n_dir = num_buckets // 2 if bidirectional else num_buckets
+    if bidirectional:
+        offset = (relative_position > 0).long() * n_dir
+        distance = relative_position.abs()
+    else:
+        offset = torch.zeros_like(relative_position)
+        distance = (-relative_position).clamp(min=0)
+    exact = n_dir // 2
+    log_part = torch.log(distance.float() / exact) / math.log(max_distance / exact) * (n_dir - exact)
+    far = (exact + log_part.long()).clamp(max=n_dir - 1)
+    return offset + torch.where(distance < exact, distance, far)
+
+
+def reference_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance, q_offset=0):
+    """float64 weight[bucket(j - (i + q_offset)), h] as [1, H, Q, K], from an explicit gather."""
+    relative = torch.arange(k_len)[None, :] - (torch.arange(q_len)[:, None] + q_offset)
+    buckets = reference_bucket(relative, bidirectional, num_buckets, max_distance)
+    return weight.double()[buckets].permute(2, 0, 1)[None]
+
+
+def bucket_grid():
+    for bidirectional in [True, False]:
+        for num_buckets in [2, 4, 5, 8, 16, 32, 33, 64, 128]:
+            exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+            if exact < 1:
+                continue
+            for max_distance in sorted({exact + 1, 2 * exact, 20, 64, 128, 1000}):
+                if max_distance > exact:
+                    yield bidirectional, num_buckets, max_distance
+
+
+# ---------------------------------------------------------------- buckets
+
+def test_bucket_matches_reference_over_grid():
+    relative = torch.arange(-1500, 1501)
+    for bidirectional, num_buckets, max_distance in bucket_grid():
+        out = PF.relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+        expected = reference_bucket(relative, bidirectional, num_buckets, max_distance)
+        assert out.dtype == torch.int64
+        assert torch.equal(out, expected), (bidirectional, num_buckets, max_distance)
+
+
+def test_bucket_known_values_t5_defaults():
+    """Hand-computed: bidirectional 16 buckets a side, 8 exact, then 8 + trunc(2 log2(n / 8)); causal 32
+    buckets, 16 exact, then 16 + trunc(16 log2(n / 16) / 3); from 128 on, the last bucket."""
+    relative = torch.tensor([-200, -127, -100, -40, -20, -15, -12, -1, 0, 1, 7, 8, 20, 100, 200])
+    assert PF.relative_position_bucket(relative).tolist() == [15, 15, 15, 12, 10, 9, 9, 1, 0, 17, 23, 24, 26, 31, 31]
+    assert PF.relative_position_bucket(relative, False).tolist() == [31, 31, 30, 23, 17, 15, 12, 1, 0, 0, 0, 0, 0, 0,
+                                                                        0]
+
+
+def test_bucket_int32_and_shapes():
+    relative = torch.randint(-300, 300, (3, 4, 5), dtype=torch.int32)
+    out = PF.relative_position_bucket(relative, False, 32, 128)
+    assert out.shape == (3, 4, 5) and out.dtype == torch.int64
+    assert torch.equal(out, reference_bucket(relative.long(), False, 32, 128))
+    strided = relative.transpose(0, 2)
+    assert torch.equal(PF.relative_position_bucket(strided, True), reference_bucket(strided.long(), True, 32, 128))
+
+
+def test_bucket_extreme_positions():
+    """Far positions of either sign land in the last bucket of their direction, int64 limits included."""
+    relative = torch.tensor([INT64_MIN, -(2 ** 40), 2 ** 40, INT64_MAX])
+    assert PF.relative_position_bucket(relative, True, 32, 128).tolist() == [15, 15, 31, 31]
+    assert PF.relative_position_bucket(relative, False, 32, 128).tolist() == [31, 31, 0, 0]
+
+
+def test_bucket_matches_hugging_face_t5():
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    relative = torch.arange(-700, 701)
+    for bidirectional, num_buckets, max_distance in bucket_grid():
+        expected = t5.T5Attention._relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+        assert torch.equal(PF.relative_position_bucket(relative, bidirectional, num_buckets, max_distance), expected)
+
+
+# ---------------------------------------------------------------- fused bias
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("q_len, k_len, q_offset", [(7, 7, 0), (1, 40, 39), (5, 300, 200), (300, 20, 0), (4, 6, -3)])
+def test_t5_bias_values(bidirectional, q_len, k_len, q_offset):
+    weight = torch.randn(32, 6)
+    out = PF.t5_bias(weight, q_len, k_len, bidirectional, 32, 128, q_offset)
+    assert out.shape == (1, 6, q_len, k_len)
+    expected = reference_t5_bias(weight, q_len, k_len, bidirectional, 32, 128, q_offset).float()
+    assert torch.equal(out, expected)  # a gather: exact
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_t5_bias_dtypes_and_strided_weight(dtype):
+    table = torch.randn(3, 16, dtype=torch.float64).to(dtype)  # weight [16, 3] as a transposed view
+    out = PF.t5_bias(table.t(), 9, 11, False, 16, 50, 2)
+    assert out.dtype == dtype
+    assert torch.equal(out, reference_t5_bias(table.t(), 9, 11, False, 16, 50, 2).to(dtype))
+
+
+def test_t5_bias_backward_matches_scatter_reference():
+    weight = torch.randn(32, 4, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(1, 4, 13, 17, dtype=torch.float64)
+    PF.t5_bias(weight, 13, 17, True, 32, 8 + 1, 5).backward(upstream)
+    relative = torch.arange(17)[None, :] - (torch.arange(13)[:, None] + 5)
+    buckets = reference_bucket(relative, True, 32, 9).flatten()
+    expected = torch.zeros(32, 4, dtype=torch.float64).index_add_(0, buckets, upstream[0].permute(1, 2, 0).reshape(-1, 4))
+    assert_close(weight.grad, expected, atol=1e-12, rtol=0)
+
+
+def test_t5_bias_backward_deterministic_across_threads():
+    grad = torch.randn(1, 8, 384, 512)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = PF.t5_bias_backward(grad, True, 32, 128, 7)
+        torch.set_num_threads(2)
+        two = PF.t5_bias_backward(grad, True, 32, 128, 7)
+        again = PF.t5_bias_backward(grad, True, 32, 128, 7)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two) and torch.equal(two, again)
+    relative = torch.arange(512)[None, :] - (torch.arange(384)[:, None] + 7)
+    buckets = reference_bucket(relative, True, 32, 128).flatten()
+    expected = torch.zeros(32, 8, dtype=torch.float64).index_add_(0, buckets, grad[0].double().permute(1, 2, 0).reshape(-1, 8))
+    assert_close(two.double(), expected, atol=1e-3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_bias_gradcheck(bidirectional):
+    weight = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda w: PF.t5_bias(w, 4, 6, bidirectional, 8, 12, 1)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (weight,))
+    assert torch.autograd.gradgradcheck(fn, (weight,))
+
+
+def test_matches_hugging_face_t5_model():
+    """Encoder (bidirectional) and decoder (causal, with a cache) bias of a tiny random T5, values and gradients."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_heads=3, num_layers=1,
+                                   num_decoder_layers=1, relative_attention_num_buckets=32,
+                                   relative_attention_max_distance=20)
+    model = transformers.T5Model(config)
+    for stack, bidirectional in [(model.encoder, True), (model.decoder, False)]:
+        attention = stack.block[0].layer[0].SelfAttention
+        table = attention.relative_attention_bias.weight
+        for q_len, k_len, past in [(9, 9, 0), (1, 30, 29), (4, 50, 46)]:
+            expected = attention.compute_bias(q_len, k_len, past_seen_tokens=past)
+            ours = PF.t5_bias(table, q_len, k_len, bidirectional, 32, 20, past)
+            assert torch.equal(ours, expected)
+            upstream = torch.randn_like(expected)
+            (hf_grad,) = torch.autograd.grad(expected, table, upstream)
+            (our_grad,) = torch.autograd.grad(ours, table, upstream)
+            assert_close(our_grad, hf_grad, atol=1e-5, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- module
+
+def test_module_matches_functional_and_scripts():
+    module = posenc.nn.T5RelativeBias(4, num_buckets=16, max_distance=40, bidirectional=False)
+    assert module.weight.shape == (16, 4)
+    expected = reference_t5_bias(module.weight.detach(), 5, 9, False, 16, 40, 4).float()
+    assert torch.equal(module(5, 9, 4), expected)
+    scripted = torch.jit.script(module)
+    assert torch.equal(scripted(5, 9, 4), expected)
+    module(5, 9).sum().backward()
+    # Causal, 8 exact buckets: keys at or after the query share bucket 0 (35 pairs), distance n in bucket n.
+    counts = torch.zeros(16)
+    counts[:5] = torch.tensor([35.0, 4, 3, 2, 1])
+    assert torch.equal(module.weight.grad, counts[:, None].expand(16, 4))
+
+
+def test_module_loads_hugging_face_table():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=8, d_model=8, d_kv=4, d_ff=8, num_heads=2, num_layers=1)
+    attention = transformers.T5Model(config).encoder.block[0].layer[0].SelfAttention
+    module = posenc.nn.T5RelativeBias(2, config.relative_attention_num_buckets, config.relative_attention_max_distance)
+    module.load_state_dict(attention.relative_attention_bias.state_dict())
+    assert torch.equal(module(6, 6), attention.compute_bias(6, 6))
+
+
+# ---------------------------------------------------------------- opcheck, compile, export
+
+def opcheck_samples():
+    yield torch.ops.posenc.relative_position_bucket.default, (torch.arange(-20, 20),), {}
+    yield torch.ops.posenc.relative_position_bucket.default, (torch.arange(-9, 9, dtype=torch.int32), False, 8, 16), {}
+    for bidirectional in [True, False]:
+        weight = torch.randn(16, 3, requires_grad=True)
+        yield torch.ops.posenc.t5_bias.default, (weight, 5, 7, bidirectional, 16, 32, 2), {}
+        yield torch.ops.posenc.t5_bias_backward.default, (torch.randn(1, 3, 5, 7), bidirectional, 16, 32, 2), {}
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0].__name__)
+def test_opcheck(sample):
+    op, args, kwargs = sample
+    torch.library.opcheck(op, args, kwargs)
+
+
+class TinyT5Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Linear(8, 16, bias=False)
+        self.bias = posenc.nn.T5RelativeBias(4, 16, 32)
+
+    def forward(self, x):
+        q, k = self.qk(x).view(x.shape[0], x.shape[1], 2, 4, 2).permute(2, 0, 3, 1, 4)
+        return (q @ k.transpose(-1, -2) + self.bias(x.shape[1], x.shape[1])).softmax(-1)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    model = TinyT5Attention()
+    x = torch.randn(2, 6, 8)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    assert_close(out, model(x))
+    out.square().sum().backward()
+    compiled_grad = model.bias.weight.grad.clone()
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert_close(compiled_grad, model.bias.weight.grad)
+
+
+def test_compile_inductor_dynamic_decoding():
+    """A growing cache: q_offset and k_len change every step and stay symbolic (no recompile per step)."""
+    torch._dynamo.reset()
+    module = posenc.nn.T5RelativeBias(2, 32, 128, bidirectional=False)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for past in [3, 4, 5]:
+            assert torch.equal(compiled(1, past + 1, past), module(1, past + 1, past))
+
+
+def test_export():
+    model = TinyT5Attention()
+    x = torch.randn(2, 6, 8)
+    exported = torch.export.export(model, (x,))
+    assert_close(exported.module()(x), model(x))
+    assert "posenc.t5_bias" in str(exported.graph)
+
+
+# ---------------------------------------------------------------- bad input (SPEC 5)
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.relative_position_bucket(torch.arange(4), True, 0), "posenc.relative_position_bucket: num_buckets must be positive, got 0"),
+    (lambda: PF.relative_position_bucket(torch.arange(4), True, 32, -5),
+     "posenc.relative_position_bucket: max_distance must be positive, got -5"),
+    (lambda: PF.relative_position_bucket(torch.arange(4), True, 3),
+     "posenc.relative_position_bucket: num_buckets 3 is too few; bidirectional buckets need at least 4"),
+    (lambda: PF.relative_position_bucket(torch.arange(4), False, 32, 16),
+     r"posenc.relative_position_bucket: max_distance 16 must exceed the 16 exact buckets of num_buckets 32 \(causal\)"),
+    (lambda: PF.relative_position_bucket(torch.arange(4.0)),
+     "posenc.relative_position_bucket: relative_position must be an int64 or int32 tensor, got Float"),
+    (lambda: PF.t5_bias(torch.randn(32, 4), -1, 5, True, 32, 128), "posenc.t5_bias: q_len must be non-negative, got -1"),
+    (lambda: PF.t5_bias(torch.randn(32, 4), 5, -2, True, 32, 128), "posenc.t5_bias: k_len must be non-negative, got -2"),
+    (lambda: PF.t5_bias(torch.randn(16, 4), 5, 5, True, 32, 128), "posenc.t5_bias: weight has 16 rows but num_buckets is 32"),
+    (lambda: PF.t5_bias(torch.randn(32), 5, 5, True, 32, 128), r"posenc.t5_bias: weight must be \[num_buckets, H\], got shape \[32\]"),
+    (lambda: PF.t5_bias(torch.ones(32, 4, dtype=torch.long), 5, 5, True, 32, 128),
+     "posenc.t5_bias: weight must be a floating tensor, got Long"),
+    (lambda: PF.t5_bias(torch.randn(32, 4), 5, 5, True, 32, 128, 2 ** 62 + 1),
+     r"posenc.t5_bias: q_offset 4611686018427387905 is outside \[-2\^62, 2\^62\]"),
+    (lambda: PF.t5_bias_backward(torch.randn(2, 4, 5, 5), True, 32, 128),
+     r"posenc.t5_bias_backward: grad must be \[1, H, Q, K\], got shape \[2, 4, 5, 5\]"),
+    (lambda: PF.t5_bias_backward(torch.randn(1, 4, 5, 5), True, 32, 0),
+     "posenc.t5_bias_backward: max_distance must be positive, got 0"),
+])
+def test_bad_input_messages(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_bad_input_meta_matches_cpu():
+    with pytest.raises(RuntimeError, match="posenc.t5_bias: weight has 16 rows but num_buckets is 32"):
+        PF.t5_bias(torch.empty(16, 4, device="meta"), 5, 5, True, 32, 128)
+
+
+def test_empty_inputs_give_empty_results():
+    weight = torch.randn(32, 4)
+    assert PF.t5_bias(weight, 0, 5, True, 32, 128).shape == (1, 4, 0, 5)
+    assert PF.relative_position_bucket(torch.empty(0, 3, dtype=torch.int64)).shape == (0, 3)
+    assert torch.equal(PF.t5_bias_backward(torch.randn(1, 4, 3, 0), True, 32, 128), torch.zeros(32, 4))
