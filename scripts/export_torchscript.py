@@ -24,8 +24,36 @@ class SinusoidalFixture(torch.nn.Module):
         return self.embed(tokens), self.encode(x, None, 3)
 
 
+class AlibiFixture(torch.nn.Module):
+    """Learnable causal ALiBi for the shard of heads 2-5 of an 8-head model, and the symmetric bias of 6 heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.shard = posenc.nn.ALiBi(8, "causal", learnable=True, head_offset=2, num_local_heads=4)
+        self.symmetric = posenc.nn.ALiBi(6, "symmetric")
+
+    def forward(self, scores: torch.Tensor, q_len: int, k_len: int):
+        return self.shard(scores), self.symmetric.bias(q_len, k_len, torch.float64)
+
+
+class T5Fixture(torch.nn.Module):
+    """Scores plus an encoder bias (bidirectional, 32 buckets, 128) and a decoder bias (causal, 16 buckets, 20)
+    for queries after a cache of q_offset tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = posenc.nn.T5RelativeBias(3, 32, 128, True)
+        self.decoder = posenc.nn.T5RelativeBias(3, 16, 20, False)
+
+    def forward(self, scores: torch.Tensor, q_offset: int):
+        q_len, k_len = scores.shape[2], scores.shape[3]
+        return scores + self.encoder(q_len, k_len), scores + self.decoder(q_len, k_len, q_offset)
+
+
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
+    "alibi": AlibiFixture,
+    "t5": T5Fixture,
 }
 
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "bias_reference.h"
 #include "reference.h"
 
 using posenc::test::max_abs_diff;
@@ -62,4 +63,52 @@ TEST(TorchScript, SinusoidalForwardAndBackward) {
   } catch (const std::exception& e) {  // the interpreter rethrows the op's c10::Error with its message
     EXPECT_NE(std::string(e.what()).find("posenc.embed_sinusoidal: tokens holds 11"), std::string::npos);
   }
+}
+
+TEST(TorchScript, AlibiForwardAndBackward) {
+  using posenc::test::reference_alibi_bias;
+  auto module = load_fixture("alibi");
+  auto scores = torch::randn({2, 4, 3, 5}, torch::requires_grad(true));
+  const auto outputs = module.forward({scores, int64_t{4}, int64_t{6}}).toTuple();
+  const auto shard = outputs->elements()[0].toTensor();
+  const auto symmetric = outputs->elements()[1].toTensor();
+
+  // The shard holds heads 2..5 of an 8-head model: global slopes, bottom-right aligned causal bias.
+  const auto slopes = posenc::alibi_slopes(8, at::kDouble);
+  EXPECT_LT(max_abs_diff(shard, scores.detach().to(at::kDouble) + reference_alibi_bias(slopes, 3, 5, false, 2, 4)), 2e-6);
+  EXPECT_EQ(symmetric.scalar_type(), at::kDouble);
+  EXPECT_LT(max_abs_diff(symmetric, reference_alibi_bias(posenc::alibi_slopes(6, at::kDouble), 4, 6, true, 0, 6)), 1e-7);
+
+  const auto grad = torch::randn_like(shard);
+  shard.backward(grad);
+  EXPECT_LT(max_abs_diff(scores.grad(), grad), 1e-7);
+  auto expected = torch::zeros({8}, at::kDouble);
+  expected.slice(0, 2, 6) =
+      (grad.to(at::kDouble) * reference_alibi_bias(torch::ones({4}, at::kDouble), 3, 5, false, 0, 4)).sum({0, 2, 3});
+  EXPECT_LT(max_abs_diff(parameter(module, "shard.slopes").grad(), expected), 1e-4);
+}
+
+TEST(TorchScript, T5ForwardAndBackward) {
+  using posenc::test::reference_t5_bias;
+  using posenc::test::reference_t5_buckets;
+  using posenc::test::reference_t5_grad;
+  auto module = load_fixture("t5");
+  const auto scores = torch::randn({2, 3, 4, 150});
+  const auto outputs = module.forward({scores, int64_t{146}}).toTuple();
+  const auto encoder = outputs->elements()[0].toTensor();
+  const auto decoder = outputs->elements()[1].toTensor();
+
+  const auto encoder_weight = parameter(module, "encoder.weight");
+  const auto decoder_weight = parameter(module, "decoder.weight");
+  const auto encoder_buckets = reference_t5_buckets(4, 150, true, 32, 128, 0);
+  const auto decoder_buckets = reference_t5_buckets(4, 150, false, 16, 20, 146);
+  EXPECT_LT(max_abs_diff(encoder, scores.to(at::kDouble) + reference_t5_bias(encoder_weight.detach(), encoder_buckets)), 1e-6);
+  EXPECT_LT(max_abs_diff(decoder, scores.to(at::kDouble) + reference_t5_bias(decoder_weight.detach(), decoder_buckets)), 1e-6);
+
+  const auto grad = torch::randn_like(encoder);
+  torch::autograd::backward({encoder, decoder}, {grad, grad});
+  // The bias broadcasts over the batch: its gradient is the batch sum, scattered into the buckets.
+  const auto batch_grad = grad.sum(0, /*keepdim=*/true);
+  EXPECT_LT(max_abs_diff(encoder_weight.grad(), reference_t5_grad(batch_grad, encoder_buckets, 32)), 1e-4);
+  EXPECT_LT(max_abs_diff(decoder_weight.grad(), reference_t5_grad(batch_grad, decoder_buckets, 16)), 1e-4);
 }
