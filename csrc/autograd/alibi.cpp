@@ -33,7 +33,8 @@ struct AlibiBias : public torch::autograd::Function<AlibiBias> {
     ctx->save_for_backward({slopes});
     save_alibi_config(ctx, mode, head_offset);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return alibi_bias_symint(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads), dtype);
+    return alibi_bias_symint(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads),
+                             dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {

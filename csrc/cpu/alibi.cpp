@@ -44,7 +44,9 @@ std::vector<opmath_t> local_slopes(const at::Tensor& slopes, int64_t head_offset
   const int64_t batch = slopes.dim() == 2 ? slopes.size(0) : 1;
   std::vector<opmath_t> out(batch * num_heads);
   for (const auto b : c10::irange(batch)) {
-    for (const auto h : c10::irange(num_heads)) out[b * num_heads + h] = static_cast<opmath_t>(m[b * total + head_offset + h]);
+    for (const auto h : c10::irange(num_heads)) {
+      out[b * num_heads + h] = static_cast<opmath_t>(m[b * total + head_offset + h]);
+    }
   }
   return out;
 }

@@ -104,7 +104,9 @@ at::Tensor t5_bias_cpu(const at::Tensor& weight, int64_t q_len, int64_t k_len, b
     const int64_t head_stride = weight.stride(1);
     std::vector<scalar_t> diag(heads * diagonals);
     for (const auto h : c10::irange(heads)) {
-      for (const auto r : c10::irange(diagonals)) diag[h * diagonals + r] = table[buckets[r] * row_stride + h * head_stride];
+      for (const auto r : c10::irange(diagonals)) {
+        diag[h * diagonals + r] = table[buckets[r] * row_stride + h * head_stride];
+      }
     }
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, heads * q_len, rows_per_task(k_len), [&](int64_t begin, int64_t end) {

@@ -330,7 +330,8 @@ def opcheck_samples():
     for mode in MODES:
         scores = torch.randn(2, 4, 3, 5, requires_grad=True)
         yield torch.ops.posenc.add_alibi.default, (scores, slopes, mode, 1), {}
-        yield torch.ops.posenc.add_alibi.default, (scores.transpose(2, 3), torch.rand(2, 4, requires_grad=True), mode), {}
+        per_batch = torch.rand(2, 4, requires_grad=True)
+        yield torch.ops.posenc.add_alibi.default, (scores.transpose(2, 3), per_batch, mode), {}
         yield torch.ops.posenc.add_alibi_.default, (torch.randn(2, 4, 3, 5), slopes.detach(), mode, 2), {}
         yield torch.ops.posenc.alibi_backward.default, (torch.randn(2, 4, 3, 5), torch.rand(2, 6), mode, 2), {}
 
@@ -402,8 +403,10 @@ def test_export():
     (lambda: PF.alibi_bias(PF.alibi_slopes(4), 3, 3, head_offset=-1),
      "posenc.alibi_bias: head_offset must be non-negative, got -1"),
     (lambda: PF.alibi_bias(torch.arange(4), 3, 3), "posenc.alibi_bias: slopes must be a floating tensor, got Long"),
-    (lambda: PF.alibi_bias(torch.rand(2, 2, 2), 3, 3), r"posenc.alibi_bias: slopes must be \[H\] or \[B, H\], got shape \[2, 2, 2\]"),
-    (lambda: PF.alibi_bias(PF.alibi_slopes(4), 3, 3, dtype=torch.int32), "posenc.alibi_bias: dtype must be floating, got Int"),
+    (lambda: PF.alibi_bias(torch.rand(2, 2, 2), 3, 3),
+     r"posenc.alibi_bias: slopes must be \[H\] or \[B, H\], got shape \[2, 2, 2\]"),
+    (lambda: PF.alibi_bias(PF.alibi_slopes(4), 3, 3, dtype=torch.int32),
+     "posenc.alibi_bias: dtype must be floating, got Int"),
     (lambda: PF.alibi_bias(PF.alibi_slopes(4), 3, 3, "alibi"),
      'posenc.alibi_bias: mode must be "causal" or "symmetric", got "alibi"'),
     (lambda: PF.add_alibi(torch.randn(2, 8, 3, 3), PF.alibi_slopes(4)),

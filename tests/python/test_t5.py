@@ -36,6 +36,12 @@ def reference_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_dist
     return weight.double()[buckets].permute(2, 0, 1)[None]
 
 
+def reference_grad(grad, buckets, num_buckets):
+    """d/d weight of sum(bias * grad): grad [1, H, Q, K] summed into the buckets [Q, K], float64."""
+    rows = grad[0].double().permute(1, 2, 0).reshape(-1, grad.shape[1])
+    return torch.zeros(num_buckets, grad.shape[1], dtype=torch.float64).index_add_(0, buckets.flatten(), rows)
+
+
 def bucket_grid():
     for bidirectional in [True, False]:
         for num_buckets in [2, 4, 5, 8, 16, 32, 33, 64, 128]:
@@ -116,8 +122,7 @@ def test_t5_bias_backward_matches_scatter_reference():
     upstream = torch.randn(1, 4, 13, 17, dtype=torch.float64)
     PF.t5_bias(weight, 13, 17, True, 32, 8 + 1, 5).backward(upstream)
     relative = torch.arange(17)[None, :] - (torch.arange(13)[:, None] + 5)
-    buckets = reference_bucket(relative, True, 32, 9).flatten()
-    expected = torch.zeros(32, 4, dtype=torch.float64).index_add_(0, buckets, upstream[0].permute(1, 2, 0).reshape(-1, 4))
+    expected = reference_grad(upstream, reference_bucket(relative, True, 32, 9), 32)
     assert_close(weight.grad, expected, atol=1e-12, rtol=0)
 
 
@@ -134,8 +139,7 @@ def test_t5_bias_backward_deterministic_across_threads():
         torch.set_num_threads(previous)
     assert torch.equal(one, two) and torch.equal(two, again)
     relative = torch.arange(512)[None, :] - (torch.arange(384)[:, None] + 7)
-    buckets = reference_bucket(relative, True, 32, 128).flatten()
-    expected = torch.zeros(32, 8, dtype=torch.float64).index_add_(0, buckets, grad[0].double().permute(1, 2, 0).reshape(-1, 8))
+    expected = reference_grad(grad, reference_bucket(relative, True, 32, 128), 32)
     assert_close(two.double(), expected, atol=1e-3, rtol=1e-6)
 
 
@@ -255,7 +259,8 @@ def test_export():
 # ---------------------------------------------------------------- bad input (SPEC 5)
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: PF.relative_position_bucket(torch.arange(4), True, 0), "posenc.relative_position_bucket: num_buckets must be positive, got 0"),
+    (lambda: PF.relative_position_bucket(torch.arange(4), True, 0),
+     "posenc.relative_position_bucket: num_buckets must be positive, got 0"),
     (lambda: PF.relative_position_bucket(torch.arange(4), True, 32, -5),
      "posenc.relative_position_bucket: max_distance must be positive, got -5"),
     (lambda: PF.relative_position_bucket(torch.arange(4), True, 3),
@@ -267,7 +272,8 @@ def test_export():
     (lambda: PF.t5_bias(torch.randn(32, 4), -1, 5, True, 32, 128), "posenc.t5_bias: q_len must be non-negative, got -1"),
     (lambda: PF.t5_bias(torch.randn(32, 4), 5, -2, True, 32, 128), "posenc.t5_bias: k_len must be non-negative, got -2"),
     (lambda: PF.t5_bias(torch.randn(16, 4), 5, 5, True, 32, 128), "posenc.t5_bias: weight has 16 rows but num_buckets is 32"),
-    (lambda: PF.t5_bias(torch.randn(32), 5, 5, True, 32, 128), r"posenc.t5_bias: weight must be \[num_buckets, H\], got shape \[32\]"),
+    (lambda: PF.t5_bias(torch.randn(32), 5, 5, True, 32, 128),
+     r"posenc.t5_bias: weight must be \[num_buckets, H\], got shape \[32\]"),
     (lambda: PF.t5_bias(torch.ones(32, 4, dtype=torch.long), 5, 5, True, 32, 128),
      "posenc.t5_bias: weight must be a floating tensor, got Long"),
     (lambda: PF.t5_bias(torch.randn(32, 4), 5, 5, True, 32, 128, 2 ** 62 + 1),
