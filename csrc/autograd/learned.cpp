@@ -56,7 +56,6 @@ struct AddLearned : public torch::autograd::Function<AddLearned> {
     ctx->save_for_backward({positions.value_or(at::Tensor())});
     save_table(ctx, "rows", weight, padding_idx, "padding_idx");
     ctx->saved_data["offset"] = offset;
-    ctx->saved_data["seq_len"] = x.sym_size(-2);
     at::AutoDispatchBelowADInplaceOrView guard;
     return add_learned(x, weight, positions, offset, padding_idx);
   }
@@ -65,7 +64,7 @@ struct AddLearned : public torch::autograd::Function<AddLearned> {
     const auto& grad = grad_outputs[0];
     at::Tensor grad_weight;
     if (ctx->needs_input_grad(1)) {
-      const auto rows = position_rows(ctx->get_saved_variables()[0], ctx->saved_data["seq_len"].toSymInt(),
+      const auto rows = position_rows(ctx->get_saved_variables()[0], grad.sym_size(-2),
                                       ctx->saved_data["offset"].toInt(), grad.options());
       grad_weight = embedding_backward_symint(grad, rows, ctx->saved_data["rows"].toSymInt(), 1.0,
                                               ctx->saved_data["padding_idx"].toOptional<int64_t>());
@@ -85,7 +84,6 @@ struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
     save_table(ctx, "rows", pos_weight, pos_padding_idx, "pos_padding_idx");
     ctx->saved_data["token_scale"] = token_scale;
     ctx->saved_data["offset"] = offset;
-    ctx->saved_data["seq_len"] = tokens.sym_size(-1);
     at::AutoDispatchBelowADInplaceOrView guard;
     return embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
                          pos_padding_idx);
@@ -102,7 +100,7 @@ struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
                                                     ctx->saved_data["padding_idx"].toOptional<int64_t>());
     }
     if (ctx->needs_input_grad(2)) {
-      const auto rows = position_rows(saved[1], ctx->saved_data["seq_len"].toSymInt(),
+      const auto rows = position_rows(saved[1], grad.sym_size(-2),
                                       ctx->saved_data["offset"].toInt(), grad.options());
       grad_pos_table = embedding_backward_symint(grad, rows, ctx->saved_data["rows"].toSymInt(), 1.0,
                                                  ctx->saved_data["pos_padding_idx"].toOptional<int64_t>());
