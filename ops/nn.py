@@ -102,7 +102,7 @@ class LearnedPositionalEmbedding(torch.nn.Module):
     """``x + weight[positions + offset]`` for x ``[..., S, dim]`` (SPEC 4.2), a trainable position table.
 
     ``weight`` is ``[max_positions + offset, dim]``: the first ``offset`` rows hold no position of their
-    own (OPT: ``offset=2``). Initialisation: N(0, ``init_std``\\ :sup:`2`), 0.02 as in GPT-2, BERT and OPT,
+    own (OPT: ``offset=2``). Initialisation: N(0, ``init_std ** 2``), 0.02 as in GPT-2, BERT and OPT,
     with the ``padding_idx`` row zero; that row never receives a gradient. ``forward``'s ``offset`` (the
     length of a key/value cache) adds to the module's. Recipes:
 
@@ -138,7 +138,7 @@ class LearnedEmbedding(torch.nn.Module):
     """Token and learned position embeddings in one op (GPT-2's ``wte(tokens) + wpe(positions)``):
     ``token_weight[tokens] * token_scale + pos_weight[positions + offset]``.
 
-    Tables as in :class:`LearnedPositionalEmbedding`: N(0, ``init_std``\\ :sup:`2`), the ``padding_idx``
+    Tables as in :class:`LearnedPositionalEmbedding`: N(0, ``init_std ** 2``), the ``padding_idx``
     row of ``token_weight`` zero and without gradient; ``pos_weight`` is ``[max_positions + offset, dim]``.
     """
 

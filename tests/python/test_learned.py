@@ -242,6 +242,18 @@ def test_bad_input_is_a_clear_error(call, message):
         call()
 
 
+def test_bad_input_meta_matches_cpu():
+    # Meta kernels run the same metadata checks; position values need data, so only CPU checks their range.
+    meta = dict(device="meta")
+    with pytest.raises(RuntimeError, match=r"posenc\.add_learned: x has 2 channels but weight has 3"):
+        PF.add_learned(torch.empty(3, 2, **meta), torch.empty(4, 3, **meta))
+    with pytest.raises(RuntimeError, match=r"posenc\.embed_learned: pos_weight is Half but token_weight is Float"):
+        PF.embed_learned(torch.empty(2, dtype=torch.long, **meta), torch.empty(4, 3, **meta),
+                         torch.empty(4, 3, dtype=torch.half, **meta))
+    with pytest.raises(RuntimeError, match=r"posenc\.learned: positions must be an int64 or int32"):
+        PF.learned(torch.empty(4, 3, **meta), torch.empty(2, **meta))
+
+
 # --- gradcheck, opcheck, compile, export ------------------------------------------------------------------
 
 
@@ -325,6 +337,18 @@ def test_export_with_a_dynamic_sequence_length():
     for length in (4, 7):
         tokens = torch.randint(0, 6, (2, length))
         torch.testing.assert_close(program.module()(tokens, tokens.ne(0).long()), model(tokens, tokens.ne(0).long()))
+    graph = str(program.graph)
+    assert all(f"posenc.{op}" in graph for op in ("positions_from_mask", "embed_learned", "add_learned"))
+
+
+def test_compile_inductor_dynamic():
+    torch._dynamo.reset()
+    module = posenc.nn.LearnedPositionalEmbedding(16, 8, offset=1)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad():  # the backward graph is covered by the aot_eager test; inductor compiles are slow
+        for seq_len in (5, 9):
+            x = torch.randn(2, seq_len, 8)
+            torch.testing.assert_close(compiled(x, None, 2), module(x, None, 2))
 
 
 # --- modules -----------------------------------------------------------------------------------------------
