@@ -101,6 +101,21 @@ def test_learned_matches_embedding(dtype):
     assert torch.equal(PF.learned(weight, torch.tensor(3)), weight[3])  # 0-d positions give one row
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_rounds_like_torch_for_every_bit_pattern(dtype):
+    # Every 16-bit pattern (denormals, infinities, NaNs included) as x: one rounding of the float sum, the
+    # same bits as torch's own conversions.
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+    for weight in (torch.zeros(256, 256, dtype=dtype), torch.randn(256, 256).to(dtype)):
+        expected = (x.float() + weight.float()).to(dtype)
+        torch.testing.assert_close(PF.add_learned(x, weight), expected, rtol=0, atol=0, equal_nan=True)
+    tokens = torch.arange(256).expand(3, 256)
+    token_weight = torch.randn(256, 256).to(dtype)
+    expected = (token_weight.float()[tokens] * 0.3 + x.float()).to(dtype)
+    torch.testing.assert_close(PF.embed_learned(tokens, token_weight, x, None, 0.3), expected, rtol=0, atol=0,
+                               equal_nan=True)
+
+
 def test_token_scale_applies_to_tokens_only():
     token_weight, pos_weight = table(4, 6), table(5, 6)
     tokens = torch.tensor([[0, 3, 2]])
