@@ -114,24 +114,10 @@ scalar_t from_opmath(at::opmath_type<scalar_t> value) {
 
 // dst = src * scale + pe over one row, in maths precision, rounded once.
 template <typename scalar_t>
-C10_ALWAYS_INLINE void add_row_body(const scalar_t* __restrict__ src, const scalar_t* __restrict__ pe,
-                                    scalar_t* __restrict__ dst, int64_t width, at::opmath_type<scalar_t> scale) {
+void add_row(const scalar_t* __restrict__ src, const scalar_t* __restrict__ pe, scalar_t* __restrict__ dst,
+             int64_t width, at::opmath_type<scalar_t> scale) {
   for (int64_t d = 0; d < width; ++d) dst[d] = from_opmath<scalar_t>(to_opmath(src[d]) * scale + to_opmath(pe[d]));
 }
-
-// The row loop is also compiled for AVX2 and picked when the library loads: 256-bit vectors make the
-// fp16/bf16 conversions 2-3x faster than the baseline's SSE2. Neither clone may use FMA, so every
-// machine computes the same bits as eager PyTorch (a product rounded before the sum).
-#define POSENC_ADD_ROW(scalar_t)                                                                    \
-  __attribute__((target_clones("avx2", "default"))) void add_row(                                 \
-      const scalar_t* src, const scalar_t* pe, scalar_t* dst, int64_t width, at::opmath_type<scalar_t> scale) { \
-    add_row_body(src, pe, dst, width, scale);                                                      \
-  }
-POSENC_ADD_ROW(float)
-POSENC_ADD_ROW(double)
-POSENC_ADD_ROW(c10::BFloat16)
-POSENC_ADD_ROW(c10::Half)
-#undef POSENC_ADD_ROW
 
 // out[n, :] = source(n) * scale + table[rows[n % rows.size()], :]. Rows are independent, so threads split
 // them; positions shared by every leading index repeat every rows.size() output rows.
