@@ -82,7 +82,8 @@ at::opmath_type<scalar_t> to_opmath(scalar_t value) {
     const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
     const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
     const uint32_t is_denormal = 0u - uint32_t(two_w < (1u << 27));
-    return bits_to_float(sign | (float_to_bits(denormalized) & is_denormal) | (float_to_bits(normalized) & ~is_denormal));
+    const uint32_t magnitude = (float_to_bits(denormalized) & is_denormal) | (float_to_bits(normalized) & ~is_denormal);
+    return bits_to_float(sign | magnitude);
   } else {
     return value;
   }
@@ -226,8 +227,9 @@ at::Tensor count_positions(const at::Tensor& input, IsReal is_real, int64_t firs
 at::Tensor make_positions_cpu(const at::Tensor& tokens, int64_t padding_idx) {
   check_make_positions(tokens);
   // The last position is padding_idx + S: it must fit in int64.
-  TORCH_CHECK(padding_idx < std::numeric_limits<int64_t>::max() - tokens.size(-1), "posenc.make_positions: padding_idx ",
-              padding_idx, " leaves no room for ", tokens.size(-1), " positions in int64");
+  const int64_t seq_len = tokens.size(-1);
+  TORCH_CHECK(padding_idx < std::numeric_limits<int64_t>::max() - seq_len, "posenc.make_positions: padding_idx ",
+              padding_idx, " leaves no room for ", seq_len, " positions in int64");
   at::Tensor out;
   AT_DISPATCH_INDEX_TYPES(tokens.scalar_type(), "posenc_make_positions", [&] {
     out = count_positions<index_t>(tokens, [&](index_t t) { return static_cast<int64_t>(t) != padding_idx; },

@@ -153,7 +153,8 @@ TEST(Learned, ErrorsNameOpPositionAndLMax) {
                "posenc.learned: position -1 is outside [0, L_max) with L_max = 10");
   expect_error([&] { posenc::add_learned(torch::zeros({1, 11, 3}), weight); },
                "posenc.add_learned: position 10 is outside [0, L_max) with L_max = 10");
-  expect_error([&] { posenc::embed_learned(torch::tensor({0, 1}), torch::randn({4, 3}), weight, torch::tensor({0, 12})); },
+  const auto tokens = torch::tensor({0, 1});
+  expect_error([&] { posenc::embed_learned(tokens, torch::randn({4, 3}), weight, torch::tensor({0, 12})); },
                "posenc.embed_learned: position 12 is outside [0, L_max) with L_max = 10");
   expect_error([&] { posenc::embed_learned(torch::tensor({0, 4}), torch::randn({4, 3}), weight); },
                "posenc.embed_learned: tokens holds 4 at flat index 1, outside [0, 4)");

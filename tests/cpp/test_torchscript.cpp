@@ -77,8 +77,8 @@ TEST(TorchScript, LearnedForwardAndBackward) {
   // GPT-2: token_weight[tokens] * 2 + pos_weight[3 .. 7).
   const auto token_weight = parameter(module, "embed.token_weight");
   const auto pos_weight = parameter(module, "embed.pos_weight");
-  const auto expected_embedded =
-      token_weight.detach().index_select(0, tokens.flatten()).view({2, 4, 4}) * 2.0 + pos_weight.detach().slice(0, 3, 7);
+  const auto expected_embedded = token_weight.detach().index_select(0, tokens.flatten()).view({2, 4, 4}) * 2.0 +
+                                 pos_weight.detach().slice(0, 3, 7);
   EXPECT_LT(max_abs_diff(embedded, expected_embedded), 1e-6);
   // OPT: rows cumsum(mask) - 1 + 2 for real tokens, row 1 for padding.
   const auto weight = parameter(module, "position.weight");

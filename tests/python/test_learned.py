@@ -173,8 +173,8 @@ def test_table_gradients_are_bitwise_identical_for_1_and_2_threads():
         torch.set_num_threads(threads)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
-    assert_grads_close(results[0][1:], grads(F.embedding(tokens, token_weight) * 0.5 + F.embedding(positions, pos_weight),
-                                            (token_weight, pos_weight), grad_out))
+    expected = F.embedding(tokens, token_weight) * 0.5 + F.embedding(positions, pos_weight)
+    assert_grads_close(results[0][1:], grads(expected, (token_weight, pos_weight), grad_out))
 
 
 # --- positions: fairseq, attention masks, OPT -------------------------------------------------------------
@@ -233,15 +233,19 @@ def test_offset_overflow_is_an_error_not_a_wraparound():
     (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 3)), r"add_learned: x has 2 channels but weight has 3"),
     (lambda: PF.add_learned(torch.zeros(3), table(4, 3)), r"add_learned: x must be \[\.\.\., S, D\]"),
     (lambda: PF.add_learned(torch.zeros(3, 2, dtype=torch.long), table(4, 2)), r"add_learned: x must be a floating"),
-    (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 2, torch.float64)), r"add_learned: weight is Double but x is Float"),
+    (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 2, torch.float64)),
+     r"add_learned: weight is Double but x is Float"),
     (lambda: PF.add_learned(torch.zeros(2, 3, 2), table(4, 2), torch.zeros(2, 2, dtype=torch.long)),
      r"add_learned: positions has shape \[2, 2\] but x needs \[3\] or \[2, 3\]"),
     (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 2, device="meta")), r"add_learned: weight is on meta"),
     (lambda: PF.embed_learned(torch.tensor([0, 5]), table(5, 2), table(4, 2)),
      r"embed_learned: tokens holds 5 at flat index 1, outside \[0, 5\)"),
-    (lambda: PF.embed_learned(torch.tensor([0.0]), table(5, 2), table(4, 2)), r"embed_learned: tokens must be an int64"),
-    (lambda: PF.embed_learned(torch.tensor(0), table(5, 2), table(4, 2)), r"embed_learned: tokens must be \[\.\.\., S\]"),
-    (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 3)), r"embed_learned: token_weight has 2 channels"),
+    (lambda: PF.embed_learned(torch.tensor([0.0]), table(5, 2), table(4, 2)),
+     r"embed_learned: tokens must be an int64"),
+    (lambda: PF.embed_learned(torch.tensor(0), table(5, 2), table(4, 2)),
+     r"embed_learned: tokens must be \[\.\.\., S\]"),
+    (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 3)),
+     r"embed_learned: token_weight has 2 channels"),
     (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 2, torch.float16)),
      r"embed_learned: pos_weight is Half but token_weight is Float"),
     (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 2), pos_padding_idx=-1),
@@ -249,7 +253,8 @@ def test_offset_overflow_is_an_error_not_a_wraparound():
     (lambda: PF.make_positions(torch.tensor(3), 1), r"make_positions: tokens must be \[\.\.\., S\]"),
     (lambda: PF.make_positions(torch.tensor([1.0]), 1), r"make_positions: tokens must be an int64"),
     (lambda: PF.make_positions(torch.tensor([1, 2]), 2**63 - 2), r"make_positions: padding_idx .* leaves no room"),
-    (lambda: PF.positions_from_mask(torch.ones(3, dtype=torch.complex64)), r"positions_from_mask: attention_mask must be"),
+    (lambda: PF.positions_from_mask(torch.ones(3, dtype=torch.complex64)),
+     r"positions_from_mask: attention_mask must be"),
     (lambda: PF.positions_from_mask(torch.tensor(1)), r"positions_from_mask: attention_mask must be \[\.\.\., S\]"),
 ])
 def test_bad_input_is_a_clear_error(call, message):
