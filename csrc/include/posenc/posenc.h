@@ -4,6 +4,7 @@
 #include <posenc/alibi.h>
 #include <posenc/embedding.h>
 #include <posenc/frequencies.h>
+#include <posenc/learned.h>
 #include <posenc/sinusoidal.h>
 #include <posenc/t5.h>
 
