@@ -15,6 +15,8 @@ __all__ = ["sinusoidal", "rope", "ROPE_TYPES"]
 def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     """omega_i = base ** (-i / (dim // 2 - shift)) for i < dim // 2, float64 ``[dim // 2]``.
 
+    An odd dim has dim // 2 whole pairs (its last channel is the zero column), as in fairseq and diffusers.
+
     ``shift=0`` is "Attention Is All You Need" (omega_i = base ** (-2i / dim)); ``shift=1`` is the
     fairseq / tensor2tensor / Whisper / diffusers convention (denominator dim/2 - 1).
     """

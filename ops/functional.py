@@ -14,7 +14,8 @@ def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved",
     """The encoding of ``positions + offset``: shape ``positions.shape + [2F]``, F = len(inv_freq).
 
     ``layout="interleaved"`` gives [sin t0, cos t0, sin t1, cos t1, ...]; ``"half"`` gives
-    [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)]. Positions may be integer or floating (diffusion
+    [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)]; ``"half_cos_first"`` gives [cos .. || sin ..] (diffusers'
+    ``flip_sin_to_cos``). Positions may be integer or floating (diffusion
     timesteps); ``dtype`` defaults to that of floating positions, else float32. Not differentiable.
     """
     return torch.ops.posenc.sinusoidal(positions, inv_freq, layout, dtype, offset)

@@ -53,13 +53,16 @@ inline void check_padding_idx(const char* op, std::optional<int64_t> padding_idx
 }
 
 // Channel pairing of a fixed encoding: "interleaved" = [sin t0, cos t0, sin t1, ...],
-// "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)].
-enum class SinusoidalLayout { Interleaved, Half };
+// "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)], "half_cos_first" = [cos .. || sin ..]
+// (diffusers' flip_sin_to_cos).
+enum class SinusoidalLayout { Interleaved, Half, HalfCosFirst };
 
 inline SinusoidalLayout parse_sinusoidal_layout(const char* op, std::string_view layout) {
   if (layout == "interleaved") return SinusoidalLayout::Interleaved;
   if (layout == "half") return SinusoidalLayout::Half;
-  TORCH_CHECK(false, "posenc.", op, ": layout must be \"interleaved\" or \"half\", got \"", layout, "\"");
+  if (layout == "half_cos_first") return SinusoidalLayout::HalfCosFirst;
+  TORCH_CHECK(false, "posenc.", op, ": layout must be \"interleaved\", \"half\" or \"half_cos_first\", got \"",
+              layout, "\"");
 }
 
 // Positions of a [..., S, D] input: absent (offset + arange(S)), [S] shared by every leading index,

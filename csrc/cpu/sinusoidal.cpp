@@ -21,12 +21,19 @@ template <typename opmath_t>
 void encode_position(double position, const double* inv_freq, int64_t pairs, SinusoidalLayout layout, opmath_t* pe) {
   for (const auto i : c10::irange(pairs)) {
     const auto sc = sincos<opmath_t>(position * inv_freq[i]);
-    if (layout == SinusoidalLayout::Interleaved) {
-      pe[2 * i] = sc.sin;
-      pe[2 * i + 1] = sc.cos;
-    } else {
-      pe[i] = sc.sin;
-      pe[pairs + i] = sc.cos;
+    switch (layout) {
+      case SinusoidalLayout::Interleaved:
+        pe[2 * i] = sc.sin;
+        pe[2 * i + 1] = sc.cos;
+        break;
+      case SinusoidalLayout::Half:
+        pe[i] = sc.sin;
+        pe[pairs + i] = sc.cos;
+        break;
+      case SinusoidalLayout::HalfCosFirst:
+        pe[i] = sc.cos;
+        pe[pairs + i] = sc.sin;
+        break;
     }
   }
 }

@@ -1,0 +1,42 @@
+"""Scripts and saves small modules that use the posenc ops, for the C++ round-trip tests (tests/cpp).
+
+Usage: python scripts/export_torchscript.py OUT_DIR   (writes OUT_DIR/<name>.pt for every fixture)
+Each fixture's C++ test recomputes the expected values from float64 formulas of its own.
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+import posenc
+
+
+class SinusoidalFixture(torch.nn.Module):
+    """Fused token + sinusoidal embedding (interleaved, token_scale 2, padding row 0), then an added
+    half-layout shift-1 encoding of a second input with x_scale 0.5 and offset 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = posenc.nn.SinusoidalEmbedding(11, 8, padding_idx=0, token_scale=2.0)
+        self.encode = posenc.nn.SinusoidalPositionalEncoding(6, shift=1, layout="half", x_scale=0.5)
+
+    def forward(self, tokens: torch.Tensor, x: torch.Tensor):
+        return self.embed(tokens), self.encode(x, None, 3)
+
+
+FIXTURES = {
+    "sinusoidal": SinusoidalFixture,
+}
+
+
+def main(out_dir: str) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    for name, build in FIXTURES.items():
+        torch.jit.script(build()).save(str(out / f"{name}.pt"))
+        print(f"saved {out / name}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

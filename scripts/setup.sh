@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what posenc needs on a fresh machine (torch 2.13 CPU when torch is absent, GoogleTest, CMake,
+# Ninja, ccache) and builds everything once in build/: libposenc.so (installed editable as the Python
+# package `posenc`), the GoogleTest suite and the C++ example.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  "$PYTHON" -m pip install torch==2.13.0
+fi
+missing=()
+[ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v ninja >/dev/null || missing+=(ninja-build)
+command -v ccache >/dev/null || missing+=(ccache)
+command -v g++ >/dev/null || missing+=(g++)
+if [ ${#missing[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+POSENC_BUILD_TESTS=1 "$PYTHON" -m pip install --no-build-isolation -q -e .

@@ -1,0 +1,467 @@
+"""Sinusoidal family: values against float64 formulas written here, the primer's worked example, gradients,
+opcheck, torch.compile, torch.export, TorchScript and the bad inputs of SPEC section 5."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import posenc
+from posenc import functional as PF
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+LAYOUTS = ["interleaved", "half", "half_cos_first"]
+
+
+def reference_pe(positions, inv_freq, layout):
+    """float64 encoding written from the formulas: angle = p * w, sin/cos paired per layout."""
+    angle = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    s, c = angle.sin(), angle.cos()
+    if layout == "interleaved":
+        return torch.stack([s, c], dim=-1).flatten(-2)
+    return torch.cat([s, c] if layout == "half" else [c, s], dim=-1)
+
+
+def pad_zero_column(pe, width):
+    return F.pad(pe, (0, width - pe.shape[-1]))
+
+
+def tolerance(dtype):
+    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
+            torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
+
+
+# ---------------------------------------------------------------- frequencies
+
+@pytest.mark.parametrize("dim", [2, 4, 64, 512])
+def test_frequencies_paper(dim):
+    w = posenc.frequencies.sinusoidal(dim)
+    expected = torch.tensor([10000.0 ** (-2 * i / dim) for i in range(dim // 2)], dtype=torch.float64)
+    assert w.dtype == torch.float64
+    assert_close(w, expected, rtol=1e-14, atol=0)
+
+
+def test_frequencies_odd_dim_use_whole_pairs():
+    """Odd dim: F = dim // 2 pairs over the exponent i / F, as fairseq and diffusers do (plus a zero column)."""
+    w = posenc.frequencies.sinusoidal(7, base=100.0)
+    expected = torch.tensor([100.0 ** (-i / 3) for i in range(3)], dtype=torch.float64)
+    assert w.dtype == torch.float64
+    assert_close(w, expected, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dim", [4, 6, 80, 384])
+def test_frequencies_shift_one_is_fairseq(dim):
+    half = dim // 2
+    expected = torch.tensor([math.exp(-i * math.log(10000.0) / (half - 1)) for i in range(half)], dtype=torch.float64)
+    assert_close(posenc.frequencies.sinusoidal(dim, shift=1), expected, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("args", [(1,), (2, 10000.0, 1), (8, -1.0), (8, 10000.0, 2)])
+def test_frequencies_bad_arguments(args):
+    with pytest.raises(ValueError, match="posenc.frequencies.sinusoidal"):
+        posenc.frequencies.sinusoidal(*args)
+
+
+# ---------------------------------------------------------------- the primer's worked example
+
+def test_primer_table_d_model_4():
+    """The primer's hand-traced table: d_model = 4, base 10000, omega = (1, 0.01), positions 0-3."""
+    inv_freq = posenc.frequencies.sinusoidal(4)
+    assert inv_freq.tolist() == pytest.approx([1.0, 0.01], rel=1e-15)
+    pe = PF.sinusoidal(torch.arange(4), inv_freq, dtype=torch.float64)
+    table = torch.tensor([[0.000, 1.000, 0.000, 1.000],
+                          [0.841, 0.540, 0.010, 1.000],
+                          [0.909, -0.416, 0.020, 1.000],
+                          [0.141, -0.990, 0.030, 1.000]], dtype=torch.float64)
+    assert_close(pe, table, atol=5e-4, rtol=0)
+    # The primer's check: PE(2) is PE(1) rotated by k = 1, with cos(1) = 0.540 and sin(1) = 0.841.
+    sin1, cos1 = pe[1, 0], pe[1, 1]
+    assert_close(sin1 * 0.540 + cos1 * 0.841, pe[2, 0], atol=1e-3, rtol=0)
+    assert_close(cos1 * 0.540 - sin1 * 0.841, pe[2, 1], atol=1e-3, rtol=0)
+
+
+def test_rotation_identity_every_pair():
+    """PE(p + k) = R(k) PE(p) for every frequency pair, R(k) built from the op's own PE(k)."""
+    inv_freq = posenc.frequencies.sinusoidal(64)
+    p = torch.tensor([0, 1, 17, 500, 4093])
+    for k in [1, 2, 7, 100, 3000]:
+        pe_p = PF.sinusoidal(p, inv_freq, dtype=torch.float64).view(-1, 32, 2)
+        pe_pk = PF.sinusoidal(p + k, inv_freq, dtype=torch.float64).view(-1, 32, 2)
+        sin_k, cos_k = PF.sinusoidal(torch.tensor([k]), inv_freq, dtype=torch.float64).view(32, 2).unbind(-1)
+        rotated_sin = pe_p[..., 0] * cos_k + pe_p[..., 1] * sin_k
+        rotated_cos = pe_p[..., 1] * cos_k - pe_p[..., 0] * sin_k
+        assert_close(torch.stack([rotated_sin, rotated_cos], -1), pe_pk, atol=1e-12, rtol=0)
+
+
+def test_distinct_encodings_below_10000():
+    pe = PF.sinusoidal(torch.arange(10000), posenc.frequencies.sinusoidal(64), dtype=torch.float64)
+    closest = math.inf
+    for start in range(0, 10000, 2500):
+        d = torch.cdist(pe[start:start + 2500], pe)
+        d[torch.arange(d.shape[0]), torch.arange(start, start + d.shape[0])] = math.inf
+        closest = min(closest, d.min().item())
+    assert closest > 0.1
+
+
+def test_accuracy_float32_up_to_2_pow_20():
+    """SPEC 3: max abs error <= 1e-6 against float64 for |p| <= 2^20 (eager float32 is off by ~1e-1 there)."""
+    inv_freq = posenc.frequencies.sinusoidal(256)
+    positions = torch.cat([torch.arange(0, 2 ** 20 + 1, 997), torch.tensor([2 ** 20, -(2 ** 20), 2 ** 20 - 1])])
+    pe = PF.sinusoidal(positions, inv_freq, dtype=torch.float32)
+    error = (pe.double() - reference_pe(positions, inv_freq, "interleaved")).abs().max().item()
+    assert error <= 1e-6
+    naive = (positions.float()[:, None] * inv_freq.float()).sin()
+    naive_error = (naive.double() - reference_pe(positions, inv_freq, "half")[:, :128]).abs().max().item()
+    assert naive_error > 100 * error  # the test distinguishes our engine from a float32 product
+
+
+# ---------------------------------------------------------------- the conventions users compare with
+
+def test_fairseq_whisper_convention():
+    """Whisper's sinusoids(length, channels) and fairseq's table: shift 1, [sin || cos]."""
+    length, channels = 50, 24
+    increment = math.log(10000) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-increment * torch.arange(channels // 2, dtype=torch.float64))
+    scaled = torch.arange(length, dtype=torch.float64)[:, None] * inv_timescales[None, :]
+    expected = torch.cat([scaled.sin(), scaled.cos()], dim=1)
+    inv_freq = posenc.frequencies.sinusoidal(channels, shift=1)
+    assert_close(PF.sinusoidal(torch.arange(length), inv_freq, "half", torch.float64), expected, atol=1e-12, rtol=0)
+
+
+def test_fairseq_odd_dim_zero_column():
+    module = posenc.nn.SinusoidalPositionalEncoding(7, shift=1, layout="half").double()
+    out = module(torch.zeros(2, 9, 7, dtype=torch.float64))
+    half = 3
+    w = torch.exp(-torch.arange(half, dtype=torch.float64) * math.log(10000) / (half - 1))
+    angle = torch.arange(9, dtype=torch.float64)[:, None] * w
+    expected = torch.cat([angle.sin(), angle.cos(), torch.zeros(9, 1, dtype=torch.float64)], dim=1)
+    assert_close(out, expected.expand(2, 9, 7), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("flip_sin_to_cos", [False, True])
+def test_diffusion_timestep_convention(flip_sin_to_cos):
+    """diffusers' get_timestep_embedding: float timesteps, downscale_freq_shift 1, optional cos first."""
+    timesteps = torch.tensor([0.0, 1.5, 37.25, 999.0, 500.5])
+    dim, max_period, shift = 32, 10000, 1
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float64) / (half - shift)
+    angle = timesteps.double()[:, None] * torch.exp(exponent)[None, :]
+    parts = [angle.cos(), angle.sin()] if flip_sin_to_cos else [angle.sin(), angle.cos()]
+    expected = torch.cat(parts, dim=-1)
+    layout = "half_cos_first" if flip_sin_to_cos else "half"
+    out = PF.sinusoidal(timesteps, posenc.frequencies.sinusoidal(dim, float(max_period), shift), layout)
+    assert out.dtype == torch.float32
+    assert_close(out.double(), expected, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- sinusoidal op over dtypes, layouts, shapes
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("position_dtype", [torch.int64, torch.int32, torch.float32, torch.float64])
+def test_sinusoidal_values(layout, dtype, position_dtype):
+    positions = torch.randint(-50, 3000, (3, 11)).to(position_dtype)
+    inv_freq = posenc.frequencies.sinusoidal(18)
+    out = PF.sinusoidal(positions, inv_freq, layout, dtype, offset=5)
+    assert out.shape == (3, 11, 18) and out.dtype == dtype
+    assert_close(out.double(), reference_pe(positions.double() + 5, inv_freq, layout), **tolerance(dtype))
+
+
+def test_sinusoidal_default_dtype():
+    inv_freq = posenc.frequencies.sinusoidal(4)
+    assert PF.sinusoidal(torch.arange(3), inv_freq).dtype == torch.float32
+    assert PF.sinusoidal(torch.arange(3, dtype=torch.float64), inv_freq).dtype == torch.float64
+
+
+# ---------------------------------------------------------------- add_sinusoidal
+
+def positions_case(kind, batch, seq):
+    if kind == "none":
+        return None, torch.arange(seq)
+    if kind == "shared":
+        p = torch.randint(0, 5000, (seq,))
+        return p, p
+    p = torch.randint(0, 5000, (batch, seq))
+    return p, p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["none", "shared", "per_row"])
+@pytest.mark.parametrize("width", [16, 17])
+def test_add_sinusoidal_values(dtype, layout, kind, width):
+    batch, seq = 3, 10
+    x = torch.randn(batch, seq, width, dtype=dtype)
+    positions, reference_positions = positions_case(kind, batch, seq)
+    inv_freq = posenc.frequencies.sinusoidal(width, shift=1)
+    out = PF.add_sinusoidal(x, positions, inv_freq, 1.5, layout, offset=3)
+    pe = pad_zero_column(reference_pe(reference_positions + 3, inv_freq, layout), width)
+    expected = x.double() * 1.5 + pe
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out.double(), expected, **tolerance(dtype))
+
+
+def test_add_sinusoidal_strided_input():
+    base = torch.randn(10, 4, 32, dtype=torch.float64)
+    x = base.transpose(0, 1)[:, :, ::2]  # [4, 10, 16], not contiguous
+    inv_freq = posenc.frequencies.sinusoidal(16)
+    out = PF.add_sinusoidal(x, None, inv_freq)
+    assert_close(out, x + reference_pe(torch.arange(10), inv_freq, "interleaved"), atol=1e-12, rtol=0)
+
+
+def test_add_sinusoidal_backward_is_scale():
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    grad = torch.randn(2, 5, 8)
+    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(8), 0.25).backward(grad)
+    assert_close(x.grad, grad * 0.25)
+
+
+def test_add_sinusoidal_gradcheck():
+    x = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
+    inv_freq = posenc.frequencies.sinusoidal(6)
+    positions = torch.randint(0, 100, (2, 4))
+    assert torch.autograd.gradcheck(lambda t: PF.add_sinusoidal(t, positions, inv_freq, 0.7, "half", 2), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: PF.add_sinusoidal(t, None, inv_freq, 0.7), (x,))
+
+
+# ---------------------------------------------------------------- embed_sinusoidal and embedding_backward
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["none", "shared", "per_row"])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_embed_sinusoidal_matches_embedding_reference(dtype, kind, padding_idx):
+    vocab, width, batch, seq = 13, 9, 3, 7
+    weight = torch.randn(vocab, width, dtype=dtype)
+    tokens = torch.randint(0, vocab, (batch, seq))
+    tokens[0, :2] = 0
+    positions, reference_positions = positions_case(kind, batch, seq)
+    inv_freq = posenc.frequencies.sinusoidal(width)
+
+    ours_weight = weight.clone().requires_grad_()
+    out = PF.embed_sinusoidal(tokens, ours_weight, positions, inv_freq, 3.0, padding_idx, "half", 1)
+    reference_weight = weight.double().requires_grad_()
+    pe = pad_zero_column(reference_pe(reference_positions + 1, inv_freq, "half"), width)
+    expected = F.embedding(tokens, reference_weight, padding_idx=padding_idx) * 3.0 + pe
+    assert_close(out.double(), expected.detach(), **tolerance(dtype))
+
+    grad = torch.randn(batch, seq, width, dtype=dtype)
+    out.backward(grad)
+    expected.backward(grad.double())
+    assert_close(ours_weight.grad.double(), reference_weight.grad, **tolerance(dtype))
+    if padding_idx is not None:
+        assert (ours_weight.grad[padding_idx] == 0).all()
+
+
+def test_embed_sinusoidal_gradcheck():
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    tokens = torch.tensor([[1, 5, 5, 0], [2, 2, 3, 1]])
+    inv_freq = posenc.frequencies.sinusoidal(4)
+    assert torch.autograd.gradcheck(
+        lambda w: PF.embed_sinusoidal(tokens, w, None, inv_freq, 2.0, None, "interleaved", 3), (weight,))
+
+
+def test_double_backward_through_embedding_is_a_clear_error():
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    out = PF.embed_sinusoidal(torch.tensor([1, 2]), weight, None, posenc.frequencies.sinusoidal(4))
+    upstream = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="posenc.embedding_backward: double backward"):
+        torch.autograd.grad(out, weight, upstream, create_graph=True)
+
+
+def test_embedding_backward_deterministic_across_threads():
+    grad = torch.randn(4, 2048, 64)
+    indices = torch.randint(0, 50, (4, 2048))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = PF.embedding_backward(grad, indices, 50, 1.0, 3)
+        torch.set_num_threads(2)
+        two = PF.embedding_backward(grad, indices, 50, 1.0, 3)
+        again = PF.embedding_backward(grad, indices, 50, 1.0, 3)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two) and torch.equal(two, again)
+    expected = torch.zeros(50, 64, dtype=torch.float64).index_add_(0, indices.flatten(), grad.double().view(-1, 64))
+    expected[3] = 0
+    assert_close(two.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_embedding_backward_suffix_indices():
+    grad = torch.randn(3, 5, 4, dtype=torch.float64)
+    indices = torch.tensor([4, 0, 4, 1, 2])
+    out = PF.embedding_backward(grad, indices, 6, 0.5)
+    expected = torch.zeros(6, 4, dtype=torch.float64).index_add_(0, indices, grad.sum(0)) * 0.5
+    assert_close(out, expected)
+
+
+# ---------------------------------------------------------------- modules
+
+def test_module_matches_functional_and_scripts():
+    module = posenc.nn.SinusoidalPositionalEncoding(16, base=500.0, layout="half", x_scale=4.0)
+    x = torch.randn(2, 6, 16)
+    positions = torch.tensor([3, 1, 4, 1, 5, 9])
+    expected = x.double() * 4.0 + reference_pe(positions + 2, posenc.frequencies.sinusoidal(16, 500.0), "half")
+    assert_close(module(x, positions, 2).double(), expected, atol=2e-6, rtol=0)
+    scripted = torch.jit.script(module)
+    assert_close(scripted(x, positions, 2), module(x, positions, 2), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double().float()])
+def test_module_frequencies_stay_float64(convert):
+    module = posenc.nn.SinusoidalPositionalEncoding(64)
+    exact = posenc.frequencies.sinusoidal(64)
+    convert(module)
+    assert module.inv_freq.dtype == torch.float64
+    assert torch.equal(module.inv_freq, exact)
+    assert "inv_freq" not in module.state_dict()
+
+
+def test_embedding_module():
+    module = posenc.nn.SinusoidalEmbedding(20, 8, padding_idx=-1)
+    assert module.padding_idx == 19 and (module.weight[19] == 0).all()
+    tokens = torch.tensor([[3, 19, 7]])
+    expected = F.embedding(tokens, module.weight.double()) * math.sqrt(8) + reference_pe(
+        torch.arange(3), posenc.frequencies.sinusoidal(8), "interleaved")
+    assert_close(module(tokens).double(), expected.detach(), atol=2e-6, rtol=0)
+    module(tokens).sum().backward()
+    assert (module.weight.grad[19] == 0).all() and (module.weight.grad[3] != 0).all()
+    assert_close(torch.jit.script(module)(tokens), module(tokens), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- opcheck, compile, export
+
+def opcheck_samples():
+    inv_freq = posenc.frequencies.sinusoidal(8)
+    yield torch.ops.posenc.sinusoidal.default, (torch.arange(5), inv_freq), {}
+    yield torch.ops.posenc.sinusoidal.default, (torch.rand(2, 3) * 100, inv_freq, "half", torch.float64, 2), {}
+    for positions in [None, torch.arange(4) * 3, torch.randint(0, 9, (2, 4))]:
+        x = torch.randn(2, 4, 9, requires_grad=True)
+        yield torch.ops.posenc.add_sinusoidal.default, (x, positions, inv_freq, 2.0, "half", 1), {}
+    weight = torch.randn(10, 8, requires_grad=True)
+    tokens = torch.randint(0, 10, (2, 4))
+    yield torch.ops.posenc.embed_sinusoidal.default, (tokens, weight, None, inv_freq, 2.0, 0, "interleaved", 0), {}
+    yield torch.ops.posenc.embedding_backward.default, (torch.randn(2, 4, 8), tokens, 10, 2.0, 1), {}
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0].__name__)
+def test_opcheck(sample):
+    op, args, kwargs = sample
+    torch.library.opcheck(op, args, kwargs)
+
+
+class TinyEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = posenc.nn.SinusoidalEmbedding(32, 16, padding_idx=0)
+        self.proj = torch.nn.Linear(16, 16)
+        self.encode = posenc.nn.SinusoidalPositionalEncoding(16, shift=1, layout="half")
+
+    def forward(self, tokens):
+        return self.encode(self.proj(self.embed(tokens)), None, 4)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    model = TinyEncoder()
+    tokens = torch.randint(0, 32, (2, 12))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(tokens)
+    assert_close(out, model(tokens))
+    out.sum().backward()
+    compiled_grad = model.embed.weight.grad.clone()
+    model.zero_grad()
+    model(tokens).sum().backward()
+    assert_close(compiled_grad, model.embed.weight.grad)
+
+
+def test_compile_inductor_dynamic():
+    torch._dynamo.reset()
+    module = posenc.nn.SinusoidalPositionalEncoding(8)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for seq in [5, 9]:
+        x = torch.randn(2, seq, 8)
+        assert_close(compiled(x), module(x))
+
+
+def test_export():
+    model = TinyEncoder()
+    tokens = torch.randint(0, 32, (2, 12))
+    exported = torch.export.export(model, (tokens,))
+    assert_close(exported.module()(tokens), model(tokens))
+    assert "posenc.embed_sinusoidal" in str(exported.graph)
+
+
+# ---------------------------------------------------------------- bad input (SPEC 5)
+
+def test_bad_width_for_pairs():
+    with pytest.raises(RuntimeError, match=r"posenc.add_sinusoidal: x has 7 channels but inv_freq has 2 frequencies"):
+        PF.add_sinusoidal(torch.randn(2, 7), None, posenc.frequencies.sinusoidal(4))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.add_sinusoidal(torch.ones(2, 4, dtype=torch.int64), None, posenc.frequencies.sinusoidal(4)),
+     "posenc.add_sinusoidal: x must be a floating tensor, got Long"),
+    (lambda: PF.add_sinusoidal(torch.ones(2, 4), None, torch.arange(2)),
+     "posenc.add_sinusoidal: inv_freq must be a floating tensor, got Long"),
+    (lambda: PF.add_sinusoidal(torch.ones(2, 4), torch.ones(2, dtype=torch.bool), posenc.frequencies.sinusoidal(4)),
+     "posenc.add_sinusoidal: positions must be an integer or floating tensor, got Bool"),
+    (lambda: PF.add_sinusoidal(torch.ones(3, 2, 4), torch.arange(3), posenc.frequencies.sinusoidal(4)),
+     r"posenc.add_sinusoidal: positions has shape \[3\] but x needs \[2\] or \[3, 2\]"),
+    (lambda: PF.add_sinusoidal(torch.ones(4), None, posenc.frequencies.sinusoidal(4)),
+     r"posenc.add_sinusoidal: x must be \[..., S, D\], got shape \[4\]"),
+    (lambda: PF.add_sinusoidal(torch.ones(2, 4), None, posenc.frequencies.sinusoidal(4), layout="neox"),
+     "posenc.add_sinusoidal: layout must be .* got \"neox\""),
+    (lambda: PF.sinusoidal(torch.arange(3), torch.empty(0, dtype=torch.float64)),
+     "posenc.sinusoidal: inv_freq is empty"),
+    (lambda: PF.sinusoidal(torch.arange(3), torch.ones(2, 2, dtype=torch.float64)),
+     r"posenc.sinusoidal: inv_freq must be 1-D, got shape \[2, 2\]"),
+    (lambda: PF.sinusoidal(torch.arange(3), posenc.frequencies.sinusoidal(4), dtype=torch.int32),
+     "posenc.sinusoidal: dtype must be floating, got Int"),
+    (lambda: PF.embed_sinusoidal(torch.tensor([1, 10]), torch.randn(10, 4), None, posenc.frequencies.sinusoidal(4)),
+     r"posenc.embed_sinusoidal: tokens holds 10 at flat index 1, outside \[0, 10\)"),
+    (lambda: PF.embed_sinusoidal(torch.tensor([-1]), torch.randn(10, 4), None, posenc.frequencies.sinusoidal(4)),
+     r"posenc.embed_sinusoidal: tokens holds -1"),
+    (lambda: PF.embed_sinusoidal(torch.tensor([1.0]), torch.randn(10, 4), None, posenc.frequencies.sinusoidal(4)),
+     "posenc.embed_sinusoidal: tokens must be an int64 or int32 tensor, got Float"),
+    (lambda: PF.embed_sinusoidal(torch.tensor([1]), torch.randn(10, 4), None, posenc.frequencies.sinusoidal(4), 1.0, 10),
+     r"posenc.embed_sinusoidal: padding_idx 10 is outside \[0, 10\)"),
+    (lambda: PF.embedding_backward(torch.randn(3, 4), torch.tensor([0, 1, 5]), 5),
+     r"posenc.embedding_backward: indices holds 5 at flat index 2, outside \[0, 5\)"),
+    (lambda: PF.embedding_backward(torch.randn(3, 4), torch.tensor([0, 1]), 5),
+     r"posenc.embedding_backward: indices has shape \[2\] which does not end grad's leading shape \[3\]"),
+])
+def test_bad_input_messages(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_bad_input_meta_matches_cpu():
+    x = torch.empty(2, 7, device="meta")
+    with pytest.raises(RuntimeError, match="posenc.add_sinusoidal: x has 7 channels"):
+        PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(4).to("meta"))
+
+
+def test_positions_requiring_grad_are_rejected():
+    positions = torch.arange(3.0, requires_grad=True)
+    with pytest.raises(RuntimeError, match="posenc.sinusoidal: positions and inv_freq are not differentiable"):
+        PF.sinusoidal(positions, posenc.frequencies.sinusoidal(4))
+
+
+def test_empty_inputs_give_empty_results():
+    inv_freq = posenc.frequencies.sinusoidal(4)
+    assert PF.add_sinusoidal(torch.randn(2, 0, 4), None, inv_freq).shape == (2, 0, 4)
+    assert PF.add_sinusoidal(torch.randn(0, 3, 4), torch.randint(0, 5, (0, 3)), inv_freq).shape == (0, 3, 4)
+    assert PF.sinusoidal(torch.empty(0, dtype=torch.int64), inv_freq).shape == (0, 4)
+    assert PF.embed_sinusoidal(torch.empty(2, 0, dtype=torch.int64), torch.randn(5, 4), None, inv_freq).shape == (2, 0, 4)
+    assert torch.equal(PF.embedding_backward(torch.randn(0, 4), torch.empty(0, dtype=torch.int64), 3), torch.zeros(3, 4))
+
+
+def test_nan_and_inf_positions_propagate():
+    positions = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")])
+    out = PF.sinusoidal(positions, posenc.frequencies.sinusoidal(4))
+    assert torch.isfinite(out[0]).all()
+    assert torch.isnan(out[1:]).all()
+    x = torch.tensor([[1.0, float("nan"), 0.0, 0.0]])
+    out = PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(4))
+    assert torch.isnan(out[0, 1]) and torch.isfinite(out[0, [0, 2, 3]]).all()
