@@ -11,30 +11,14 @@
 #include <numeric>
 #include <string>
 
+#include "rope_reference.h"
+
 namespace {
 
+using posenc::test::reference_rope;
 using posenc::frequencies::RopeScaling;
 
 const auto kDouble = torch::TensorOptions().dtype(torch::kDouble);
-
-// x [B, S, H, D] rotated pair by pair in float64: the definition, written out.
-torch::Tensor reference_rope(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& inv_freq,
-                             const std::string& layout, double scale = 1.0) {
-  const int64_t pairs = inv_freq.size(0);
-  auto out = x.to(torch::kDouble).clone();
-  const auto angle = positions.to(torch::kDouble).unsqueeze(-1) * inv_freq.to(torch::kDouble);  // [.., S, F]
-  const auto cos = (angle.cos() * scale).unsqueeze(-2);  // [.., S, 1, F]
-  const auto sin = (angle.sin() * scale).unsqueeze(-2);
-  const auto xd = x.to(torch::kDouble);
-  using torch::indexing::Slice;
-  const auto first = layout == "neox" ? Slice(0, pairs) : Slice(0, 2 * pairs, 2);
-  const auto second = layout == "neox" ? Slice(pairs, 2 * pairs) : Slice(1, 2 * pairs, 2);
-  const auto x1 = xd.index({"...", first});
-  const auto x2 = xd.index({"...", second});
-  out.index_put_({"...", first}, x1 * cos - x2 * sin);
-  out.index_put_({"...", second}, x2 * cos + x1 * sin);
-  return out;
-}
 
 TEST(Rope, MatchesTheFormulaForBothLayoutsWithPartialRotation) {
   torch::manual_seed(0);
