@@ -115,8 +115,9 @@ class RotaryEmbedding(_ExactFrequencies):
         inv_freq, self.attention_scale = frequencies.rope(rotary_dim, base, self.scaling)
         params = self.scaling
         rope_type = params.get("rope_type", params.get("type")) or "default"
-        # The per-call rules; any other type (and HunYuan's "dynamic" with a fixed alpha) is static.
-        self.rope_type: str = rope_type if rope_type in ("dynamic", "longrope") and not params.get("alpha") else "static"
+        # The types whose frequencies depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
+        per_call = rope_type in ("dynamic", "longrope") and not params.get("alpha")
+        self.per_call_scaling: str = rope_type if per_call else "none"
         self.factor = float(params.get("factor") or 1.0)
         self.max_position_embeddings = float(params.get("max_position_embeddings") or 0)
         self.original_max_position_embeddings = float(
@@ -128,7 +129,7 @@ class RotaryEmbedding(_ExactFrequencies):
         return frequencies.rope(self.rotary_dim, self.base, self.scaling)[0]
 
     def _make_long_inv_freq(self) -> Tensor:
-        seq_len = None if self.rope_type != "longrope" else int(self.original_max_position_embeddings) + 1
+        seq_len = None if self.per_call_scaling != "longrope" else int(self.original_max_position_embeddings) + 1
         return frequencies.rope(self.rotary_dim, self.base, self.scaling, seq_len)[0]
 
     def _apply(self, fn, recurse=True):
@@ -184,10 +185,10 @@ class RotaryEmbedding(_ExactFrequencies):
     def inv_freq_for(self, q: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
                     cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """The frequencies this call uses (those of ``frequencies.rope(..., seq_len=L)``)."""
-        if self.rope_type == "static":
+        if self.per_call_scaling == "none":
             return self.inv_freq
         seq_len = self._seq_len(q, positions, offset, cu_seqlens).to(self.inv_freq.device)
-        if self.rope_type == "longrope":
+        if self.per_call_scaling == "longrope":
             return torch.where(seq_len > self.original_max_position_embeddings, self.long_inv_freq, self.inv_freq)
         # Dynamic NTK: base' = base * s^(r / (r - 2)), so inv_freq' = inv_freq * s^(-2i / (r - 2)).
         limit = self.max_position_embeddings

@@ -141,9 +141,14 @@ RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t
   attention_scale_ = freqs.attention_scale;
 }
 
+// dynamic NTK and LongRoPE depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
+bool RotaryEmbeddingImpl::per_call_scaling() const {
+  const auto& type = scaling_.rope_type;
+  return (type == "dynamic" && scaling_.alpha.value_or(0.0) == 0.0) || type == "longrope";
+}
+
 at::Tensor RotaryEmbeddingImpl::inv_freq(std::optional<int64_t> seq_len) const {
-  const bool runtime = scaling_.rope_type == "dynamic" || scaling_.rope_type == "longrope";
-  if (!runtime || !seq_len) return inv_freq_;
+  if (!per_call_scaling() || !seq_len) return inv_freq_;
   return frequencies::rope(rotary_dim_, base_, scaling_, seq_len).inv_freq.to(inv_freq_.device());
 }
 
@@ -163,8 +168,7 @@ std::tuple<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor
                                                                 int64_t offset,
                                                                 const std::optional<at::Tensor>& cu_seqlens) {
   if (inv_freq_.device() != q.device()) inv_freq_ = inv_freq_.to(q.device());
-  const bool runtime = scaling_.rope_type == "dynamic" || scaling_.rope_type == "longrope";
-  const auto freq = runtime ? inv_freq(seq_len_of(q, positions, offset, cu_seqlens)) : inv_freq_;
+  const auto freq = per_call_scaling() ? inv_freq(seq_len_of(q, positions, offset, cu_seqlens)) : inv_freq_;
   return rope_qk(q, k, positions, freq, attention_scale_, layout_, format_, offset, cu_seqlens);
 }
 

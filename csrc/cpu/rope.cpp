@@ -55,39 +55,61 @@ RotaryView<scalar_t> view_of(const at::Tensor& in, const at::Tensor& out, RopeFo
           strides_of(in, format), strides_of(out, format)};
 }
 
-// Pair i is channels (first * i, first * i + second): neox (i, i + pairs), gptj (2i, 2i + 1).
-// kUnit: both rows are contiguous, the loop the compiler vectorizes.
-template <bool kUnit, typename scalar_t, typename opmath_t>
+// Iteration i of the pair loops reads and writes only pair i, so they carry no dependency even in place
+// (out == in); saying so lets the compiler vectorize despite the possible aliasing.
+#if defined(__clang__)
+#define POSENC_NO_CARRIED_DEPENDENCY _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define POSENC_NO_CARRIED_DEPENDENCY _Pragma("GCC ivdep")
+#else
+#define POSENC_NO_CARRIED_DEPENDENCY
+#endif
+
+// One head's row: pair i is channels (i, i + pairs) for neox, (2i, 2i + 1) for gptj; the channels past
+// 2 * pairs are copied. kUnit: both rows are contiguous, which fixes every stride at compile time.
+template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename opmath_t>
 void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step, PairCoeffs<opmath_t> k,
-                int64_t pairs, int64_t first, int64_t second, int64_t head_dim) {
+                int64_t pairs, int64_t head_dim) {
   const int64_t is = kUnit ? 1 : in_step;
   const int64_t os = kUnit ? 1 : out_step;
-  for (const auto i : c10::irange(pairs)) {
-    const int64_t a = first * i;
-    const int64_t b = a + second;
-    const auto x1 = static_cast<opmath_t>(in[a * is]);
-    const auto x2 = static_cast<opmath_t>(in[b * is]);
-    out[a * os] = static_cast<scalar_t>(x1 * k.c1[i] - x2 * k.s1[i]);
-    out[b * os] = static_cast<scalar_t>(x2 * k.c2[i] + x1 * k.s2[i]);
+  const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;       // channel of pair i = first * i
+  const int64_t second = kLayout == RopeLayout::Neox ? pairs : 1;  // its partner, `second` channels on
+  const scalar_t* x1 = in;
+  const scalar_t* x2 = in + second * is;
+  scalar_t* y1 = out;
+  scalar_t* y2 = out + second * os;
+  POSENC_NO_CARRIED_DEPENDENCY
+  for (int64_t i = 0; i < pairs; ++i) {
+    const auto a = static_cast<opmath_t>(x1[i * first * is]);
+    const auto b = static_cast<opmath_t>(x2[i * first * is]);
+    y1[i * first * os] = static_cast<scalar_t>(a * k.c1[i] - b * k.s1[i]);
+    y2[i * first * os] = static_cast<scalar_t>(b * k.c2[i] + a * k.s2[i]);
   }
   if (in == out) return;  // in place: the channels past rotary_dim are already there
   for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d * os] = in[d * is];
 }
 
-template <typename scalar_t, typename opmath_t>
-void rotate_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs,
-                  RopeLayout layout) {
-  const int64_t first = layout == RopeLayout::Neox ? 1 : 2;
-  const int64_t second = layout == RopeLayout::Neox ? pairs : 1;
+template <RopeLayout kLayout, typename scalar_t, typename opmath_t>
+void rotate_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs) {
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   for (const auto h : c10::irange(v.heads)) {
     const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2];
     scalar_t* out = v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2];
     if (unit) {
-      rotate_row<true>(in, 1, out, 1, k, pairs, first, second, v.head_dim);
+      rotate_row<kLayout, true>(in, 1, out, 1, k, pairs, v.head_dim);
     } else {
-      rotate_row<false>(in, v.in_stride[3], out, v.out_stride[3], k, pairs, first, second, v.head_dim);
+      rotate_row<kLayout, false>(in, v.in_stride[3], out, v.out_stride[3], k, pairs, v.head_dim);
     }
+  }
+}
+
+template <typename scalar_t, typename opmath_t>
+void rotate_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs,
+                  RopeLayout layout) {
+  if (layout == RopeLayout::Neox) {
+    rotate_heads<RopeLayout::Neox>(v, b, s, k, pairs);
+  } else {
+    rotate_heads<RopeLayout::Gptj>(v, b, s, k, pairs);
   }
 }
 

@@ -203,6 +203,20 @@ def test_frequencies_match_hugging_face(name, seq_len):
     assert module.attention_scale == pytest.approx(hf_scale, rel=1e-12)
 
 
+def test_fixed_ntk_matches_hugging_face_hunyuan():
+    """Fixed NTK (alpha) lives in transformers' HunYuan models: checkpoints label it "dynamic" with an alpha."""
+    hunyuan = pytest.importorskip("transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense")
+    config = hunyuan.HunYuanDenseV1Config(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                          max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                           "rope_theta": 10000.0})
+    rotary = hunyuan.HunYuanDenseV1RotaryEmbedding(config)
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config)
+    assert_close(module.inv_freq, rotary.inv_freq.double(), rtol=1e-6, atol=0)
+    assert module.attention_scale == rotary.attention_scaling == 1.0
+    q = torch.randn(1, 300, 2, 64)  # 300 > max_position_embeddings would rescale a true dynamic NTK, not this one
+    assert torch.equal(module(q, q, None)[0], PF.rope(q, None, module.inv_freq))
+
+
 def test_from_hf_config_phi3_keeps_original_length_outside_rope_scaling():
     """Phi-3: original_max_position_embeddings beside rope_scaling; factor = 131072 / 4096."""
     config = {"hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 131072,

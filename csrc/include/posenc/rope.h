@@ -86,6 +86,7 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
   int64_t rotary_dim() const { return rotary_dim_; }
 
  private:
+  bool per_call_scaling() const;
   int64_t seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions, int64_t offset,
                      const std::optional<at::Tensor>& cu_seqlens) const;
 
@@ -95,8 +96,7 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
   std::string layout_;
   frequencies::RopeScaling scaling_;
   std::string format_;
-  at::Tensor inv_freq_;       // short (default) frequencies
-  at::Tensor long_inv_freq_;  // longrope beyond original_max_position_embeddings
+  at::Tensor inv_freq_;  // the frequencies of seq_len <= max_position_embeddings (LongRoPE: the short ones)
   double attention_scale_;
 };
 TORCH_MODULE(RotaryEmbedding);
