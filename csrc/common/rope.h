@@ -88,7 +88,7 @@ inline bool check_rope_positions(const char* op, const std::optional<at::Tensor>
 struct RopeArgs {
   RopeLayout layout;
   RopeFormat format;
-  bool shared_positions;
+  bool shared_positions;  // one position (or cos/sin row) per sequence index serves every batch row
 };
 
 // Every check of rope / rope_backward / rope_ (inputs = {x}) and rope_qk / rope_qk_backward (inputs = {q, k}).

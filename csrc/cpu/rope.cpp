@@ -172,6 +172,7 @@ void rotate_by_angles(const std::vector<RotaryView<scalar_t>>& views, const at::
   const bool table = shared && batch > 1;
   std::vector<opmath_t> coeffs(table ? seq * 2 * pairs : 0);
   if (table) {
+    // A sin/cos pair costs roughly as much as rotating 16 channels: weigh the grain accordingly.
     at::parallel_for(0, seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
       for (const auto s : c10::irange(begin, end)) {
         opmath_t* row = &coeffs[s * 2 * pairs];
