@@ -12,6 +12,11 @@ TORCH_LIBRARY(posenc, m) {
   m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
 
   // Learned absolute (SPEC 4.2).
+  m.def("learned(Tensor weight, Tensor positions, int offset=0, int? padding_idx=None) -> Tensor");
+  m.def("add_learned(Tensor x, Tensor weight, Tensor? positions, int offset=0, int? padding_idx=None) -> Tensor");
+  m.def("embed_learned(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor");
+  m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
+  m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
   // Rotary (SPEC 4.3).
   m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> Tensor");

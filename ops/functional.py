@@ -4,9 +4,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backward", "rope", "rope_backward",
-           "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward", "zigzag_positions",
-           "zigzag_positions_varlen"]
+__all__ = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backward"]
 
 
 def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved",
@@ -49,6 +47,61 @@ def embedding_backward(grad: Tensor, indices: Tensor, num_rows: int, scale: floa
     shape or a suffix of it), times ``scale``. Deterministic: the same bits for any thread count."""
     return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
 
+
+# Learned absolute (SPEC 4.2). A position p reads row p + offset of its table; every row must lie in
+# [0, L_max), L_max = the table's row count, or the op raises an error naming the position and L_max.
+
+def learned(weight: Tensor, positions: Tensor, offset: int = 0, padding_idx: Optional[int] = None) -> Tensor:
+    """``weight[positions + offset]``: shape ``positions.shape + [D]`` for integer positions.
+
+    Differentiable w.r.t. weight (deterministically); the ``padding_idx`` row receives no gradient.
+    """
+    return torch.ops.posenc.learned(weight, positions, offset, padding_idx)
+
+
+def add_learned(x: Tensor, weight: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
+                padding_idx: Optional[int] = None) -> Tensor:
+    """``x + weight[positions + offset]`` for x ``[..., S, D]`` and a ``[L_max, D]`` table of x's dtype.
+
+    ``positions``: None (``arange(S)``, so ``offset`` is the cache length), ``[S]`` or x's leading shape.
+    Differentiable w.r.t. x and weight (not its ``padding_idx`` row).
+    """
+    return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)
+
+
+def embed_learned(tokens: Tensor, token_weight: Tensor, pos_weight: Tensor, positions: Optional[Tensor] = None,
+                  token_scale: float = 1.0, padding_idx: Optional[int] = None, offset: int = 0,
+                  pos_padding_idx: Optional[int] = None) -> Tensor:
+    """``token_weight[tokens] * token_scale + pos_weight[positions + offset]`` in one pass (GPT-2's wte + wpe).
+
+    Differentiable w.r.t. both tables; ``padding_idx`` (a token row) and ``pos_padding_idx`` (a position
+    row) receive no gradient. ``token_scale`` (e.g. ``sqrt(d_model)``) scales the token part only.
+    """
+    return torch.ops.posenc.embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx,
+                                          offset, pos_padding_idx)
+
+
+def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
+    """fairseq's ``make_positions`` along the last dimension (int64): padding keeps ``padding_idx``, real
+    tokens are numbered ``padding_idx + 1, padding_idx + 2, ...`` (use a table of
+    ``max_positions + padding_idx + 1`` rows with that ``padding_idx``)."""
+    return torch.ops.posenc.make_positions(tokens, padding_idx)
+
+
+def positions_from_mask(attention_mask: Tensor, pad_position: int = 0) -> Tensor:
+    """Positions of a left-padded batch from its attention mask ``[..., S]`` (nonzero = real token), int64:
+    real tokens count from 0 (``cumsum(mask) - 1``), masked ones get ``pad_position``.
+
+    OPT: ``pad_position=-1`` with ``offset=2`` (padding reads row 1). With a cache of length P and a mask
+    over P + S tokens, the new tokens' positions are ``positions_from_mask(mask)[..., P:]``.
+    """
+    return torch.ops.posenc.positions_from_mask(attention_mask, pad_position)
+
+
+__all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask"]
+
+
+# Rotary (SPEC 4.3). inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
 
 def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
          layout: str = "neox", format: str = "bshd", offset: int = 0,
@@ -167,3 +220,7 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
     # The first half of a sequence's local tokens is chunk cp_rank, the second its mirror 2 cp_size - 1 - cp_rank.
     positions = torch.where(local < c, c * cp_rank + local, c * (2 * cp_size - 1 - cp_rank) + (local - c))
     return positions, cu[sequence] + positions, local_cu.to(cu_seqlens.dtype)
+
+
+__all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
+            "zigzag_positions", "zigzag_positions_varlen"]

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import frequencies
 
-__all__ = ["SinusoidalPositionalEncoding", "SinusoidalEmbedding", "RotaryEmbedding"]
+__all__ = ["SinusoidalPositionalEncoding", "SinusoidalEmbedding"]
 
 
 class _ExactFrequencies(torch.nn.Module):
@@ -80,6 +80,95 @@ class SinusoidalEmbedding(_ExactFrequencies):
     def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
         return torch.ops.posenc.embed_sinusoidal(tokens, self.weight, positions, self.inv_freq, self.token_scale,
                                                  self.padding_idx, self.layout, offset)
+
+
+def _table_row(module: str, padding_idx: Optional[int], rows: int) -> Optional[int]:
+    # nn.Embedding accepts a negative padding_idx counted from the end; the ops take the row itself.
+    if padding_idx is None:
+        return None
+    if not -rows <= padding_idx < rows:
+        raise ValueError(f"posenc.nn.{module}: padding_idx {padding_idx} is outside [-{rows}, {rows})")
+    return padding_idx + rows if padding_idx < 0 else padding_idx
+
+
+def _init_table(table: Tensor, std: float, padding_idx: Optional[int]) -> None:
+    torch.nn.init.normal_(table, std=std)
+    if padding_idx is not None:
+        with torch.no_grad():
+            table[padding_idx].zero_()
+
+
+class LearnedPositionalEmbedding(torch.nn.Module):
+    """``x + weight[positions + offset]`` for x ``[..., S, dim]`` (SPEC 4.2), a trainable position table.
+
+    ``weight`` is ``[max_positions + offset, dim]``: the first ``offset`` rows hold no position of their
+    own (OPT: ``offset=2``). Initialisation: N(0, ``init_std ** 2``), 0.02 as in GPT-2, BERT and OPT,
+    with the ``padding_idx`` row zero; that row never receives a gradient. ``forward``'s ``offset`` (the
+    length of a key/value cache) adds to the module's. Recipes:
+
+    - GPT-2 / BERT: ``LearnedPositionalEmbedding(n_positions, dim)``, ``forward(x, offset=past_length)``;
+    - OPT: ``offset=2``, ``forward(x, positions_from_mask(mask, pad_position=-1))``;
+    - fairseq: ``LearnedPositionalEmbedding(max_positions + pad + 1, dim, padding_idx=pad)``,
+      ``forward(x, make_positions(tokens, pad))``.
+    """
+
+    def __init__(self, max_positions: int, dim: int, padding_idx: Optional[int] = None, offset: int = 0,
+                 init_std: float = 0.02):
+        super().__init__()
+        if max_positions < 0 or dim < 0 or offset < 0:
+            raise ValueError(f"posenc.nn.LearnedPositionalEmbedding: max_positions {max_positions}, dim {dim} and "
+                             f"offset {offset} must be non-negative")
+        self.max_positions, self.dim, self.offset, self.init_std = max_positions, dim, offset, init_std
+        self.padding_idx = _table_row("LearnedPositionalEmbedding", padding_idx, max_positions + offset)
+        self.weight = torch.nn.Parameter(torch.empty(max_positions + offset, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_table(self.weight, self.init_std, self.padding_idx)
+
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
+        return torch.ops.posenc.add_learned(x, self.weight, positions, self.offset + offset, self.padding_idx)
+
+    def extra_repr(self) -> str:
+        return (f"max_positions={self.max_positions}, dim={self.dim}, padding_idx={self.padding_idx}, "
+                f"offset={self.offset}")
+
+
+class LearnedEmbedding(torch.nn.Module):
+    """Token and learned position embeddings in one op (GPT-2's ``wte(tokens) + wpe(positions)``):
+    ``token_weight[tokens] * token_scale + pos_weight[positions + offset]``.
+
+    Tables as in :class:`LearnedPositionalEmbedding`: N(0, ``init_std ** 2``), the ``padding_idx``
+    row of ``token_weight`` zero and without gradient; ``pos_weight`` is ``[max_positions + offset, dim]``.
+    """
+
+    def __init__(self, num_embeddings: int, max_positions: int, dim: int, padding_idx: Optional[int] = None,
+                 token_scale: float = 1.0, offset: int = 0, init_std: float = 0.02):
+        super().__init__()
+        if num_embeddings < 0 or max_positions < 0 or dim < 0 or offset < 0:
+            raise ValueError(f"posenc.nn.LearnedEmbedding: num_embeddings {num_embeddings}, max_positions "
+                             f"{max_positions}, dim {dim} and offset {offset} must be non-negative")
+        self.num_embeddings, self.max_positions, self.dim = num_embeddings, max_positions, dim
+        self.token_scale, self.offset, self.init_std = token_scale, offset, init_std
+        self.padding_idx = _table_row("LearnedEmbedding", padding_idx, num_embeddings)
+        self.token_weight = torch.nn.Parameter(torch.empty(num_embeddings, dim))
+        self.pos_weight = torch.nn.Parameter(torch.empty(max_positions + offset, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_table(self.token_weight, self.init_std, self.padding_idx)
+        _init_table(self.pos_weight, self.init_std, None)
+
+    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
+        return torch.ops.posenc.embed_learned(tokens, self.token_weight, self.pos_weight, positions,
+                                              self.token_scale, self.padding_idx, self.offset + offset)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, max_positions={self.max_positions}, dim={self.dim}, "
+                f"padding_idx={self.padding_idx}, token_scale={self.token_scale}, offset={self.offset}")
+
+
+__all__ += ["LearnedPositionalEmbedding", "LearnedEmbedding"]
 
 
 _SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}
@@ -205,3 +294,6 @@ class RotaryEmbedding(_ExactFrequencies):
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, layout={self.layout!r}, "
                 f"format={self.format!r}, scaling={self.scaling}")
+
+
+__all__ += ["RotaryEmbedding"]

@@ -24,6 +24,22 @@ class SinusoidalFixture(torch.nn.Module):
         return self.embed(tokens), self.encode(x, None, 3)
 
 
+class LearnedFixture(torch.nn.Module):
+    """GPT-2 style fused token + position embedding (token_scale 2, padding row 0) after a cache of
+    `past_length` tokens; an OPT style positional embedding (offset 2) of a second input at positions
+    from a left-padding mask; and fairseq positions of the tokens (padding_idx 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = posenc.nn.LearnedEmbedding(11, 8, 4, padding_idx=0, token_scale=2.0)
+        self.position = posenc.nn.LearnedPositionalEmbedding(6, 4, offset=2)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, x: torch.Tensor, past_length: int):
+        positions = torch.ops.posenc.positions_from_mask(attention_mask, -1)
+        return (self.embed(tokens, None, past_length), self.position(x, positions),
+                torch.ops.posenc.make_positions(tokens, 0))
+
+
 class RopeFixture(torch.nn.Module):
     """Rotary q/k of an attention layer: RotaryEmbedding(head_dim 8, rotary_dim 6, base 100, linear factor 2,
     neox) on bshd q [B,S,4,8] / k [B,S,2,8] with per-row positions and offset 2; then gptj rope of packed thd
@@ -42,6 +58,7 @@ class RopeFixture(torch.nn.Module):
 
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
+    "learned": LearnedFixture,
     "rope": RopeFixture,
 }
 

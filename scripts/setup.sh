@@ -20,4 +20,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
+# Relative paths in ccache's keys: a fresh clone elsewhere reuses the objects compiled here.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 POSENC_BUILD_TESTS=1 "$PYTHON" -m pip install --no-build-isolation -q -e .

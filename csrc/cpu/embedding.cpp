@@ -6,47 +6,83 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace posenc {
 namespace {
 
-// Threads split the channels, never the rows: every table entry sums its rows in row order, so the
-// result is the same bits for any thread count.
+// Gradient rows grouped by the table row they go to, each group in increasing order (a stable counting
+// sort): row r's gradient rows are order[start[r] .. start[r + 1]). The padding row gets none.
+struct RowGroups {
+  std::vector<int64_t> start;
+  std::vector<int64_t> order;
+};
+
+RowGroups group_rows(const int64_t* id, int64_t num_ids, int64_t num_grad_rows, int64_t num_rows, int64_t skip) {
+  RowGroups groups{std::vector<int64_t>(num_rows + 1, 0), {}};
+  for (const auto n : c10::irange(num_grad_rows)) {
+    const int64_t row = id[n % num_ids];
+    if (row != skip) ++groups.start[row + 1];
+  }
+  for (const auto r : c10::irange(num_rows)) groups.start[r + 1] += groups.start[r];
+  groups.order.resize(groups.start[num_rows]);
+  std::vector<int64_t> next(groups.start.begin(), groups.start.end() - 1);
+  for (const auto n : c10::irange(num_grad_rows)) {
+    const int64_t row = id[n % num_ids];
+    if (row != skip) groups.order[next[row]++] = n;
+  }
+  return groups;
+}
+
+// Threads split the channels, never the rows: every table entry sums its gradient rows in row order,
+// so the result is the same bits for any thread count. Each entry is accumulated in maths precision
+// and written once, so no float copy of the table is needed for fp16/bf16.
 at::Tensor embedding_backward_cpu(const at::Tensor& grad, const at::Tensor& indices, int64_t num_rows, double scale,
                                   std::optional<int64_t> padding_idx) {
   constexpr const char* op = "embedding_backward";
   check_embedding_backward(grad, indices, num_rows, padding_idx);
   check_indices_in_range(op, "indices", indices, num_rows, "num_rows");
   const int64_t width = grad.size(-1);
+  auto out = at::empty({num_rows, width}, grad.options());
+  if (out.numel() == 0) return out;
   const auto rows = grad.contiguous();
   const auto ids = indices.to(at::kLong).contiguous();
   const int64_t num_ids = ids.numel();
-  const int64_t skip = padding_idx.value_or(-1);
-  const auto acc_dtype = at::toOpMathType(grad.scalar_type());
-  auto acc = at::zeros({num_rows, width}, grad.options().dtype(acc_dtype));
-  if (num_ids == 0 || width == 0) return acc.to(grad.scalar_type());
+  const int64_t num_grad_rows = rows.numel() / width;
+  const auto groups = group_rows(ids.const_data_ptr<int64_t>(), num_ids, num_grad_rows, num_rows,
+                                 padding_idx.value_or(-1));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_embedding_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     const scalar_t* src = rows.const_data_ptr<scalar_t>();
-    const int64_t* id = ids.const_data_ptr<int64_t>();
-    opmath_t* dst = acc.mutable_data_ptr<opmath_t>();
-    const int64_t num_grad_rows = rows.numel() / width;
-    const int64_t grain = std::max<int64_t>(16, kGrainSize / std::max<int64_t>(num_grad_rows, 1));
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    const auto row_scale = static_cast<opmath_t>(scale);
+    const int64_t grain = std::max<int64_t>(16, kGrainSize / (num_rows + num_grad_rows));
     at::parallel_for(0, width, grain, [&](int64_t begin, int64_t end) {
-      for (const auto n : c10::irange(num_grad_rows)) {
-        const int64_t row = id[n % num_ids];
-        if (row == skip) continue;
-        const scalar_t* g = src + n * width;
-        opmath_t* w = dst + row * width;
-        for (const auto d : c10::irange(begin, end)) w[d] += static_cast<opmath_t>(g[d]);
+      const int64_t channels = end - begin;
+      std::vector<opmath_t> acc(channels);
+      for (const auto r : c10::irange(num_rows)) {
+        scalar_t* __restrict__ w = dst + r * width + begin;
+        const int64_t first = groups.start[r];
+        const int64_t last = groups.start[r + 1];
+        if (first == last) {
+          std::fill_n(w, channels, scalar_t(0));
+          continue;
+        }
+        std::fill(acc.begin(), acc.end(), opmath_t(0));
+        for (const auto k : c10::irange(first, last)) {
+          const scalar_t* __restrict__ g = src + groups.order[k] * width + begin;
+          for (int64_t d = 0; d < channels; ++d) acc[d] += static_cast<opmath_t>(g[d]);
+        }
+        for (int64_t d = 0; d < channels; ++d) w[d] = static_cast<scalar_t>(acc[d] * row_scale);
       }
     });
   });
-  if (scale != 1.0) acc.mul_(scale);
-  return acc.to(grad.scalar_type());
+  return out;
 }
 
 }  // namespace

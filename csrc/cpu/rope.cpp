@@ -113,15 +113,16 @@ void rotate_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeff
   }
 }
 
-// cos/sin of each pair of a position, times the attention scale; sin negated for the inverse rotation.
+// cos/sin of each pair of a position (the angle engine's row, vectorized), times the attention scale; sin
+// negated for the inverse rotation.
 template <typename opmath_t>
 void angle_coeffs(double position, const double* inv_freq, int64_t pairs, opmath_t scale, bool inverse,
                   opmath_t* cos, opmath_t* sin) {
+  sincos_row(position, inv_freq, pairs, sin, cos);
   const opmath_t sin_scale = inverse ? -scale : scale;
-  for (const auto i : c10::irange(pairs)) {
-    const auto sc = sincos<opmath_t>(position * inv_freq[i]);
-    cos[i] = sc.cos * scale;
-    sin[i] = sc.sin * sin_scale;
+  for (int64_t i = 0; i < pairs; ++i) {
+    cos[i] *= scale;
+    sin[i] *= sin_scale;
   }
 }
 

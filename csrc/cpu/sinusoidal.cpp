@@ -16,25 +16,24 @@
 namespace posenc {
 namespace {
 
-// The encoding of one position, pe[0, 2F), in maths precision.
+// The encoding of one position, pe[0, 2F), in maths precision; `scratch` holds 2F values.
 template <typename opmath_t>
-void encode_position(double position, const double* inv_freq, int64_t pairs, SinusoidalLayout layout, opmath_t* pe) {
-  for (const auto i : c10::irange(pairs)) {
-    const auto sc = sincos<opmath_t>(position * inv_freq[i]);
-    switch (layout) {
-      case SinusoidalLayout::Interleaved:
-        pe[2 * i] = sc.sin;
-        pe[2 * i + 1] = sc.cos;
-        break;
-      case SinusoidalLayout::Half:
-        pe[i] = sc.sin;
-        pe[pairs + i] = sc.cos;
-        break;
-      case SinusoidalLayout::HalfCosFirst:
-        pe[i] = sc.cos;
-        pe[pairs + i] = sc.sin;
-        break;
-    }
+void encode_position(double position, const double* inv_freq, int64_t pairs, SinusoidalLayout layout, opmath_t* pe,
+                     opmath_t* scratch) {
+  switch (layout) {
+    case SinusoidalLayout::Half:
+      sincos_row(position, inv_freq, pairs, pe, pe + pairs);
+      break;
+    case SinusoidalLayout::HalfCosFirst:
+      sincos_row(position, inv_freq, pairs, pe + pairs, pe);
+      break;
+    case SinusoidalLayout::Interleaved:
+      sincos_row(position, inv_freq, pairs, scratch, scratch + pairs);
+      for (const auto i : c10::irange(pairs)) {
+        pe[2 * i] = scratch[i];
+        pe[2 * i + 1] = scratch[pairs + i];
+      }
+      break;
   }
 }
 
@@ -55,17 +54,20 @@ void add_encoding(const at::Tensor& positions, bool shared, const at::Tensor& in
   if (shared) {
     table.resize(seq_len * encoded);
     at::parallel_for(0, seq_len, rows_per_task(encoded), [&](int64_t begin, int64_t end) {
-      for (const auto s : c10::irange(begin, end)) encode_position(pos[s], freq, pairs, layout, &table[s * encoded]);
+      std::vector<opmath_t> scratch(encoded);
+      for (const auto s : c10::irange(begin, end)) {
+        encode_position(pos[s], freq, pairs, layout, &table[s * encoded], scratch.data());
+      }
     });
   }
   at::parallel_for(0, rows, rows_per_task(width), [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> own(shared ? 0 : encoded);
+    std::vector<opmath_t> own(shared ? 0 : 2 * encoded);
     for (const auto n : c10::irange(begin, end)) {
       const opmath_t* pe = own.data();
       if (shared) {
         pe = &table[(n % seq_len) * encoded];
       } else {
-        encode_position(pos[n], freq, pairs, layout, own.data());
+        encode_position(pos[n], freq, pairs, layout, own.data(), own.data() + encoded);
       }
       const scalar_t* src = row(n);
       scalar_t* dst = out + n * width;
@@ -93,9 +95,9 @@ at::Tensor sinusoidal_cpu(const at::Tensor& positions, const at::Tensor& inv_fre
     const double* p = pos.const_data_ptr<double>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, pos.numel(), rows_per_task(2 * pairs), [&](int64_t begin, int64_t end) {
-      std::vector<opmath_t> pe(2 * pairs);
+      std::vector<opmath_t> pe(4 * pairs);
       for (const auto n : c10::irange(begin, end)) {
-        encode_position(p[n], freq.const_data_ptr<double>(), pairs, pair_layout, pe.data());
+        encode_position(p[n], freq.const_data_ptr<double>(), pairs, pair_layout, pe.data(), pe.data() + 2 * pairs);
         for (const auto d : c10::irange(2 * pairs)) dst[n * 2 * pairs + d] = static_cast<scalar_t>(pe[d]);
       }
     });

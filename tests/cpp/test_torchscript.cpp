@@ -66,6 +66,53 @@ TEST(TorchScript, SinusoidalForwardAndBackward) {
   }
 }
 
+TEST(TorchScript, LearnedForwardAndBackward) {
+  auto module = load_fixture("learned");
+  const auto tokens = torch::tensor({{0, 0, 7, 10}, {3, 1, 4, 1}});
+  const auto mask = tokens.ne(0).to(at::kLong);
+  auto x = torch::randn({2, 4, 4}, torch::requires_grad(true));
+  const auto outputs = module.forward({tokens, mask, x, 3}).toTuple();
+  const auto embedded = outputs->elements()[0].toTensor();
+  const auto positioned = outputs->elements()[1].toTensor();
+  const auto fairseq = outputs->elements()[2].toTensor();
+
+  // GPT-2: token_weight[tokens] * 2 + pos_weight[3 .. 7).
+  const auto token_weight = parameter(module, "embed.token_weight");
+  const auto pos_weight = parameter(module, "embed.pos_weight");
+  const auto expected_embedded = token_weight.detach().index_select(0, tokens.flatten()).view({2, 4, 4}) * 2.0 +
+                                 pos_weight.detach().slice(0, 3, 7);
+  EXPECT_LT(max_abs_diff(embedded, expected_embedded), 1e-6);
+  // OPT: rows cumsum(mask) - 1 + 2 for real tokens, row 1 for padding.
+  const auto weight = parameter(module, "position.weight");
+  const auto rows = torch::tensor({{1, 1, 2, 3}, {2, 3, 4, 5}});
+  const auto expected_positioned = x.detach() + weight.detach().index_select(0, rows.flatten()).view({2, 4, 4});
+  EXPECT_LT(max_abs_diff(positioned, expected_positioned), 1e-6);
+  EXPECT_TRUE(torch::equal(fairseq, torch::tensor({{0, 0, 1, 2}, {1, 2, 3, 4}})));
+
+  const auto grad = torch::randn_like(embedded);
+  const auto grad_positioned = torch::randn_like(positioned);
+  torch::autograd::backward({embedded, positioned}, {grad, grad_positioned});
+  auto expected_token_grad = torch::zeros({11, 4}).index_add_(0, tokens.flatten(), grad.view({8, 4})) * 2.0;
+  expected_token_grad[0] = 0;  // padding_idx
+  EXPECT_LT(max_abs_diff(token_weight.grad(), expected_token_grad), 1e-5);
+  auto expected_pos_grad = torch::zeros({8, 4});
+  expected_pos_grad.slice(0, 3, 7) += grad.sum(0);
+  EXPECT_LT(max_abs_diff(pos_weight.grad(), expected_pos_grad), 1e-5);
+  const auto expected_weight_grad = torch::zeros({8, 4}).index_add_(0, rows.flatten(), grad_positioned.view({8, 4}));
+  EXPECT_LT(max_abs_diff(weight.grad(), expected_weight_grad), 1e-5);
+  EXPECT_TRUE(torch::equal(x.grad(), grad_positioned));
+
+  // A cache of 5 puts the last token at position 8 of an 8-row table: an error inside the scripted module.
+  try {
+    module.forward({tokens, mask, x, 5});
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("posenc.embed_learned: position 8 is outside [0, L_max) with L_max = 8"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(TorchScript, RopeForwardAndBackward) {
   auto module = load_fixture("rope");
   auto q = torch::randn({2, 5, 4, 8}, torch::requires_grad(true));

@@ -3,6 +3,7 @@
 // TorchScript see the same `posenc::` ops as Python's torch.ops.posenc.
 #include <posenc/embedding.h>
 #include <posenc/frequencies.h>
+#include <posenc/learned.h>
 #include <posenc/rope.h>
 #include <posenc/sinusoidal.h>
 

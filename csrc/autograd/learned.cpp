@@ -1,0 +1,153 @@
+// Autograd of the learned family: torch::autograd::Functions at the Autograd key that call the forward
+// ops below autograd and scatter gradients into the tables with the deterministic embedding_backward.
+// Only integer positions/tokens are saved, never x or a table.
+#include <posenc/embedding.h>
+#include <posenc/learned.h>
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/arange.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace posenc {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The table rows the forward read: positions + offset, or offset + arange(seq_len) without positions.
+at::Tensor position_rows(const at::Tensor& positions, const c10::SymInt& seq_len, int64_t offset,
+                         const at::TensorOptions& options) {
+  if (positions.defined()) return offset == 0 ? positions : positions.to(at::kLong).add(offset);
+  return at::arange(c10::Scalar(offset), c10::Scalar(seq_len + offset), options.dtype(at::kLong));
+}
+
+void save_table(AutogradContext* ctx, const char* name, const at::Tensor& table, std::optional<int64_t> padding_idx,
+                const char* padding_name) {
+  ctx->saved_data[name] = table.sym_size(0);
+  ctx->saved_data[padding_name] = padding_idx;
+}
+
+struct Learned : public torch::autograd::Function<Learned> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& positions,
+                            int64_t offset, std::optional<int64_t> padding_idx) {
+    ctx->save_for_backward({positions});
+    save_table(ctx, "rows", weight, padding_idx, "padding_idx");
+    ctx->saved_data["offset"] = offset;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return learned(weight, positions, offset, padding_idx);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& grad = grad_outputs[0];
+    const auto rows = position_rows(ctx->get_saved_variables()[0], 0, ctx->saved_data["offset"].toInt(),
+                                    grad.options());
+    return {embedding_backward_symint(grad, rows, ctx->saved_data["rows"].toSymInt(), 1.0,
+                                      ctx->saved_data["padding_idx"].toOptional<int64_t>()),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// d/dx is the identity; d/dweight scatters grad's rows to the positions read.
+struct AddLearned : public torch::autograd::Function<AddLearned> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& positions, int64_t offset,
+                            std::optional<int64_t> padding_idx) {
+    ctx->save_for_backward({positions.value_or(at::Tensor())});
+    save_table(ctx, "rows", weight, padding_idx, "padding_idx");
+    ctx->saved_data["offset"] = offset;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_learned(x, weight, positions, offset, padding_idx);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& grad = grad_outputs[0];
+    at::Tensor grad_weight;
+    if (ctx->needs_input_grad(1)) {
+      const auto rows = position_rows(ctx->get_saved_variables()[0], grad.sym_size(-2),
+                                      ctx->saved_data["offset"].toInt(), grad.options());
+      grad_weight = embedding_backward_symint(grad, rows, ctx->saved_data["rows"].toSymInt(), 1.0,
+                                              ctx->saved_data["padding_idx"].toOptional<int64_t>());
+    }
+    return {ctx->needs_input_grad(0) ? grad : at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// d/dtoken_weight: grad's rows scattered to their tokens, times token_scale; d/dpos_weight: to positions.
+struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& token_weight,
+                            const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
+                            double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
+                            std::optional<int64_t> pos_padding_idx) {
+    ctx->save_for_backward({tokens, positions.value_or(at::Tensor())});
+    save_table(ctx, "vocab", token_weight, padding_idx, "padding_idx");
+    save_table(ctx, "rows", pos_weight, pos_padding_idx, "pos_padding_idx");
+    ctx->saved_data["token_scale"] = token_scale;
+    ctx->saved_data["offset"] = offset;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
+                         pos_padding_idx);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& grad = grad_outputs[0];
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad_tokens_table;
+    at::Tensor grad_pos_table;
+    if (ctx->needs_input_grad(1)) {
+      grad_tokens_table = embedding_backward_symint(grad, saved[0], ctx->saved_data["vocab"].toSymInt(),
+                                                    ctx->saved_data["token_scale"].toDouble(),
+                                                    ctx->saved_data["padding_idx"].toOptional<int64_t>());
+    }
+    if (ctx->needs_input_grad(2)) {
+      const auto rows = position_rows(saved[1], grad.sym_size(-2),
+                                      ctx->saved_data["offset"].toInt(), grad.options());
+      grad_pos_table = embedding_backward_symint(grad, rows, ctx->saved_data["rows"].toSymInt(), 1.0,
+                                                 ctx->saved_data["pos_padding_idx"].toOptional<int64_t>());
+    }
+    return {at::Tensor(), grad_tokens_table, grad_pos_table, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor learned_autograd(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
+                            std::optional<int64_t> padding_idx) {
+  return Learned::apply(weight, positions, offset, padding_idx);
+}
+
+at::Tensor add_learned_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& positions, int64_t offset,
+                                std::optional<int64_t> padding_idx) {
+  return AddLearned::apply(x, weight, positions, offset, padding_idx);
+}
+
+at::Tensor embed_learned_autograd(const at::Tensor& tokens, const at::Tensor& token_weight,
+                                  const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
+                                  double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
+                                  std::optional<int64_t> pos_padding_idx) {
+  return EmbedLearned::apply(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
+                             pos_padding_idx);
+}
+
+// Integer outputs: nothing to differentiate, even for a floating mask that requires grad.
+at::Tensor make_positions_autograd(const at::Tensor& tokens, int64_t padding_idx) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return make_positions(tokens, padding_idx);
+}
+
+at::Tensor positions_from_mask_autograd(const at::Tensor& attention_mask, int64_t pad_position) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return positions_from_mask(attention_mask, pad_position);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
+  m.impl("learned", TORCH_FN(learned_autograd));
+  m.impl("add_learned", TORCH_FN(add_learned_autograd));
+  m.impl("embed_learned", TORCH_FN(embed_learned_autograd));
+  m.impl("make_positions", TORCH_FN(make_positions_autograd));
+  m.impl("positions_from_mask", TORCH_FN(positions_from_mask_autograd));
+}
+
+}  // namespace posenc

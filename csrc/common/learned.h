@@ -1,0 +1,89 @@
+#pragma once
+// Checks of the learned family, shared by its CPU and Meta kernels (metadata only). The range of
+// position values needs the data, so the CPU kernels check it (cpu/learned.cpp).
+#include "common/checks.h"
+
+namespace posenc {
+
+// An embedding table: [rows, D], floating.
+inline void check_table(const char* op, const char* arg, const at::Tensor& table) {
+  check_floating(op, arg, table);
+  TORCH_CHECK(table.dim() == 2, "posenc.", op, ": ", arg, " must be [rows, D], got shape ", table.sym_sizes());
+}
+
+inline void check_same_dtype(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& ref,
+                             const char* ref_arg) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "posenc.", op, ": ", arg, " is ", t.scalar_type(), " but ",
+              ref_arg, " is ", ref.scalar_type());
+}
+
+inline void check_same_width(const char* op, const char* arg, const c10::SymInt& width, const at::Tensor& table,
+                             const char* table_arg) {
+  TORCH_CHECK(width == table.sym_size(1), "posenc.", op, ": ", arg, " has ", width, " channels but ", table_arg,
+              " has ", table.sym_size(1));
+}
+
+// Learned positions index a table, so they are integers (floating positions are sinusoidal-only).
+inline void check_learned_positions(const char* op, const std::optional<at::Tensor>& positions,
+                                    const at::Tensor& ref) {
+  if (!positions) return;
+  check_index(op, "positions", *positions);
+  check_same_device(op, "positions", *positions, ref);
+}
+
+inline void check_learned(const at::Tensor& weight, const at::Tensor& positions, std::optional<int64_t> padding_idx) {
+  constexpr const char* op = "learned";
+  check_table(op, "weight", weight);
+  check_learned_positions(op, positions, weight);
+  check_padding_idx(op, padding_idx, weight.sym_size(0));
+}
+
+// Returns whether the positions are shared across the leading dimensions of x.
+inline bool check_add_learned(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& positions,
+                              std::optional<int64_t> padding_idx) {
+  constexpr const char* op = "add_learned";
+  check_floating(op, "x", x);
+  TORCH_CHECK(x.dim() >= 2, "posenc.", op, ": x must be [..., S, D], got shape ", x.sym_sizes());
+  check_table(op, "weight", weight);
+  check_same_device(op, "weight", weight, x);
+  check_same_dtype(op, "weight", weight, x, "x");
+  check_same_width(op, "x", x.sym_size(-1), weight, "weight");
+  check_learned_positions(op, positions, x);
+  check_padding_idx(op, padding_idx, weight.sym_size(0));
+  return check_row_positions(op, "x", x.sym_sizes().slice(0, x.dim() - 1), positions);
+}
+
+inline bool check_embed_learned(const at::Tensor& tokens, const at::Tensor& token_weight, const at::Tensor& pos_weight,
+                                const std::optional<at::Tensor>& positions, std::optional<int64_t> padding_idx,
+                                std::optional<int64_t> pos_padding_idx) {
+  constexpr const char* op = "embed_learned";
+  check_index(op, "tokens", tokens);
+  TORCH_CHECK(tokens.dim() >= 1, "posenc.", op, ": tokens must be [..., S], got a 0-d tensor");
+  check_table(op, "token_weight", token_weight);
+  check_table(op, "pos_weight", pos_weight);
+  check_same_device(op, "token_weight", token_weight, tokens);
+  check_same_device(op, "pos_weight", pos_weight, tokens);
+  check_same_dtype(op, "pos_weight", pos_weight, token_weight, "token_weight");
+  check_same_width(op, "token_weight", token_weight.sym_size(1), pos_weight, "pos_weight");
+  check_learned_positions(op, positions, tokens);
+  check_padding_idx(op, padding_idx, token_weight.sym_size(0));
+  check_padding_idx(op, pos_padding_idx, pos_weight.sym_size(0));
+  return check_row_positions(op, "tokens", tokens.sym_sizes(), positions);
+}
+
+inline void check_make_positions(const at::Tensor& tokens) {
+  constexpr const char* op = "make_positions";
+  check_index(op, "tokens", tokens);
+  TORCH_CHECK(tokens.dim() >= 1, "posenc.", op, ": tokens must be [..., S], got a 0-d tensor");
+}
+
+// Any real (non-complex) dtype: Hugging Face masks are int64, others pass bool or float masks.
+inline void check_positions_from_mask(const at::Tensor& attention_mask) {
+  constexpr const char* op = "positions_from_mask";
+  check_defined(op, "attention_mask", attention_mask);
+  TORCH_CHECK(!at::isComplexType(attention_mask.scalar_type()), "posenc.", op,
+              ": attention_mask must be a bool, integer or floating tensor, got ", attention_mask.scalar_type());
+  TORCH_CHECK(attention_mask.dim() >= 1, "posenc.", op, ": attention_mask must be [..., S], got a 0-d tensor");
+}
+
+}  // namespace posenc

@@ -1,0 +1,54 @@
+// Meta kernels of the learned family: the same checks and output metadata as CPU, no data read.
+#include "common/learned.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace posenc {
+namespace {
+
+at::Tensor learned_meta(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
+                        std::optional<int64_t> padding_idx) {
+  check_learned(weight, positions, padding_idx);
+  auto sizes = positions.sym_sizes().vec();
+  sizes.push_back(weight.sym_size(1));
+  return at::empty_symint(sizes, weight.options());
+}
+
+at::Tensor add_learned_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& positions,
+                            int64_t offset, std::optional<int64_t> padding_idx) {
+  check_add_learned(x, weight, positions, padding_idx);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor embed_learned_meta(const at::Tensor& tokens, const at::Tensor& token_weight, const at::Tensor& pos_weight,
+                              const std::optional<at::Tensor>& positions, double token_scale,
+                              std::optional<int64_t> padding_idx, int64_t offset,
+                              std::optional<int64_t> pos_padding_idx) {
+  check_embed_learned(tokens, token_weight, pos_weight, positions, padding_idx, pos_padding_idx);
+  auto sizes = tokens.sym_sizes().vec();
+  sizes.push_back(token_weight.sym_size(1));
+  return at::empty_symint(sizes, token_weight.options());
+}
+
+at::Tensor make_positions_meta(const at::Tensor& tokens, int64_t padding_idx) {
+  check_make_positions(tokens);
+  return at::empty_symint(tokens.sym_sizes(), tokens.options().dtype(at::kLong));
+}
+
+at::Tensor positions_from_mask_meta(const at::Tensor& attention_mask, int64_t pad_position) {
+  check_positions_from_mask(attention_mask);
+  return at::empty_symint(attention_mask.sym_sizes(), attention_mask.options().dtype(at::kLong));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("learned", TORCH_FN(learned_meta));
+  m.impl("add_learned", TORCH_FN(add_learned_meta));
+  m.impl("embed_learned", TORCH_FN(embed_learned_meta));
+  m.impl("make_positions", TORCH_FN(make_positions_meta));
+  m.impl("positions_from_mask", TORCH_FN(positions_from_mask_meta));
+}
+
+}  // namespace posenc

@@ -1,0 +1,446 @@
+"""Learned absolute position embeddings (SPEC 4.2): references, gradients, determinism, bad input,
+opcheck, compile, export, TorchScript, and the Hugging Face GPT-2 and OPT conventions."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posenc
+from posenc import functional as PF
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+POSITIONS = ["default", "shared", "per_row", "int32"]
+
+
+def table(rows, dim, dtype=torch.float32, contiguous=True, requires_grad=False, device="cpu"):
+    """A [rows, dim] table; non-contiguous ones are the transpose of a [dim, rows] tensor."""
+    t = torch.randn(rows, dim, dtype=dtype, device=device)
+    t = t if contiguous else torch.randn(dim, rows, dtype=dtype, device=device).t()
+    return t.requires_grad_(requires_grad)
+
+
+def sample_positions(kind, leading, max_row, offset):
+    """Positions of a [*leading] input whose rows (positions + offset) lie in [0, max_row)."""
+    if kind == "default":
+        return None
+    shape = leading[-1:] if kind == "shared" else leading
+    positions = torch.randint(0, max_row - offset, shape)
+    return positions.int() if kind == "int32" else positions
+
+
+def reference_rows(positions, seq_len, offset):
+    return (torch.arange(seq_len) if positions is None else positions.long()) + offset
+
+
+def grads(output, inputs, grad_output):
+    return torch.autograd.grad(output, inputs, grad_output)
+
+
+def assert_grads_close(actual, expected):
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e.to(a.dtype))
+
+
+# --- values and gradients against torch.nn.functional.embedding --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", POSITIONS)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_add_learned_matches_embedding(dtype, kind, contiguous):
+    batch, seq_len, dim, max_positions, offset = (2, 3), 5, 12, 11, 3
+    x = torch.randn(*batch, dim, seq_len, dtype=dtype).transpose(-1, -2)  # [..., S, D], strided
+    x = (x.contiguous() if contiguous else x).requires_grad_()
+    weight = table(max_positions, dim, dtype, contiguous, requires_grad=True)
+    positions = sample_positions(kind, (*batch, seq_len), max_positions, offset)
+
+    out = PF.add_learned(x, weight, positions, offset, padding_idx=4)
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    expected = x64 + F.embedding(reference_rows(positions, seq_len, offset), w64, padding_idx=4)
+    torch.testing.assert_close(out, expected.to(dtype))
+    assert out.is_contiguous() and out.dtype == dtype
+
+    grad_out = torch.randn_like(out)
+    assert_grads_close(grads(out, (x, weight), grad_out), grads(expected, (x64, w64), grad_out.double()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", POSITIONS)
+def test_embed_learned_matches_embedding(dtype, kind):
+    batch, seq_len, dim, vocab, max_positions, offset, scale = (3,), 6, 8, 9, 10, 2, math.sqrt(8)
+    tokens = torch.randint(0, vocab, (*batch, seq_len))
+    tokens[0, :2] = 1  # some padding
+    token_weight = table(vocab, dim, dtype, requires_grad=True)
+    pos_weight = table(max_positions, dim, dtype, contiguous=False, requires_grad=True)
+    positions = sample_positions(kind, tokens.shape, max_positions, offset)
+
+    out = PF.embed_learned(tokens, token_weight, pos_weight, positions, scale, padding_idx=1, offset=offset,
+                           pos_padding_idx=offset)
+    tw64, pw64 = (w.detach().double().requires_grad_() for w in (token_weight, pos_weight))
+    rows = reference_rows(positions, seq_len, offset)
+    expected = (F.embedding(tokens, tw64, padding_idx=1) * scale + F.embedding(rows, pw64, padding_idx=offset))
+    torch.testing.assert_close(out, expected.to(dtype))
+
+    grad_out = torch.randn_like(out)
+    actual = grads(out, (token_weight, pos_weight), grad_out)
+    assert_grads_close(actual, grads(expected, (tw64, pw64), grad_out.double()))
+    assert actual[0][1].eq(0).all(), "the padding_idx row of token_weight got a gradient"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_learned_matches_embedding(dtype):
+    weight = table(7, 5, dtype, requires_grad=True)
+    positions = torch.randint(0, 5, (2, 3, 4))
+    out = PF.learned(weight, positions, offset=2, padding_idx=6)
+    w64 = weight.detach().double().requires_grad_()
+    expected = F.embedding(positions + 2, w64, padding_idx=6)
+    assert torch.equal(out, expected.to(dtype))  # a gather copies bits
+    grad_out = torch.randn_like(out)
+    assert_grads_close(grads(out, (weight,), grad_out), grads(expected, (w64,), grad_out.double()))
+    assert torch.equal(PF.learned(weight, torch.tensor(3)), weight[3])  # 0-d positions give one row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_rounds_like_torch_for_every_bit_pattern(dtype):
+    # Every 16-bit pattern (denormals, infinities, NaNs included) as x: one rounding of the float result,
+    # the same bits as torch's own conversions.
+    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256)
+    for weight in (torch.zeros(256, 256, dtype=dtype), torch.randn(256, 256).to(dtype)):
+        expected = (x.float() + weight.float()).to(dtype)
+        torch.testing.assert_close(PF.add_learned(x, weight), expected, rtol=0, atol=0, equal_nan=True)
+    tokens = torch.arange(256).expand(3, 256)
+    token_weight = torch.randn(256, 256).to(dtype)
+    expected = (token_weight.float()[tokens] * 0.25 + x.float()).to(dtype)  # an exact product, with or without FMA
+    torch.testing.assert_close(PF.embed_learned(tokens, token_weight, x, None, 0.25), expected, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+def test_token_scale_applies_to_tokens_only():
+    token_weight, pos_weight = table(4, 6), table(5, 6)
+    tokens = torch.tensor([[0, 3, 2]])
+    out = PF.embed_learned(tokens, token_weight, pos_weight, None, token_scale=4.0)
+    torch.testing.assert_close(out, token_weight[tokens] * 4.0 + pos_weight[:3])
+
+
+def test_positions_and_offset_select_the_rows_they_name():
+    # Explicit positions, the offset of a cache and per-row positions all select the rows they name.
+    weight = torch.arange(20.0).reshape(10, 2)
+    x = torch.zeros(2, 3, 2)
+    assert PF.add_learned(x, weight, offset=4)[0, :, 0].tolist() == [8.0, 10.0, 12.0]
+    per_row = torch.tensor([[0, 1, 2], [7, 8, 9]])
+    assert PF.add_learned(x, weight, per_row)[:, :, 1].tolist() == [[1.0, 3.0, 5.0], [15.0, 17.0, 19.0]]
+
+
+def test_empty_inputs_give_empty_results():
+    weight = table(4, 3, requires_grad=True)
+    assert PF.add_learned(torch.randn(2, 0, 3), weight).shape == (2, 0, 3)
+    assert PF.learned(weight, torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, 3)
+    out = PF.embed_learned(torch.zeros(0, 4, dtype=torch.long), table(2, 3), weight)
+    assert out.shape == (0, 4, 3)
+    out.sum().backward()
+    assert weight.grad.eq(0).all()
+    assert PF.make_positions(torch.zeros(3, 0, dtype=torch.long), 1).shape == (3, 0)
+
+
+def test_nan_and_inf_propagate():
+    weight = table(4, 2)
+    weight[1, 0] = float("nan")
+    x = torch.zeros(1, 3, 2)
+    x[0, 2, 1] = float("inf")
+    out = PF.add_learned(x, weight)
+    assert out[0, 1, 0].isnan() and out[0, 2, 1].isinf() and out.isfinite().sum() == 4
+
+
+# --- determinism -----------------------------------------------------------------------------------------
+
+
+def test_table_gradients_are_bitwise_identical_for_1_and_2_threads():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (8, 512))  # many repeats per row: the order of sums matters
+    positions = torch.randint(0, 600, (8, 512))
+    token_weight = table(50, 256, requires_grad=True)
+    pos_weight = table(600, 256, requires_grad=True)
+    grad_out = torch.randn(8, 512, 256)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 1, 2):
+            torch.set_num_threads(n)
+            out = PF.embed_learned(tokens, token_weight, pos_weight, positions, 0.5)
+            results.append((out, *grads(out, (token_weight, pos_weight), grad_out)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    expected = F.embedding(tokens, token_weight) * 0.5 + F.embedding(positions, pos_weight)
+    assert_grads_close(results[0][1:], grads(expected, (token_weight, pos_weight), grad_out))
+
+
+# --- positions: fairseq, attention masks, OPT -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_make_positions_matches_fairseq(dtype):
+    tokens = torch.randint(0, 6, (3, 4, 9), dtype=dtype)
+    padding_idx = 1
+    mask = tokens.ne(padding_idx).int()
+    expected = (torch.cumsum(mask, dim=-1).type_as(mask) * mask).long() + padding_idx  # fairseq.utils.make_positions
+    out = PF.make_positions(tokens, padding_idx)
+    assert out.dtype == torch.long and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float32])
+def test_positions_from_mask_left_padding(dtype):
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]]).to(dtype)
+    assert PF.positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]
+    # OPT: (cumsum(mask) * mask - 1), so padding is -1 and reads row 1 of a table offset by 2.
+    long_mask = mask.long()
+    opt = torch.cumsum(long_mask, dim=1) * long_mask - 1
+    assert torch.equal(PF.positions_from_mask(mask, pad_position=-1), opt)
+
+
+# --- bad input (SPEC 5) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call, position, limit", [
+    (lambda w: PF.learned(w, torch.tensor([[0, 10]])), 10, 10),
+    (lambda w: PF.learned(w, torch.tensor([-1]), padding_idx=0), -1, 10),
+    (lambda w: PF.learned(w, torch.tensor([3], dtype=torch.int32), offset=7), 10, 10),
+    (lambda w: PF.add_learned(torch.zeros(2, 4, 3), w, offset=7), 10, 10),
+    (lambda w: PF.add_learned(torch.zeros(2, 11, 3), w), 10, 10),
+    (lambda w: PF.add_learned(torch.zeros(2, 2, 3), w, torch.tensor([[0, 1], [1, 12]])), 12, 10),
+    (lambda w: PF.embed_learned(torch.zeros(2, 3, dtype=torch.long), table(5, 3), w, torch.tensor([0, -2, 1])), -2, 10),
+    (lambda w: PF.embed_learned(torch.zeros(1, 3, dtype=torch.long), table(5, 3), w, offset=-1), -1, 10),
+])
+def test_out_of_range_positions_name_the_op_position_and_l_max(call, position, limit):
+    weight = table(10, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=rf"posenc\.\w+: position {position} is outside \[0, L_max\) with "
+                                           rf"L_max = {limit}"):
+        call(weight)
+
+
+def test_offset_overflow_is_an_error_not_a_wraparound():
+    with pytest.raises(RuntimeError, match=r"posenc\.learned: position \(overflow\)"):
+        PF.learned(table(4, 2), torch.tensor([5]), offset=2**63 - 2)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.learned(table(4, 2), torch.tensor([0.0])), r"learned: positions must be an int64 or int32"),
+    (lambda: PF.learned(torch.zeros(4, 2, dtype=torch.long), torch.tensor([0])), r"learned: weight must be a floating"),
+    (lambda: PF.learned(torch.zeros(4), torch.tensor([0])), r"learned: weight must be \[rows, D\]"),
+    (lambda: PF.learned(table(4, 2), torch.tensor([0]), padding_idx=4), r"learned: padding_idx 4 is outside \[0, 4\)"),
+    (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 3)), r"add_learned: x has 2 channels but weight has 3"),
+    (lambda: PF.add_learned(torch.zeros(3), table(4, 3)), r"add_learned: x must be \[\.\.\., S, D\]"),
+    (lambda: PF.add_learned(torch.zeros(3, 2, dtype=torch.long), table(4, 2)), r"add_learned: x must be a floating"),
+    (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 2, torch.float64)),
+     r"add_learned: weight is Double but x is Float"),
+    (lambda: PF.add_learned(torch.zeros(2, 3, 2), table(4, 2), torch.zeros(2, 2, dtype=torch.long)),
+     r"add_learned: positions has shape \[2, 2\] but x needs \[3\] or \[2, 3\]"),
+    (lambda: PF.add_learned(torch.zeros(3, 2), table(4, 2, device="meta")), r"add_learned: weight is on meta"),
+    (lambda: PF.embed_learned(torch.tensor([0, 5]), table(5, 2), table(4, 2)),
+     r"embed_learned: tokens holds 5 at flat index 1, outside \[0, 5\)"),
+    (lambda: PF.embed_learned(torch.tensor([0.0]), table(5, 2), table(4, 2)),
+     r"embed_learned: tokens must be an int64"),
+    (lambda: PF.embed_learned(torch.tensor(0), table(5, 2), table(4, 2)),
+     r"embed_learned: tokens must be \[\.\.\., S\]"),
+    (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 3)),
+     r"embed_learned: token_weight has 2 channels"),
+    (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 2, torch.float16)),
+     r"embed_learned: pos_weight is Half but token_weight is Float"),
+    (lambda: PF.embed_learned(torch.tensor([0]), table(5, 2), table(4, 2), pos_padding_idx=-1),
+     r"embed_learned: padding_idx -1 is outside \[0, 4\)"),
+    (lambda: PF.make_positions(torch.tensor(3), 1), r"make_positions: tokens must be \[\.\.\., S\]"),
+    (lambda: PF.make_positions(torch.tensor([1.0]), 1), r"make_positions: tokens must be an int64"),
+    (lambda: PF.make_positions(torch.tensor([1, 2]), 2**63 - 2), r"make_positions: padding_idx .* leaves no room"),
+    (lambda: PF.positions_from_mask(torch.ones(3, dtype=torch.complex64)),
+     r"positions_from_mask: attention_mask must be"),
+    (lambda: PF.positions_from_mask(torch.tensor(1)), r"positions_from_mask: attention_mask must be \[\.\.\., S\]"),
+])
+def test_bad_input_is_a_clear_error(call, message):
+    with pytest.raises(RuntimeError, match=r"posenc\." + message):
+        call()
+
+
+def test_bad_input_meta_matches_cpu():
+    # Meta kernels run the same metadata checks; position values need data, so only CPU checks their range.
+    meta = dict(device="meta")
+    with pytest.raises(RuntimeError, match=r"posenc\.add_learned: x has 2 channels but weight has 3"):
+        PF.add_learned(torch.empty(3, 2, **meta), torch.empty(4, 3, **meta))
+    with pytest.raises(RuntimeError, match=r"posenc\.embed_learned: pos_weight is Half but token_weight is Float"):
+        PF.embed_learned(torch.empty(2, dtype=torch.long, **meta), torch.empty(4, 3, **meta),
+                         torch.empty(4, 3, dtype=torch.half, **meta))
+    with pytest.raises(RuntimeError, match=r"posenc\.learned: positions must be an int64 or int32"):
+        PF.learned(torch.empty(4, 3, **meta), torch.empty(2, **meta))
+
+
+# --- gradcheck, opcheck, compile, export ------------------------------------------------------------------
+
+
+def test_gradcheck_float64():
+    tokens = torch.tensor([[1, 0, 2, 1], [2, 2, 0, 1]])
+    positions = torch.tensor([[0, 1, 2, 3], [3, 3, 1, 0]])
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    token_weight = table(3, 3, torch.float64, requires_grad=True)
+    pos_weight = table(6, 3, torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda w: PF.learned(w, positions, 1), (pos_weight,))
+    assert torch.autograd.gradcheck(lambda a, w: PF.add_learned(a, w, None, 2), (x, pos_weight))
+    assert torch.autograd.gradcheck(lambda a, w: PF.add_learned(a, w, positions[0], 1), (x, pos_weight))
+    assert torch.autograd.gradcheck(
+        lambda tw, pw: PF.embed_learned(tokens, tw, pw, positions, 1.5, offset=1),
+        (token_weight, pos_weight))
+
+
+def test_double_backward_is_a_clear_error():
+    weight = table(4, 2, torch.float64, requires_grad=True)
+    out = PF.learned(weight, torch.tensor([0, 1, 1]))
+    with pytest.raises(RuntimeError, match=r"posenc\.embedding_backward: double backward"):
+        torch.autograd.grad(out, weight, torch.ones_like(out, requires_grad=True), create_graph=True)
+
+
+def opcheck_samples():
+    tokens = torch.tensor([[1, 0, 2], [2, 2, 0]])
+    weight = table(6, 4, requires_grad=True)
+    yield torch.ops.posenc.learned.default, (weight, torch.tensor([[0, 5], [1, 1]])), {"offset": 0, "padding_idx": 1}
+    yield torch.ops.posenc.add_learned.default, (torch.randn(2, 3, 4, requires_grad=True), weight, None), {"offset": 2}
+    yield torch.ops.posenc.add_learned.default, (torch.randn(2, 3, 4), weight, tokens.int()), {"padding_idx": 0}
+    yield (torch.ops.posenc.embed_learned.default, (tokens, table(3, 4, requires_grad=True), weight, None),
+           {"token_scale": 2.0, "padding_idx": 0, "offset": 3, "pos_padding_idx": 3})
+    yield torch.ops.posenc.embed_learned.default, (tokens, table(3, 4, requires_grad=True), weight, tokens[0]), {}
+    yield torch.ops.posenc.make_positions.default, (tokens, 0), {}
+    yield torch.ops.posenc.positions_from_mask.default, (torch.tensor([[0, 1, 1], [1, 1, 1]]), -1), {}
+
+
+@pytest.mark.parametrize("op, args, kwargs", list(opcheck_samples()))
+def test_opcheck(op, args, kwargs):
+    torch.library.opcheck(op, args, kwargs)
+
+
+def input_embeddings(tokens, attention_mask, token_weight, pos_weight, x):
+    """Every learned op in one function: OPT positions from a mask, fairseq positions, a cache offset."""
+    positions = PF.positions_from_mask(attention_mask, -1)
+    fused = PF.embed_learned(tokens, token_weight, pos_weight, positions, 2.0, 0, 2)
+    fairseq = PF.learned(pos_weight, PF.make_positions(tokens, 0))
+    return fused + fairseq + PF.add_learned(x, pos_weight, None, 1)
+
+
+def input_embeddings_sample():
+    tokens = torch.tensor([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]])
+    return tokens, tokens.ne(0).long(), table(6, 8, requires_grad=True), table(9, 8, requires_grad=True), \
+        torch.randn(2, 5, 8, requires_grad=True)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    args = input_embeddings_sample()
+    compiled = torch.compile(input_embeddings, fullgraph=True, backend="aot_eager", dynamic=True)
+    expected, actual = input_embeddings(*args), compiled(*args)
+    torch.testing.assert_close(actual, expected)
+    grad_out = torch.randn_like(expected)
+    assert_grads_close(grads(actual, args[2:], grad_out), grads(expected, args[2:], grad_out))
+
+
+def test_export_with_a_dynamic_sequence_length():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = posenc.nn.LearnedEmbedding(6, 8, 4, padding_idx=0, offset=2)
+            self.position = posenc.nn.LearnedPositionalEmbedding(8, 4)
+
+        def forward(self, tokens, attention_mask):
+            positions = PF.positions_from_mask(attention_mask, -1)
+            return self.position(self.embed(tokens, positions))
+
+    model = Model()
+    tokens = torch.tensor([[0, 3, 4, 5], [1, 2, 3, 4]])
+    seq = torch.export.Dim("seq", min=2, max=8)
+    program = torch.export.export(model, (tokens, tokens.ne(0).long()), dynamic_shapes=({1: seq}, {1: seq}))
+    for length in (4, 7):
+        tokens = torch.randint(0, 6, (2, length))
+        torch.testing.assert_close(program.module()(tokens, tokens.ne(0).long()), model(tokens, tokens.ne(0).long()))
+    graph = str(program.graph)
+    assert all(f"posenc.{op}" in graph for op in ("positions_from_mask", "embed_learned", "add_learned"))
+
+
+def test_compile_inductor_dynamic():
+    torch._dynamo.reset()
+    module = posenc.nn.LearnedPositionalEmbedding(16, 8, offset=1)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad():  # the backward graph is covered by the aot_eager test; inductor compiles are slow
+        for seq_len in (5, 9):
+            x = torch.randn(2, seq_len, 8)
+            torch.testing.assert_close(compiled(x, None, 2), module(x, None, 2))
+
+
+# --- modules -----------------------------------------------------------------------------------------------
+
+
+def test_positional_module_init_padding_and_offset():
+    torch.manual_seed(0)
+    module = posenc.nn.LearnedPositionalEmbedding(300, 64, padding_idx=-1, offset=2)
+    assert module.weight.shape == (302, 64) and module.padding_idx == 301
+    assert module.weight[301].eq(0).all()
+    assert abs(module.weight.std().item() - 0.02) < 1e-3
+    x = torch.randn(2, 5, 64)
+    positions = torch.tensor([[3, 4, 5, 299, 299]])
+    out = module(x, positions.expand(2, 5), offset=0)
+    torch.testing.assert_close(out, x + module.weight[positions + 2])
+    torch.testing.assert_close(module(x, offset=7), x + module.weight[9:14])
+    with pytest.raises(RuntimeError, match=r"position 302 is outside \[0, L_max\) with L_max = 302"):
+        module(x, torch.tensor([0, 0, 0, 0, 300]))
+
+
+def test_modules_script_and_match_eager():
+    torch.manual_seed(0)
+    positional = posenc.nn.LearnedPositionalEmbedding(16, 6, padding_idx=0, offset=1)
+    embedding = posenc.nn.LearnedEmbedding(10, 16, 6, padding_idx=3, token_scale=2.0)
+    tokens = torch.tensor([[3, 3, 5, 9], [1, 2, 3, 4]])
+    x = torch.randn(2, 4, 6)
+    for module, args in ((positional, (x, None, 2)), (embedding, (tokens, None, 2))):
+        scripted = torch.jit.script(module)
+        assert torch.equal(scripted(*args), module(*args))
+    scripted = torch.jit.script(embedding)
+    scripted(tokens).sum().backward()
+    assert embedding.token_weight.grad[3].eq(0).all() and embedding.token_weight.grad[5].ne(0).all()
+    with pytest.raises(RuntimeError, match=r"posenc\.embed_learned: position 16 is outside"):
+        scripted(tokens, None, 14)
+
+
+# --- Hugging Face transformers ---------------------------------------------------------------------------
+
+
+def test_equals_gpt2_input_embeddings():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_positions=24, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2Model(config).eval()
+    tokens = torch.randint(0, 40, (2, 7))
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    # Left padding as Hugging Face generate() numbers it: cumsum(mask) - 1, padding at position 1.
+    position_ids = PF.positions_from_mask(attention_mask, pad_position=1)
+    hf = model(tokens, attention_mask=attention_mask, position_ids=position_ids,
+               output_hidden_states=True).hidden_states[0]
+    wte, wpe = model.wte.weight, model.wpe.weight
+    ours = PF.embed_learned(tokens, wte, wpe, position_ids)
+    torch.testing.assert_close(ours, hf)
+    grad_out = torch.randn_like(hf)
+    assert_grads_close(grads(ours, (wte, wpe), grad_out), grads(hf, (wte, wpe), grad_out))
+    # Default positions with a cache of 5 tokens: arange(5, 5 + S), GPT-2's past_length numbering.
+    module = posenc.nn.LearnedEmbedding(40, 24, 16)
+    module.load_state_dict({"token_weight": wte.detach(), "pos_weight": wpe.detach()})
+    torch.testing.assert_close(module(tokens, offset=5), model.wte(tokens) + model.wpe(torch.arange(5, 12)))
+
+
+def test_equals_opt_learned_positional_embedding():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=40, max_position_embeddings=20, hidden_size=16, ffn_dim=32,
+                                    num_hidden_layers=1, num_attention_heads=2, word_embed_proj_dim=16)
+    hf = transformers.OPTModel(config).decoder.embed_positions
+    attention_mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    module = posenc.nn.LearnedPositionalEmbedding(20, 16, offset=2)
+    module.load_state_dict(hf.state_dict())
+    for cache_length in (0, 2):
+        expected = hf(attention_mask, cache_length)
+        positions = PF.positions_from_mask(attention_mask, pad_position=-1)[:, cache_length:]
+        torch.testing.assert_close(PF.learned(hf.weight, positions, offset=2), expected)
+        torch.testing.assert_close(module(torch.zeros_like(expected), positions), expected)
