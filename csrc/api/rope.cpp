@@ -15,7 +15,8 @@ at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                 const std::optional<at::Tensor>& cu_seqlens) {
   static const auto op =
       find_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
-                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope");
+                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>(
+          "posenc::rope");
   return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
 }
 

@@ -42,7 +42,9 @@ double context_factor(const RopeScaling& scaling, double original) {
 }
 
 // YaRN's attention factor g(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
-double yarn_mscale(double scale, double mscale = 1.0) { return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+double yarn_mscale(double scale, double mscale = 1.0) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
 
 at::Tensor theta_powers(int64_t rotary_dim, double theta) {
   const auto exponent = at::arange(0, rotary_dim, 2, at::TensorOptions().dtype(at::kDouble)).div(rotary_dim);

@@ -94,7 +94,8 @@ struct RopeArgs {
 // Every check of rope / rope_backward / rope_ (inputs = {x}) and rope_qk / rope_qk_backward (inputs = {q, k}).
 inline RopeArgs check_rope(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                           std::string_view layout, std::string_view format, const std::optional<at::Tensor>& cu_seqlens) {
+                           std::string_view layout, std::string_view format,
+                           const std::optional<at::Tensor>& cu_seqlens) {
   const auto pair_layout = parse_rope_layout(op, layout);
   const auto rope_format = parse_rope_format(op, format);
   check_inv_freq(op, inv_freq);

@@ -172,8 +172,8 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   llama3.original_max_position_embeddings = 64;
   const auto wavelength = 2 * M_PI / plain;
   const auto smooth = (64.0 / wavelength - 1.0) / 3.0;
-  const auto expected = torch::where(wavelength < 16.0, plain,
-                                     torch::where(wavelength > 64.0, plain / 8.0, (1 - smooth) * plain / 8.0 + smooth * plain));
+  const auto medium = (1 - smooth) * plain / 8.0 + smooth * plain;
+  const auto expected = torch::where(wavelength < 16.0, plain, torch::where(wavelength > 64.0, plain / 8.0, medium));
   EXPECT_TRUE(torch::allclose(rope(r, 10000.0, llama3).inv_freq, expected, 1e-14, 0));
 
   RopeScaling longrope;
@@ -259,7 +259,8 @@ TEST(Rope, BadInputIsAnErrorNamingTheArgument) {
   expect_error([&] { posenc::rope(x.to(torch::kInt), std::nullopt, inv_freq); }, "x must be a floating tensor");
   expect_error([&] { posenc::rope(x, std::nullopt, inv_freq, 1.0, "rotate_half"); }, "got \"rotate_half\"");
   const auto packed = torch::randn({6, 2, 8});
-  expect_error([&] { posenc::rope(packed, std::nullopt, inv_freq, 1.0, "neox", "thd", 0, torch::tensor({0, 4, 2, 6})); },
+  const auto decreasing = torch::tensor({0, 4, 2, 6});
+  expect_error([&] { posenc::rope(packed, std::nullopt, inv_freq, 1.0, "neox", "thd", 0, decreasing); },
                "cu_seqlens must not decrease, got 4 then 2");
   expect_error([&] { posenc::rope(packed, std::nullopt, inv_freq, 1.0, "neox", "thd", 0, torch::tensor({0, 4, 5})); },
                "cu_seqlens must end at the token count T = 6, got 5");

@@ -206,9 +206,9 @@ def test_frequencies_match_hugging_face(name, seq_len):
 def test_fixed_ntk_matches_hugging_face_hunyuan():
     """Fixed NTK (alpha) lives in transformers' HunYuan models: checkpoints label it "dynamic" with an alpha."""
     hunyuan = pytest.importorskip("transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense")
+    parameters = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
     config = hunyuan.HunYuanDenseV1Config(hidden_size=256, num_attention_heads=4, head_dim=64,
-                                          max_position_embeddings=128, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
-                                                           "rope_theta": 10000.0})
+                                          max_position_embeddings=128, rope_parameters=parameters)
     rotary = hunyuan.HunYuanDenseV1RotaryEmbedding(config)
     module = posenc.nn.RotaryEmbedding.from_hf_config(config)
     assert_close(module.inv_freq, rotary.inv_freq.double(), rtol=1e-6, atol=0)
@@ -634,7 +634,8 @@ def opcheck_samples():
     cu_seqlens = torch.tensor([0, 4, 9])
     yield "rope", torch.ops.posenc.rope.default, (q, torch.randint(0, 99, (2, 5)), inv_freq, 0.5, "gptj", "bshd", 3)
     yield "rope_thd", torch.ops.posenc.rope.default, (packed, None, inv_freq, 1.0, "neox", "thd", 0, cu_seqlens)
-    yield "rope_bhsd", torch.ops.posenc.rope.default, (q.transpose(1, 2), torch.arange(5), inv_freq, 1.0, "neox", "bhsd")
+    yield "rope_bhsd", torch.ops.posenc.rope.default, (q.transpose(1, 2), torch.arange(5), inv_freq, 1.0, "neox",
+                                                       "bhsd")
     yield "rope_backward", torch.ops.posenc.rope_backward.default, (q, None, inv_freq, 0.5, "neox", "sbhd", 1)
     yield "rope_qk", torch.ops.posenc.rope_qk.default, (q, k, None, inv_freq, 1.0, "gptj")
     yield "rope_qk_backward", torch.ops.posenc.rope_qk_backward.default, (q, k, torch.arange(5), inv_freq)
@@ -734,7 +735,8 @@ INV = FQ.rope(8)[0]
     (lambda: PF.rope_cos_sin(X, torch.randn(4, 5), torch.randn(4, 5)),
      "posenc.rope_cos_sin: rotary_dim 5 .* must be even and positive"),
     (lambda: PF.rope(X, torch.arange(4.0), INV), "posenc.rope: positions must be an int64 .* got Float"),
-    (lambda: PF.rope(X, torch.arange(5), INV), r"posenc.rope: positions has shape \[5\] but needs \[4\] or \[batch, seq\]"),
+    (lambda: PF.rope(X, torch.arange(5), INV),
+     r"posenc.rope: positions has shape \[5\] but needs \[4\] or \[batch, seq\]"),
     (lambda: PF.rope(X, torch.zeros(3, 4, dtype=torch.long), INV), r"positions has shape \[3, 4\]"),
     (lambda: PF.rope(X[0], torch.zeros(1, 4, dtype=torch.long), INV, format="thd"), r"positions has shape \[1, 4\]"),
     (lambda: PF.rope(X.long(), None, INV), "posenc.rope: x must be a floating tensor, got Long"),
@@ -745,7 +747,8 @@ INV = FQ.rope(8)[0]
     (lambda: PF.rope(X, None, INV, cu_seqlens=torch.tensor([0, 4])), 'cu_seqlens needs format "thd"'),
     (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0, 3, 2, 4])),
      "posenc.rope: cu_seqlens must not decrease, got 3 then 2 at index 2"),
-    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([1, 4])), "cu_seqlens must start at 0, got 1"),
+    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([1, 4])),
+     "cu_seqlens must start at 0, got 1"),
     (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0, 3])),
      "cu_seqlens must end at the token count T = 4, got 3"),
     (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0.0, 4.0])),
