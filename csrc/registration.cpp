@@ -19,6 +19,13 @@ TORCH_LIBRARY(posenc, m) {
   m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
   // Rotary (SPEC 4.3).
+  m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> Tensor");
+  m.def("rope_backward(Tensor grad, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> Tensor");
+  m.def("rope_qk(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def("rope_qk_backward(Tensor grad_q, Tensor grad_k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
+  m.def("rope_(Tensor(a!) x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> ()");
+  m.def("rope_cos_sin(Tensor x, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
+  m.def("rope_cos_sin_backward(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
 
   // ALiBi (SPEC 4.4).
   m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");

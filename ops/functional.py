@@ -1,5 +1,5 @@
 """Typed wrappers of torch.ops.posenc.*: same arguments, same order, same defaults as the schemas."""
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -193,3 +193,127 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
     Deterministic: the same bits for any thread count.
     """
     return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
+
+# Rotary (SPEC 4.3). inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
+
+def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
+         layout: str = "neox", format: str = "bshd", offset: int = 0,
+         cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """x rotated by angle(p, i) = p * inv_freq[i], cos and sin scaled by ``attention_scale``.
+
+    ``layout``: ``"neox"`` pairs (x_i, x_{i+r/2}) (Hugging Face ``rotate_half``), ``"gptj"`` pairs
+    (x_{2i}, x_{2i+1}) (Meta's original weights). r = 2 * len(inv_freq) <= head_dim; the other channels pass
+    through. ``format``: ``"bshd"`` [B,S,H,D], ``"bhsd"`` [B,H,S,D], ``"sbhd"`` [S,B,H,D] or ``"thd"`` [T,H,D]
+    (packed; with ``cu_seqlens`` [N+1] the positions restart at each sequence). ``positions``: None
+    (``offset + arange``), [S] (or [T]) or [B, S], int64 or int32; ``offset`` is added to given positions too.
+    Any strides (e.g. a view of a fused qkv projection); the result is fresh and contiguous in x's format.
+    Differentiable w.r.t. x: the gradient is the rotation by -angle.
+    """
+    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+
+
+def rope_backward(grad: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
+                  layout: str = "neox", format: str = "bshd", offset: int = 0,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """The gradient of :func:`rope`: ``grad`` rotated by -angle (times attention_scale)."""
+    return torch.ops.posenc.rope_backward(grad, positions, inv_freq, attention_scale, layout, format, offset,
+                                          cu_seqlens)
+
+
+def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
+            layout: str = "neox", format: str = "bshd", offset: int = 0,
+            cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`rope` of q and k in one pass (each angle formed once for both). q and k share the format,
+    batch and sequence sizes and dtype; their head counts (GQA/MQA) and head dims may differ."""
+    return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+
+
+def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
+                     attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
+                     cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The gradient of :func:`rope_qk`."""
+    return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
+                                             offset, cu_seqlens)
+
+
+def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
+          layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """:func:`rope` in place (x keeps its strides), for inference paths; returns x.
+
+    Under autograd x must not be a leaf that requires grad; a non-leaf x is rebased onto the rotation."""
+    torch.ops.posenc.rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+    return x
+
+
+def rope_cos_sin(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", format: str = "bshd") -> Tensor:
+    """``x * cos + rotate(x) * sin`` with explicit tables, Hugging Face's ``apply_rotary_pos_emb`` for one tensor.
+
+    ``cos``/``sin``: [S, r] or [B or 1, S, r] ([T, r] for ``"thd"``), r <= head_dim, any floating dtype, as
+    Hugging Face builds them (``cat(freqs, freqs)`` for neox, ``repeat_interleave(freqs, 2)`` for gptj); the
+    channels past r pass through. Differentiable w.r.t. x.
+    """
+    return torch.ops.posenc.rope_cos_sin(x, cos, sin, layout, format)
+
+
+def rope_cos_sin_backward(grad: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox",
+                          format: str = "bshd") -> Tensor:
+    """The gradient of :func:`rope_cos_sin` (its transpose)."""
+    return torch.ops.posenc.rope_cos_sin_backward(grad, cos, sin, layout, format)
+
+
+def _check_cp(op: str, cp_size: int, cp_rank: int) -> None:
+    if cp_size < 1:
+        raise ValueError(f"posenc.{op}: cp_size must be at least 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"posenc.{op}: cp_rank {cp_rank} is outside [0, {cp_size})")
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int,
+                     device: Optional[torch.device] = None) -> Tensor:
+    """Positions of this rank's tokens under the dual-chunk (zigzag) context-parallel split.
+
+    The sequence is cut into 2 * cp_size chunks; rank r holds chunks r and 2 * cp_size - 1 - r, which
+    balances causal attention work. The positions are also the tokens' indices in the full sequence:
+    ``rope(x.index_select(seq_dim, p), p)`` equals ``rope(x)`` at those tokens.
+    """
+    _check_cp("zigzag_positions", cp_size, cp_rank)
+    if seq_len < 0 or seq_len % (2 * cp_size):
+        raise ValueError(f"posenc.zigzag_positions: seq_len {seq_len} must be a multiple of 2 * cp_size = "
+                         f"{2 * cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    mirror = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange(mirror * chunk, (mirror + 1) * chunk, device=device)])
+
+
+def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`zigzag_positions` per packed sequence: ``(positions, indices, local_cu_seqlens)``.
+
+    ``positions`` are within each sequence (pass them to ``rope(..., format="thd")``), ``indices`` select this
+    rank's tokens from the packed [T, H, D] input, ``local_cu_seqlens`` = cu_seqlens // cp_size. Every sequence
+    length must be a multiple of 2 * cp_size (as in TransformerEngine's THD context parallelism).
+    """
+    op = "zigzag_positions_varlen"
+    _check_cp(op, cp_size, cp_rank)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"posenc.{op}: cu_seqlens must be a 1-D int32 or int64 tensor, got {cu_seqlens.dtype} "
+                         f"of shape {list(cu_seqlens.shape)}")
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((lengths < 0).any()):
+        raise ValueError(f"posenc.{op}: cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
+    if bool((lengths % (2 * cp_size) != 0).any()):
+        raise ValueError(f"posenc.{op}: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size}, "
+                         f"got cu_seqlens {cu_seqlens.tolist()}")
+    chunk = lengths // (2 * cp_size)
+    local_cu = cu // cp_size
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), chunk * 2)
+    local = torch.arange(int(local_cu[-1]), device=cu.device) - local_cu[sequence]
+    c = chunk[sequence]
+    # The first half of a sequence's local tokens is chunk cp_rank, the second its mirror 2 cp_size - 1 - cp_rank.
+    positions = torch.where(local < c, c * cp_rank + local, c * (2 * cp_size - 1 - cp_rank) + (local - c))
+    return positions, cu[sequence] + positions, local_cu.to(cu_seqlens.dtype)
+
+
+__all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
+            "zigzag_positions", "zigzag_positions_varlen"]

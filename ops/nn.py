@@ -1,6 +1,6 @@
 """Scriptable modules built on the posenc ops."""
 import math
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -253,3 +253,130 @@ class T5RelativeBias(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
                 f"bidirectional={self.bidirectional}")
+
+_SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}
+
+
+class RotaryEmbedding(_ExactFrequencies):
+    """Rotates q and k (``rope_qk``): ``forward(q, k, positions=None, offset=0, cu_seqlens=None) -> (q, k)``.
+
+    ``scaling`` is a Hugging Face style dict (see :func:`posenc.frequencies.rope`). The float64 frequencies
+    survive ``.to(torch.bfloat16)`` / ``.half()``. "dynamic" and "longrope" choose their frequencies per call
+    from the sequence length L = max position + 1 (positions + offset; offset + S without positions; the
+    longest packed sequence + offset with cu_seqlens): dynamic NTK rescales the base beyond
+    max_position_embeddings, LongRoPE takes its long factors beyond original_max_position_embeddings. Both
+    are tensor computations, so torch.compile traces them without a graph break.
+    """
+
+    __jit_ignored_attributes__ = ["scaling"]
+
+    def __init__(self, head_dim: int, rotary_dim: Optional[int] = None, base: float = 10000.0,
+                 layout: str = "neox", scaling: Optional[Dict[str, Any]] = None, format: str = "bshd"):
+        super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim > head_dim:
+            raise ValueError(f"posenc.nn.RotaryEmbedding: rotary_dim {rotary_dim} exceeds head_dim {head_dim}")
+        if layout not in ("neox", "gptj"):
+            raise ValueError(f'posenc.nn.RotaryEmbedding: layout must be "neox" or "gptj", got "{layout}"')
+        if format not in _SEQ_DIM:
+            raise ValueError(f"posenc.nn.RotaryEmbedding: format must be one of {list(_SEQ_DIM)}, got \"{format}\"")
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self.layout, self.format = layout, format
+        self.seq_dim = _SEQ_DIM[format]
+        self.scaling = dict(scaling or {})
+        inv_freq, self.attention_scale = frequencies.rope(rotary_dim, base, self.scaling)
+        params = self.scaling
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        # The types whose frequencies depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
+        per_call = rope_type in ("dynamic", "longrope") and not params.get("alpha")
+        self.per_call_scaling: str = rope_type if per_call else "none"
+        self.factor = float(params.get("factor") or 1.0)
+        self.max_position_embeddings = float(params.get("max_position_embeddings") or 0)
+        self.original_max_position_embeddings = float(
+            params.get("original_max_position_embeddings") or params.get("max_position_embeddings") or 0)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("long_inv_freq", self._make_long_inv_freq(), persistent=False)
+
+    def _make_inv_freq(self) -> Tensor:
+        return frequencies.rope(self.rotary_dim, self.base, self.scaling)[0]
+
+    def _make_long_inv_freq(self) -> Tensor:
+        seq_len = None if self.per_call_scaling != "longrope" else int(self.original_max_position_embeddings) + 1
+        return frequencies.rope(self.rotary_dim, self.base, self.scaling, seq_len)[0]
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.long_inv_freq = self._make_long_inv_freq().to(self.long_inv_freq.device)
+        return self
+
+    @classmethod
+    def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "bshd",
+                       layer_type: Optional[str] = None) -> "RotaryEmbedding":
+        """The rotary embedding of a Hugging Face config (a ``PretrainedConfig`` or its dict).
+
+        Reads head_dim (else hidden_size // num_attention_heads), partial_rotary_factor, rope_theta and
+        ``rope_parameters`` (or the older ``rope_scaling``), and fills in max_position_embeddings and, for
+        llama3 / yarn / longrope, original_max_position_embeddings as transformers does. ``layer_type`` picks
+        one entry of per-layer-type parameters (e.g. Gemma 3's "full_attention"). Hugging Face's weights expect
+        ``layout="neox"``.
+        """
+        def get(key: str, default: Any = None) -> Any:
+            value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+            return default if value is None else value
+
+        params = get("rope_parameters") or get("rope_scaling") or {}
+        if layer_type is not None:
+            params = params[layer_type]
+        elif params and all(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"posenc.nn.RotaryEmbedding.from_hf_config: rope parameters are per layer type "
+                             f"({list(params)}); pass layer_type")
+        params = dict(params)
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        partial = params.get("partial_rotary_factor") or get("partial_rotary_factor", 1.0)
+        base = params.get("rope_theta") or get("rope_theta", 10000.0)
+        rope_type = params.get("rope_type", params.get("type")) or "default"
+        if get("max_position_embeddings") is not None:
+            params.setdefault("max_position_embeddings", get("max_position_embeddings"))
+        if rope_type in ("llama3", "yarn", "longrope"):
+            # Phi-3 keeps the pretraining length beside rope_scaling; transformers lets that one win.
+            original = get("original_max_position_embeddings")
+            if original is not None:
+                params["original_max_position_embeddings"] = original
+            elif params.get("max_position_embeddings") is not None:
+                params.setdefault("original_max_position_embeddings", params["max_position_embeddings"])
+        return cls(head_dim, int(head_dim * partial), float(base), layout, params, format)
+
+    def _seq_len(self, q: Tensor, positions: Optional[Tensor], offset: int, cu_seqlens: Optional[Tensor]) -> Tensor:
+        if positions is not None and positions.numel() > 0:
+            return positions.max().to(torch.float64) + (offset + 1)
+        if cu_seqlens is not None and cu_seqlens.numel() > 1:
+            return (cu_seqlens[1:] - cu_seqlens[:-1]).max().to(torch.float64) + offset
+        length = offset if positions is not None else q.size(self.seq_dim) + offset
+        return torch.full((), length, dtype=torch.float64, device=q.device)
+
+    def inv_freq_for(self, q: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
+                    cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """The frequencies this call uses (those of ``frequencies.rope(..., seq_len=L)``)."""
+        if self.per_call_scaling == "none":
+            return self.inv_freq
+        seq_len = self._seq_len(q, positions, offset, cu_seqlens).to(self.inv_freq.device)
+        if self.per_call_scaling == "longrope":
+            return torch.where(seq_len > self.original_max_position_embeddings, self.long_inv_freq, self.inv_freq)
+        # Dynamic NTK: base' = base * s^(r / (r - 2)), so inv_freq' = inv_freq * s^(-2i / (r - 2)).
+        limit = self.max_position_embeddings
+        scale = self.factor * seq_len.clamp(min=limit) / limit - (self.factor - 1)
+        exponent = torch.arange(self.rotary_dim // 2, dtype=torch.float64, device=self.inv_freq.device)
+        return self.inv_freq * scale.pow(exponent * (-2.0 / (self.rotary_dim - 2)))
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
+                cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        inv_freq = self.inv_freq_for(q, positions, offset, cu_seqlens)
+        return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, self.attention_scale, self.layout, self.format,
+                                        offset, cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, layout={self.layout!r}, "
+                f"format={self.format!r}, scaling={self.scaling}")
+
+
+__all__ += ["RotaryEmbedding"]

@@ -65,12 +65,28 @@ class T5Fixture(torch.nn.Module):
         q_len, k_len = scores.shape[2], scores.shape[3]
         return scores + self.encoder(q_len, k_len), scores + self.decoder(q_len, k_len, q_offset)
 
+class RopeFixture(torch.nn.Module):
+    """Rotary q/k of an attention layer: RotaryEmbedding(head_dim 8, rotary_dim 6, base 100, linear factor 2,
+    neox) on bshd q [B,S,4,8] / k [B,S,2,8] with per-row positions and offset 2; then gptj rope of packed thd
+    tokens with cu_seqlens and attention_scale 0.5, reusing the module's frequencies."""
+
+    def __init__(self):
+        super().__init__()
+        self.rotary = posenc.nn.RotaryEmbedding(8, 6, base=100.0, scaling={"rope_type": "linear", "factor": 2.0})
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, packed: torch.Tensor,
+                cu_seqlens: torch.Tensor):
+        q, k = self.rotary(q, k, positions, 2)
+        packed = torch.ops.posenc.rope(packed, None, self.rotary.inv_freq, 0.5, "gptj", "thd", 0, cu_seqlens)
+        return q, k, packed
+
 
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
     "learned": LearnedFixture,
     "alibi": AlibiFixture,
     "t5": T5Fixture,
+    "rope": RopeFixture,
 }
 
 

@@ -11,10 +11,12 @@
 
 #include "bias_reference.h"
 #include "reference.h"
+#include "rope_reference.h"
 
 using posenc::test::max_abs_diff;
 using posenc::test::reference_frequencies;
 using posenc::test::reference_pe;
+using posenc::test::reference_rope;
 
 namespace {
 
@@ -161,4 +163,42 @@ TEST(TorchScript, T5ForwardAndBackward) {
   const auto batch_grad = grad.sum(0, /*keepdim=*/true);
   EXPECT_LT(max_abs_diff(encoder_weight.grad(), reference_t5_grad(batch_grad, encoder_buckets, 32)), 1e-4);
   EXPECT_LT(max_abs_diff(decoder_weight.grad(), reference_t5_grad(batch_grad, decoder_buckets, 16)), 1e-4);
+
+TEST(TorchScript, RopeForwardAndBackward) {
+  auto module = load_fixture("rope");
+  auto q = torch::randn({2, 5, 4, 8}, torch::requires_grad(true));
+  auto k = torch::randn({2, 5, 2, 8}, torch::requires_grad(true));
+  const auto positions = torch::randint(0, 4096, {2, 5});
+  auto packed = torch::randn({7, 3, 8}, torch::requires_grad(true));
+  const auto cu_seqlens = torch::tensor({0, 3, 7}, torch::kInt);
+  const auto outputs = module.forward({q, k, positions, packed, cu_seqlens}).toTuple()->elements();
+
+  // inv_freq_i = 100^(-2i/6) / 2 (linear factor 2); the packed sequences restart at 0.
+  auto inv_freq = torch::empty({3}, torch::kDouble);
+  for (int64_t i = 0; i < 3; ++i) inv_freq[i] = std::pow(100.0, -2.0 * i / 6.0) / 2.0;
+  const auto packed_positions = torch::tensor({0, 1, 2, 0, 1, 2, 3});
+  EXPECT_LT(max_abs_diff(outputs[0].toTensor(), reference_rope(q.detach(), positions + 2, inv_freq, "neox")), 2e-6);
+  EXPECT_LT(max_abs_diff(outputs[1].toTensor(), reference_rope(k.detach(), positions + 2, inv_freq, "neox")), 2e-6);
+  EXPECT_LT(max_abs_diff(outputs[2].toTensor(),
+                         reference_rope(packed.detach().unsqueeze(0), packed_positions, inv_freq, "gptj", 0.5)[0]),
+            2e-6);
+
+  // Backward: the rotation by -angle, i.e. the reference with negated frequencies.
+  std::vector<at::Tensor> grads;
+  for (const auto& out : outputs) grads.push_back(torch::randn_like(out.toTensor()));
+  torch::autograd::backward({outputs[0].toTensor(), outputs[1].toTensor(), outputs[2].toTensor()}, grads);
+  EXPECT_LT(max_abs_diff(q.grad(), reference_rope(grads[0], positions + 2, -inv_freq, "neox")), 2e-6);
+  EXPECT_LT(max_abs_diff(k.grad(), reference_rope(grads[1], positions + 2, -inv_freq, "neox")), 2e-6);
+  const auto expected_packed_grad = reference_rope(grads[2].unsqueeze(0), packed_positions, -inv_freq, "gptj", 0.5)[0];
+  EXPECT_LT(max_abs_diff(packed.grad(), expected_packed_grad), 2e-6);
+
+  // Bad cu_seqlens raise inside the scripted module, naming op, argument and value.
+  try {
+    module.forward({q, k, positions, packed, torch::tensor({0, 3, 6}, torch::kInt)});
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("posenc.rope: cu_seqlens must end at the token count T = 7, got 6"),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -2,10 +2,46 @@
 // Frequencies (inv_freq, float64) of every family; twins of Python's posenc.frequencies.
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
 namespace posenc::frequencies {
 
 // omega_i = base^(-i / (dim/2 - shift)), i < dim/2. shift 0: "Attention Is All You Need";
 // shift 1: fairseq / tensor2tensor / Whisper / diffusers.
 at::Tensor sinusoidal(int64_t dim, double base = 10000.0, int64_t shift = 0);
+
+// RoPE scaling, the fields of a Hugging Face `rope_scaling` / `rope_parameters` dict. Unset fields take
+// the defaults of Python's posenc.frequencies.rope.
+struct RopeScaling {
+  // "default", "linear", "dynamic" (NTK, runtime), "ntk" (fixed NTK, alpha), "yarn", "llama3", "longrope".
+  std::string rope_type = "default";
+  std::optional<double> rope_theta;  // replaces `base` when set (Hugging Face v5 keeps theta here)
+  std::optional<double> factor;
+  std::optional<double> alpha;  // fixed NTK: theta * alpha^(r / (r - 2)); `factor` when unset
+  std::optional<double> original_max_position_embeddings;
+  std::optional<double> max_position_embeddings;  // the model's context length (dynamic, yarn, longrope)
+  std::optional<double> attention_factor;
+  std::optional<double> beta_fast;
+  std::optional<double> beta_slow;
+  std::optional<double> mscale;
+  std::optional<double> mscale_all_dim;
+  bool truncate = true;
+  std::optional<double> low_freq_factor;
+  std::optional<double> high_freq_factor;
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
+};
+
+struct RopeFrequencies {
+  at::Tensor inv_freq;  // float64 [rotary_dim / 2]
+  double attention_scale;
+};
+
+// inv_freq_i = theta^(-2i / rotary_dim) under `scaling`; seq_len (the current sequence length, max
+// position + 1) selects the dynamic NTK base and the LongRoPE short/long factors.
+RopeFrequencies rope(int64_t rotary_dim, double base = 10000.0, const RopeScaling& scaling = {},
+                     std::optional<int64_t> seq_len = std::nullopt);
 
 }  // namespace posenc::frequencies

@@ -1,0 +1,177 @@
+#include <posenc/rope.h>
+
+#include "common/dispatch.h"
+#include "common/rope.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/where.h>
+
+namespace posenc {
+
+at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
+                const std::optional<at::Tensor>& cu_seqlens) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
+                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>(
+          "posenc::rope");
+  return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+}
+
+at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                         double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
+                         const std::optional<at::Tensor>& cu_seqlens) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
+                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>(
+          "posenc::rope_backward");
+  return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
+                                           const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                           double attention_scale, std::string_view layout, std::string_view format,
+                                           int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
+      c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_qk");
+  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                    const std::optional<at::Tensor>& positions,
+                                                    const at::Tensor& inv_freq, double attention_scale,
+                                                    std::string_view layout, std::string_view format, int64_t offset,
+                                                    const std::optional<at::Tensor>& cu_seqlens) {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
+      c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_qk_backward");
+  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+}
+
+void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+           double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
+           const std::optional<at::Tensor>& cu_seqlens) {
+  static const auto op =
+      find_op<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double, c10::string_view,
+                   c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_");
+  op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+}
+
+at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::string_view layout,
+                        std::string_view format) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, c10::string_view)>(
+          "posenc::rope_cos_sin");
+  return op.call(x, cos, sin, layout, format);
+}
+
+at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                 std::string_view layout, std::string_view format) {
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, c10::string_view)>(
+          "posenc::rope_cos_sin_backward");
+  return op.call(grad, cos, sin, layout, format);
+}
+
+namespace {
+
+void check_cp(const char* op, int64_t cp_size, int64_t cp_rank) {
+  TORCH_CHECK(cp_size >= 1, "posenc.", op, ": cp_size must be at least 1, got ", cp_size);
+  TORCH_CHECK(cp_rank >= 0 && cp_rank < cp_size, "posenc.", op, ": cp_rank ", cp_rank, " is outside [0, ", cp_size,
+              ")");
+}
+
+}  // namespace
+
+at::Tensor zigzag_positions(int64_t seq_len, int64_t cp_size, int64_t cp_rank, at::TensorOptions options) {
+  constexpr const char* op = "zigzag_positions";
+  check_cp(op, cp_size, cp_rank);
+  TORCH_CHECK(seq_len >= 0 && seq_len % (2 * cp_size) == 0, "posenc.", op, ": seq_len ", seq_len,
+              " must be a multiple of 2 * cp_size = ", 2 * cp_size);
+  const int64_t chunk = seq_len / (2 * cp_size);
+  const int64_t mirror = 2 * cp_size - 1 - cp_rank;
+  return at::cat({at::arange(cp_rank * chunk, (cp_rank + 1) * chunk, options),
+                  at::arange(mirror * chunk, (mirror + 1) * chunk, options)});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen(const at::Tensor& cu_seqlens, int64_t cp_size,
+                                                                       int64_t cp_rank) {
+  constexpr const char* op = "zigzag_positions_varlen";
+  check_cp(op, cp_size, cp_rank);
+  check_index(op, "cu_seqlens", cu_seqlens);
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "posenc.", op,
+              ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens.sizes());
+  const auto cu = cu_seqlens.to(at::kLong);
+  const auto lengths = cu.slice(0, 1).sub(cu.slice(0, 0, -1));
+  TORCH_CHECK(cu[0].item<int64_t>() == 0 && lengths.ge(0).all().item<bool>(), "posenc.", op,
+              ": cu_seqlens must start at 0 and never decrease, got ", cu_seqlens);
+  TORCH_CHECK(lengths.remainder(2 * cp_size).eq(0).all().item<bool>(), "posenc.", op,
+              ": every sequence length must be a multiple of 2 * cp_size = ", 2 * cp_size, ", got cu_seqlens ",
+              cu_seqlens);
+  const auto chunk = lengths.div(2 * cp_size, "floor");
+  const auto local_cu = cu.div(cp_size, "floor");
+  const auto sequence = at::repeat_interleave(at::arange(lengths.size(0), cu.options()), chunk.mul(2));
+  const auto local = at::arange(local_cu[-1].item<int64_t>(), cu.options()).sub(local_cu.index_select(0, sequence));
+  const auto c = chunk.index_select(0, sequence);
+  // The first half of a sequence's local tokens is chunk cp_rank, the second its mirror 2 cp_size - 1 - cp_rank.
+  const auto positions = at::where(local.lt(c), c.mul(cp_rank).add(local),
+                                   c.mul(2 * cp_size - 1 - cp_rank).add(local.sub(c)));
+  const auto indices = cu.index_select(0, sequence).add(positions);
+  return {positions, indices, local_cu.to(cu_seqlens.scalar_type())};
+}
+
+namespace nn {
+
+RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t> rotary_dim, double base,
+                                         std::string layout, frequencies::RopeScaling scaling, std::string format)
+    : head_dim_(head_dim),
+      rotary_dim_(rotary_dim.value_or(head_dim)),
+      base_(base),
+      layout_(std::move(layout)),
+      scaling_(std::move(scaling)),
+      format_(std::move(format)) {
+  constexpr const char* op = "nn.RotaryEmbedding";
+  TORCH_CHECK(rotary_dim_ <= head_dim_, "posenc.", op, ": rotary_dim ", rotary_dim_, " exceeds head_dim ", head_dim_);
+  parse_rope_layout(op, layout_);
+  parse_rope_format(op, format_);
+  const auto freqs = frequencies::rope(rotary_dim_, base_, scaling_);
+  inv_freq_ = freqs.inv_freq;
+  attention_scale_ = freqs.attention_scale;
+}
+
+// dynamic NTK and LongRoPE depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
+bool RotaryEmbeddingImpl::per_call_scaling() const {
+  const auto& type = scaling_.rope_type;
+  return (type == "dynamic" && scaling_.alpha.value_or(0.0) == 0.0) || type == "longrope";
+}
+
+at::Tensor RotaryEmbeddingImpl::inv_freq(std::optional<int64_t> seq_len) const {
+  if (!per_call_scaling() || !seq_len) return inv_freq_;
+  return frequencies::rope(rotary_dim_, base_, scaling_, seq_len).inv_freq.to(inv_freq_.device());
+}
+
+int64_t RotaryEmbeddingImpl::seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions,
+                                        int64_t offset, const std::optional<at::Tensor>& cu_seqlens) const {
+  if (positions) return positions->numel() == 0 ? offset : positions->max().item<int64_t>() + offset + 1;
+  if (cu_seqlens && cu_seqlens->numel() > 1) {
+    const auto lengths = cu_seqlens->slice(0, 1).sub(cu_seqlens->slice(0, 0, -1));
+    return lengths.max().item<int64_t>() + offset;
+  }
+  const auto order = rope_dim_order(parse_rope_format("nn.RotaryEmbedding", format_));
+  return q.size(order[1]) + offset;
+}
+
+std::tuple<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor& q, const at::Tensor& k,
+                                                                const std::optional<at::Tensor>& positions,
+                                                                int64_t offset,
+                                                                const std::optional<at::Tensor>& cu_seqlens) {
+  if (inv_freq_.device() != q.device()) inv_freq_ = inv_freq_.to(q.device());
+  const auto freq = per_call_scaling() ? inv_freq(seq_len_of(q, positions, offset, cu_seqlens)) : inv_freq_;
+  return rope_qk(q, k, positions, freq, attention_scale_, layout_, format_, offset, cu_seqlens);
+}
+
+}  // namespace nn
+}  // namespace posenc

@@ -1,0 +1,146 @@
+#pragma once
+// Checks of the rotary family, shared by its CPU and Meta kernels (metadata only, SymInt-aware).
+#include "common/checks.h"
+
+#include <array>
+
+namespace posenc {
+
+// Channel pairing: "neox" pairs (x_i, x_{i+r/2}) (HF rotate_half), "gptj" pairs (x_2i, x_2i+1).
+enum class RopeLayout { Neox, Gptj };
+
+// Where tokens and heads sit: bshd [B,S,H,D], bhsd [B,H,S,D], sbhd [S,B,H,D], thd [T,H,D] (packed).
+enum class RopeFormat { BSHD, BHSD, SBHD, THD };
+
+inline RopeLayout parse_rope_layout(const char* op, std::string_view layout) {
+  if (layout == "neox") return RopeLayout::Neox;
+  if (layout == "gptj") return RopeLayout::Gptj;
+  TORCH_CHECK(false, "posenc.", op, ": layout must be \"neox\" or \"gptj\", got \"", layout, "\"");
+}
+
+inline RopeFormat parse_rope_format(const char* op, std::string_view format) {
+  if (format == "bshd") return RopeFormat::BSHD;
+  if (format == "bhsd") return RopeFormat::BHSD;
+  if (format == "sbhd") return RopeFormat::SBHD;
+  if (format == "thd") return RopeFormat::THD;
+  TORCH_CHECK(false, "posenc.", op, ": format must be \"bshd\", \"bhsd\", \"sbhd\" or \"thd\", got \"", format, "\"");
+}
+
+// The dimension of x holding batch, sequence, head and channel, in that order; -1: thd has no batch.
+inline std::array<int64_t, 4> rope_dim_order(RopeFormat format) {
+  switch (format) {
+    case RopeFormat::BSHD: return {0, 1, 2, 3};
+    case RopeFormat::BHSD: return {0, 2, 1, 3};
+    case RopeFormat::SBHD: return {1, 0, 2, 3};
+    case RopeFormat::THD: break;
+  }
+  return {-1, 0, 1, 2};
+}
+
+// Sizes of x as [batch, seq, heads, head_dim]; thd reads as one sequence of T tokens.
+inline std::array<c10::SymInt, 4> rope_sizes(const at::Tensor& x, RopeFormat format) {
+  const auto order = rope_dim_order(format);
+  std::array<c10::SymInt, 4> sizes;
+  for (const auto i : c10::irange(4)) sizes[i] = order[i] < 0 ? c10::SymInt(1) : x.sym_size(order[i]);
+  return sizes;
+}
+
+// x must be a floating tensor in `format` whose heads hold at least rotary_dim channels.
+inline std::array<c10::SymInt, 4> check_rope_input(const char* op, const char* arg, const at::Tensor& x,
+                                                   RopeFormat format, const c10::SymInt& rotary_dim) {
+  check_floating(op, arg, x);
+  const int64_t want = format == RopeFormat::THD ? 3 : 4;
+  TORCH_CHECK(x.dim() == want, "posenc.", op, ": ", arg, " must be ", want, "-D for its format, got shape ",
+              x.sym_sizes());
+  auto sizes = rope_sizes(x, format);
+  TORCH_CHECK(sizes[3] >= rotary_dim, "posenc.", op, ": rotary_dim ", rotary_dim, " exceeds the head_dim ", sizes[3],
+              " of ", arg);
+  return sizes;
+}
+
+// cu_seqlens [N + 1] marks the sequences of a packed (thd) input; its values are checked on real data.
+inline void check_cu_seqlens(const char* op, const std::optional<at::Tensor>& cu_seqlens, RopeFormat format,
+                             const at::Tensor& x) {
+  if (!cu_seqlens) return;
+  TORCH_CHECK(format == RopeFormat::THD, "posenc.", op, ": cu_seqlens needs format \"thd\" (packed sequences)");
+  check_index(op, "cu_seqlens", *cu_seqlens);
+  check_same_device(op, "cu_seqlens", *cu_seqlens, x);
+  TORCH_CHECK(cu_seqlens->dim() == 1 && cu_seqlens->sym_size(0) >= 1, "posenc.", op,
+              ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens->sym_sizes());
+}
+
+// Positions: None (offset + arange, restarting per sequence with cu_seqlens), [S] (or [T]) shared by the
+// batch, or [B, S]. Returns whether they are shared by every batch row.
+inline bool check_rope_positions(const char* op, const std::optional<at::Tensor>& positions, RopeFormat format,
+                                 const std::array<c10::SymInt, 4>& sizes, const at::Tensor& x) {
+  if (!positions) return true;
+  TORCH_CHECK(positions->scalar_type() == at::kLong || positions->scalar_type() == at::kInt, "posenc.", op,
+              ": positions must be an int64 (or int32) tensor, got ", positions->scalar_type());
+  check_same_device(op, "positions", *positions, x);
+  const auto shape = positions->sym_sizes();
+  if (shape.size() == 1 && shape[0] == sizes[1]) return true;
+  const bool per_row = format != RopeFormat::THD && shape.size() == 2 && shape[0] == sizes[0] && shape[1] == sizes[1];
+  TORCH_CHECK(per_row, "posenc.", op, ": positions has shape ", shape, " but needs [", sizes[1], "]",
+              format == RopeFormat::THD ? "" : " or [batch, seq]", " for an input of shape ", x.sym_sizes());
+  return false;
+}
+
+struct RopeArgs {
+  RopeLayout layout;
+  RopeFormat format;
+  bool shared_positions;  // one position (or cos/sin row) per sequence index serves every batch row
+};
+
+// Every check of rope / rope_backward / rope_ (inputs = {x}) and rope_qk / rope_qk_backward (inputs = {q, k}).
+inline RopeArgs check_rope(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
+                           const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                           std::string_view layout, std::string_view format,
+                           const std::optional<at::Tensor>& cu_seqlens) {
+  const auto pair_layout = parse_rope_layout(op, layout);
+  const auto rope_format = parse_rope_format(op, format);
+  check_inv_freq(op, inv_freq);
+  const auto rotary_dim = inv_freq.sym_size(0) * 2;
+  const auto& [first_name, first] = *inputs.begin();
+  const auto sizes = check_rope_input(op, first_name, *first, rope_format, rotary_dim);
+  for (const auto& [name, t] : inputs) {
+    if (t == first) continue;
+    const auto other = check_rope_input(op, name, *t, rope_format, rotary_dim);
+    check_same_device(op, name, *t, *first);
+    TORCH_CHECK(t->scalar_type() == first->scalar_type(), "posenc.", op, ": ", name, " is ", t->scalar_type(),
+                " but ", first_name, " is ", first->scalar_type());
+    TORCH_CHECK(other[0] == sizes[0] && other[1] == sizes[1], "posenc.", op, ": ", name, " has shape ",
+                t->sym_sizes(), " whose batch and sequence sizes differ from those of ", first_name, " ",
+                first->sym_sizes());
+  }
+  check_same_device(op, "inv_freq", inv_freq, *first);
+  check_cu_seqlens(op, cu_seqlens, rope_format, *first);
+  const bool shared = check_rope_positions(op, positions, rope_format, sizes, *first);
+  return {pair_layout, rope_format, shared};
+}
+
+// rope_cos_sin: explicit cos/sin tables of width r <= head_dim, [S, r] or [B or 1, S, r] ([T, r] for thd),
+// as Hugging Face builds them (each angle repeated in both channels of its pair).
+inline RopeArgs check_rope_cos_sin(const char* op, const char* arg, const at::Tensor& x, const at::Tensor& cos,
+                                   const at::Tensor& sin, std::string_view layout, std::string_view format) {
+  const auto pair_layout = parse_rope_layout(op, layout);
+  const auto rope_format = parse_rope_format(op, format);
+  check_floating(op, "cos", cos);
+  check_floating(op, "sin", sin);
+  check_same_device(op, "cos", cos, x);
+  check_same_device(op, "sin", sin, x);
+  TORCH_CHECK(cos.sym_sizes().equals(sin.sym_sizes()), "posenc.", op, ": cos has shape ", cos.sym_sizes(),
+              " but sin has shape ", sin.sym_sizes());
+  TORCH_CHECK(cos.dim() == 2 || (cos.dim() == 3 && rope_format != RopeFormat::THD), "posenc.", op,
+              ": cos must be [seq, rotary_dim]", rope_format == RopeFormat::THD ? "" : " or [batch, seq, rotary_dim]",
+              ", got shape ", cos.sym_sizes());
+  const auto rotary_dim = cos.sym_size(-1);
+  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0, "posenc.", op, ": rotary_dim ", rotary_dim,
+              " (the last size of cos) must be even and positive");
+  const auto sizes = check_rope_input(op, arg, x, rope_format, rotary_dim);
+  const bool batch_ok = cos.dim() == 2 || cos.sym_size(0) == 1 || cos.sym_size(0) == sizes[0];
+  TORCH_CHECK(batch_ok && cos.sym_size(-2) == sizes[1], "posenc.", op, ": cos has shape ", cos.sym_sizes(),
+              " which does not match ", arg, " of shape ", x.sym_sizes(), " in format \"", format, "\"");
+  return {pair_layout, rope_format, cos.dim() == 2 || cos.sym_size(0) == 1};
+}
+
+}  // namespace posenc

@@ -1,0 +1,105 @@
+#pragma once
+// Rotary position embeddings (SPEC 4.3).
+#include <posenc/frequencies.h>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+namespace posenc {
+
+// x rotated by angle(p, i) = p * inv_freq[i], cos and sin scaled by attention_scale. layout: "neox"
+// pairs (x_i, x_{i+r/2}), "gptj" pairs (x_2i, x_2i+1); r = 2 * len(inv_freq) <= head_dim, the other
+// channels pass through. format: "bshd", "bhsd", "sbhd" or "thd" (packed; cu_seqlens restarts positions per
+// sequence). positions: none (offset + arange), [S] (or [T]) or [B, S], int64 or int32; offset is added to
+// them too. Any strides; the result is a fresh tensor, contiguous in x's format.
+at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
+                int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+
+// The gradient of rope: grad rotated by -angle (times attention_scale).
+at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                         double attention_scale = 1.0, std::string_view layout = "neox",
+                         std::string_view format = "bshd", int64_t offset = 0,
+                         const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+
+// q and k rotated in one pass (the angles are formed once for both); their head counts may differ.
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
+                                           const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                           double attention_scale = 1.0, std::string_view layout = "neox",
+                                           std::string_view format = "bshd", int64_t offset = 0,
+                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                    const std::optional<at::Tensor>& positions,
+                                                    const at::Tensor& inv_freq, double attention_scale = 1.0,
+                                                    std::string_view layout = "neox", std::string_view format = "bshd",
+                                                    int64_t offset = 0,
+                                                    const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+
+// rope in place, for inference paths (x's own strides are kept).
+void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+           double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
+           int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+
+// Hugging Face's apply_rotary_pos_emb for one tensor: x * cos + rotate(x) * sin with explicit tables
+// [S, r] or [B or 1, S, r] ([T, r] for thd), r <= head_dim; the other channels pass through.
+at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        std::string_view layout = "neox", std::string_view format = "bshd");
+
+at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                 std::string_view layout = "neox", std::string_view format = "bshd");
+
+// Context parallelism, dual-chunk (zigzag) split: the sequence is cut into 2 * cp_size chunks and rank r
+// holds chunks r and 2 * cp_size - 1 - r. Returns the positions of its tokens, which are also their
+// indices in the full sequence: rope(x.index_select(seq_dim, p), p) equals rope(x) at those tokens.
+at::Tensor zigzag_positions(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
+                            at::TensorOptions options = at::TensorOptions().dtype(at::kLong));
+
+// The same per packed sequence: (positions within their sequences, indices into the packed tokens,
+// this rank's cu_seqlens). Every sequence length must divide by 2 * cp_size.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen(const at::Tensor& cu_seqlens, int64_t cp_size,
+                                                                       int64_t cp_rank);
+
+namespace nn {
+
+// Rotates q and k (rope_qk). Frequencies are float64 members, not registered buffers, so
+// module->to(torch::kBFloat16) leaves them exact; they follow q's device. "dynamic" and "longrope"
+// pick their frequencies from the sequence length of each call (max position + 1).
+class RotaryEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t> rotary_dim = std::nullopt,
+                               double base = 10000.0, std::string layout = "neox",
+                               frequencies::RopeScaling scaling = {}, std::string format = "bshd");
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                             const std::optional<at::Tensor>& positions = std::nullopt,
+                                             int64_t offset = 0,
+                                             const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+  // The frequencies used for a sequence of seq_len tokens (max position + 1).
+  at::Tensor inv_freq(std::optional<int64_t> seq_len = std::nullopt) const;
+  double attention_scale() const { return attention_scale_; }
+  int64_t rotary_dim() const { return rotary_dim_; }
+
+ private:
+  bool per_call_scaling() const;
+  int64_t seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions, int64_t offset,
+                     const std::optional<at::Tensor>& cu_seqlens) const;
+
+  int64_t head_dim_;
+  int64_t rotary_dim_;
+  double base_;
+  std::string layout_;
+  frequencies::RopeScaling scaling_;
+  std::string format_;
+  at::Tensor inv_freq_;  // the frequencies of seq_len <= max_position_embeddings (LongRoPE: the short ones)
+  double attention_scale_;
+};
+TORCH_MODULE(RotaryEmbedding);
+
+}  // namespace nn
+}  // namespace posenc

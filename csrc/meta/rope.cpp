@@ -1,0 +1,77 @@
+// Meta kernels of the rotary family: the CPU kernels' checks and output metadata (fresh, contiguous,
+// the input's dtype), no data read. Value checks of cu_seqlens need data and run on real tensors only.
+#include "common/rope.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace posenc {
+namespace {
+
+at::Tensor rope_meta(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                     const std::optional<at::Tensor>& cu_seqlens) {
+  check_rope("rope", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor rope_backward_meta(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
+                              const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
+                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+  check_rope("rope_backward", {{"grad", &grad}}, positions, inv_freq, layout, format, cu_seqlens);
+  return at::empty_symint(grad.sym_sizes(), grad.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_meta(const at::Tensor& q, const at::Tensor& k,
+                                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                                double attention_scale, c10::string_view layout,
+                                                c10::string_view format, int64_t offset,
+                                                const std::optional<at::Tensor>& cu_seqlens) {
+  check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens);
+  return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_backward_meta(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                         const std::optional<at::Tensor>& positions,
+                                                         const at::Tensor& inv_freq, double attention_scale,
+                                                         c10::string_view layout, c10::string_view format,
+                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+  check_rope("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq, layout, format,
+             cu_seqlens);
+  return {at::empty_symint(grad_q.sym_sizes(), grad_q.options()),
+          at::empty_symint(grad_k.sym_sizes(), grad_k.options())};
+}
+
+void rope__meta(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                const std::optional<at::Tensor>& cu_seqlens) {
+  check_rope("rope_", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+}
+
+at::Tensor rope_cos_sin_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                             c10::string_view layout, c10::string_view format) {
+  check_rope_cos_sin("rope_cos_sin", "x", x, cos, sin, layout, format);
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
+at::Tensor rope_cos_sin_backward_meta(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                      c10::string_view layout, c10::string_view format) {
+  check_rope_cos_sin("rope_cos_sin_backward", "grad", grad, cos, sin, layout, format);
+  return at::empty_symint(grad.sym_sizes(), grad.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("rope", TORCH_FN(rope_meta));
+  m.impl("rope_backward", TORCH_FN(rope_backward_meta));
+  m.impl("rope_qk", TORCH_FN(rope_qk_meta));
+  m.impl("rope_qk_backward", TORCH_FN(rope_qk_backward_meta));
+  m.impl("rope_", TORCH_FN(rope__meta));
+  m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_meta));
+  m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_backward_meta));
+}
+
+}  // namespace posenc

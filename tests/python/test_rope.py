@@ -1,0 +1,790 @@
+"""Rotary family: frequencies of every scaling type, the ops against float64 formulas written here and the
+reference libraries (Hugging Face transformers, rotary-embedding-torch), RoPE's properties, gradients,
+context parallelism, the module, opcheck, torch.compile, torch.export and the bad inputs of SPEC 5."""
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import posenc
+from posenc import functional as PF
+from posenc import frequencies as FQ
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
+# Where a bshd tensor's dims go in each format (thd: batch 1 dropped).
+PERMUTE = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+
+
+def tolerance(dtype):
+    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
+            torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
+
+
+def to_format(x, fmt):
+    """bshd [B, S, H, D] -> the layout of `fmt` (thd needs B = 1)."""
+    return x[0] if fmt == "thd" else x.permute(PERMUTE[fmt])
+
+
+def from_format(x, fmt):
+    return x[None] if fmt == "thd" else x.permute(PERMUTE[fmt])  # these permutations are their own inverses
+
+
+def reference_rope(x, positions, inv_freq, layout="neox", scale=1.0):
+    """float64 RoPE of bshd x, written from the definition: each pair (x1, x2) of the layout becomes
+    (x1 cos - x2 sin, x2 cos + x1 sin) * scale with angle = p * inv_freq; positions [S] or [B, S]."""
+    x = x.double()
+    pairs = inv_freq.numel()
+    angle = positions.double()[..., None] * inv_freq.double()  # [.., S, F]
+    cos, sin = (angle.cos() * scale)[..., None, :], (angle.sin() * scale)[..., None, :]
+    if layout == "neox":
+        first, second = torch.arange(pairs), torch.arange(pairs) + pairs
+    else:
+        first, second = torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
+    out = x.clone()
+    x1, x2 = x[..., first], x[..., second]
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x2 * cos + x1 * sin
+    return out
+
+
+# ---------------------------------------------------------------- frequencies (formulas written here)
+
+def powers(rotary_dim, theta):
+    return torch.tensor([theta ** (-2 * i / rotary_dim) for i in range(rotary_dim // 2)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rotary_dim, base", [(2, 10000.0), (64, 10000.0), (128, 500000.0), (96, 1e6)])
+def test_frequencies_default(rotary_dim, base):
+    inv_freq, scale = FQ.rope(rotary_dim, base)
+    assert inv_freq.dtype == torch.float64 and scale == 1.0
+    assert_close(inv_freq, powers(rotary_dim, base), rtol=1e-14, atol=0)
+
+
+def test_frequencies_linear_ntk_and_dynamic():
+    r = 16
+    assert_close(FQ.rope(r, scaling={"type": "linear", "factor": 4.0})[0], powers(r, 1e4) / 4, rtol=1e-14, atol=0)
+    fixed = powers(r, 1e4 * 3.0 ** (r / (r - 2)))
+    assert_close(FQ.rope(r, scaling={"rope_type": "ntk", "alpha": 3.0})[0], fixed, rtol=1e-13, atol=0)
+    # HunYuan checkpoints label fixed NTK "dynamic" with an alpha.
+    assert_close(FQ.rope(r, scaling={"rope_type": "dynamic", "alpha": 3.0})[0], fixed, rtol=1e-13, atol=0)
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 100}
+    for seq_len in [None, 50, 100]:  # up to max_position_embeddings: the original frequencies
+        assert_close(FQ.rope(r, scaling=dynamic, seq_len=seq_len)[0], powers(r, 1e4), rtol=1e-14, atol=0)
+    grown = 1e4 * (2.0 * 300 / 100 - 1.0) ** (r / (r - 2))
+    assert_close(FQ.rope(r, scaling=dynamic, seq_len=300)[0], powers(r, grown), rtol=1e-13, atol=0)
+
+
+def test_frequencies_rope_theta_in_the_dict_replaces_base():
+    assert_close(FQ.rope(8, 10.0, {"rope_theta": 500.0})[0], powers(8, 500.0), rtol=1e-14, atol=0)
+
+
+def yarn_reference(r, theta, factor, original, beta_fast=32, beta_slow=1):
+    """YaRN as the paper and Hugging Face write it, loop by loop."""
+    def corr(n):
+        return r * math.log(original / (n * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), r - 1)
+    high = high + 0.001 if high == low else high
+    out = []
+    for i in range(r // 2):
+        inv = theta ** (-2 * i / r)
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(inv / factor * ramp + inv * (1 - ramp))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_frequencies_yarn_and_deepseek_mscale():
+    scaling = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096}
+    inv_freq, scale = FQ.rope(64, 1e4, scaling)
+    assert_close(inv_freq, yarn_reference(64, 1e4, 16.0, 4096), rtol=1e-13, atol=0)
+    assert scale == pytest.approx(0.1 * math.log(16.0) + 1)
+    deepseek = dict(scaling, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2)
+    inv_freq, scale = FQ.rope(64, 1e4, deepseek)
+    assert_close(inv_freq, yarn_reference(64, 1e4, 16.0, 4096, 16, 2), rtol=1e-13, atol=0)
+    assert scale == pytest.approx((0.1 * 0.707 * math.log(16) + 1) / (0.1 * math.log(16) + 1))
+    # No factor: max_position_embeddings / original; an explicit attention_factor wins.
+    implicit = {"rope_type": "yarn", "original_max_position_embeddings": 1024, "max_position_embeddings": 4096,
+                "attention_factor": 0.5}
+    inv_freq, scale = FQ.rope(32, 1e4, implicit)
+    assert_close(inv_freq, yarn_reference(32, 1e4, 4.0, 1024), rtol=1e-13, atol=0)
+    assert scale == 0.5
+
+
+def test_frequencies_llama3():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    expected = []
+    for inv in powers(128, 500000.0).tolist():
+        wavelength = 2 * math.pi / inv
+        if wavelength < 8192 / 4:
+            expected.append(inv)
+        elif wavelength > 8192 / 1:
+            expected.append(inv / 8)
+        else:
+            smooth = (8192 / wavelength - 1) / (4 - 1)
+            expected.append((1 - smooth) * inv / 8 + smooth * inv)
+    inv_freq, scale = FQ.rope(128, 500000.0, scaling)
+    assert_close(inv_freq, torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=0)
+    assert scale == 1.0
+    # The three bands are all present, so each branch above was checked.
+    ratio = inv_freq / powers(128, 500000.0)
+    assert (ratio == 1).any() and (ratio == 0.125).any() and ((ratio > 0.125) & (ratio < 1)).any()
+
+
+def test_frequencies_longrope_picks_factors_by_sequence_length():
+    short, long = [1.0 + 0.1 * i for i in range(8)], [2.0 + 0.5 * i for i in range(8)]
+    scaling = {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+               "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    for seq_len, factors in [(None, short), (4096, short), (4097, long)]:
+        inv_freq, scale = FQ.rope(16, 1e4, scaling, seq_len)
+        assert_close(inv_freq, powers(16, 1e4) / torch.tensor(factors, dtype=torch.float64), rtol=1e-14, atol=0)
+        assert scale == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+
+
+@pytest.mark.parametrize("args, message", [
+    ((7,), "rotary_dim must be even and at least 2, got 7"),
+    ((0,), "rotary_dim must be even and at least 2, got 0"),
+    ((8, -1.0), "base .* must be positive"),
+    ((8, 1e4, {"rope_type": "su"}), 'unknown rope_type "su"'),
+    ((8, 1e4, {"rope_type": "linear"}), 'rope_type "linear" needs factor'),
+    ((8, 1e4, {"rope_type": "dynamic", "factor": 2.0}), "needs max_position_embeddings"),
+    ((2, 1e4, {"rope_type": "ntk", "alpha": 2.0}), "undefined for rotary_dim 2"),
+    ((8, 1e4, {"rope_type": "yarn", "factor": 2.0}), "needs original_max_position_embeddings"),
+    ((8, 1e4, {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 3,
+               "original_max_position_embeddings": 10}), "long_factor of rotary_dim / 2 = 4 values, got 3"),
+])
+def test_frequencies_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=f"posenc.frequencies.rope: .*{message}"):
+        FQ.rope(*args)
+
+
+# ---------------------------------------------------------------- frequencies against Hugging Face
+
+HF_CASES = {
+    "default": {},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512},
+    "yarn_deepseek": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 256, "mscale": 0.707,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(16)],
+                 "long_factor": [1.5 + 0.3 * i for i in range(16)], "original_max_position_embeddings": 512},
+}
+
+
+def hf_config(params, partial=1.0, max_position_embeddings=4096):
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                    max_position_embeddings=max_position_embeddings,
+                                    rope_parameters=dict(params, rope_theta=50000.0),
+                                    partial_rotary_factor=partial if partial != 1.0 else None)
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+@pytest.mark.parametrize("seq_len", [None, 3000, 9000])
+def test_frequencies_match_hugging_face(name, seq_len):
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    config = hf_config(HF_CASES[name], partial=0.5)
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        head_dim = 32  # the default init lives on the model class: inv_freq = theta^(-2i/d), d = 64 * 0.5
+        hf_inv_freq, hf_scale = 1.0 / (50000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 1.0
+    else:
+        hf_inv_freq, hf_scale = rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config)
+    assert module.rotary_dim == 32 and module.head_dim == 64
+    ours, scale = FQ.rope(32, 50000.0, module.scaling, seq_len)
+    # HF computes in float32: agreement to its rounding (SPEC 3: <= 1e-6 relative).
+    assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale, rel=1e-12)
+    assert module.attention_scale == pytest.approx(hf_scale, rel=1e-12)
+
+
+def test_fixed_ntk_matches_hugging_face_hunyuan():
+    """Fixed NTK (alpha) lives in transformers' HunYuan models: checkpoints label it "dynamic" with an alpha."""
+    hunyuan = pytest.importorskip("transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense")
+    parameters = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
+    config = hunyuan.HunYuanDenseV1Config(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                          max_position_embeddings=128, rope_parameters=parameters)
+    rotary = hunyuan.HunYuanDenseV1RotaryEmbedding(config)
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config)
+    assert_close(module.inv_freq, rotary.inv_freq.double(), rtol=1e-6, atol=0)
+    assert module.attention_scale == rotary.attention_scaling == 1.0
+    q = torch.randn(1, 300, 2, 64)  # 300 > max_position_embeddings would rescale a true dynamic NTK, not this one
+    assert torch.equal(module(q, q, None)[0], PF.rope(q, None, module.inv_freq))
+
+
+def test_from_hf_config_phi3_keeps_original_length_outside_rope_scaling():
+    """Phi-3: original_max_position_embeddings beside rope_scaling; factor = 131072 / 4096."""
+    config = {"hidden_size": 3072, "num_attention_heads": 32, "max_position_embeddings": 131072,
+              "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+              "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [4.0] * 48}}
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config)
+    assert module.rotary_dim == 96
+    assert module.attention_scale == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert_close(module.long_inv_freq, powers(96, 1e4) / 4, rtol=1e-14, atol=0)
+
+
+def test_from_hf_config_per_layer_type_parameters():
+    config = {"head_dim": 16, "num_attention_heads": 2, "max_position_embeddings": 64,
+              "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    with pytest.raises(ValueError, match="pass layer_type"):
+        posenc.nn.RotaryEmbedding.from_hf_config(config)
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config, layer_type="full_attention")
+    assert_close(module.inv_freq, powers(16, 1e6) / 8, rtol=1e-14, atol=0)
+
+
+# ---------------------------------------------------------------- rope values over dtypes, layouts, formats
+
+def positions_for(kind, batch, seq):
+    if kind == "none":
+        return None, torch.arange(seq) + 3
+    p = torch.randint(-100, 5000, (seq,) if kind == "shared" else (batch, seq))
+    return p, p + 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("fmt, kind", [(fmt, kind) for fmt in FORMATS for kind in ["none", "shared", "per_row"]
+                                       if (fmt, kind) != ("thd", "per_row")])  # thd: one position per token
+def test_rope_values(dtype, layout, fmt, kind):
+    batch = 1 if fmt == "thd" else 2
+    x = torch.randn(batch, 7, 3, 12, dtype=dtype)
+    positions, reference_positions = positions_for(kind, batch, 7)
+    inv_freq = FQ.rope(8, 100.0)[0]  # partial: 4 of 12 channels pass through
+    out = PF.rope(to_format(x, fmt), positions, inv_freq, 0.75, layout, fmt, offset=3)
+    assert out.dtype == dtype and out.shape == to_format(x, fmt).shape and out.is_contiguous()
+    expected = reference_rope(x, reference_positions, inv_freq, layout, 0.75)
+    assert_close(from_format(out, fmt).double(), expected, **tolerance(dtype))
+    assert torch.equal(from_format(out, fmt)[..., 8:], x[..., 8:])  # pass-through channels are copied exactly
+
+
+def test_rope_accuracy_float32_up_to_2_pow_20():
+    """SPEC 3: max abs error <= 1e-6 against float64 for |p| <= 2^20, where a float32 angle is off by ~1e-1."""
+    positions = torch.cat([torch.arange(0, 2 ** 20 + 1, 4099), torch.tensor([2 ** 20, -(2 ** 20), 2 ** 20 - 1])])
+    inv_freq = FQ.rope(128)[0]
+    x = torch.randn(1, positions.numel(), 1, 128, dtype=torch.float64)
+    out = PF.rope(x.float(), positions, inv_freq)
+    error = (out.double() - reference_rope(x.float(), positions, inv_freq)).abs().max().item()
+    assert error <= 1e-6
+    angle = positions.float()[:, None] * inv_freq.float()  # the eager float32 recipe
+    naive = x[0, :, 0, :64].float() * angle.cos() - x[0, :, 0, 64:].float() * angle.sin()
+    naive_error = (naive.double() - reference_rope(x.float(), positions, inv_freq)[0, :, 0, :64]).abs().max().item()
+    assert naive_error > 100 * error
+
+
+def test_scores_depend_only_on_relative_position():
+    """The defining property: <rope(q, m), rope(k, n)> is a function of m - n alone (float64)."""
+    inv_freq = FQ.rope(32)[0]
+    q, k = torch.randn(32, dtype=torch.float64), torch.randn(32, dtype=torch.float64)
+    m = torch.randint(-3000, 3000, (400,))
+    delta = torch.randint(-50, 50, (400,))
+    for layout in ["neox", "gptj"]:
+        def rotated(v, p):
+            return PF.rope(v.expand(1, p.numel(), 1, 32), p, inv_freq, layout=layout)[0, :, 0]
+        scores = (rotated(q, m) * rotated(k, m - delta)).sum(-1)
+        at_zero = (rotated(q, delta) * rotated(k, torch.zeros_like(delta))).sum(-1)
+        assert_close(scores, at_zero, atol=1e-11, rtol=0)
+        assert scores.std() > 0.1  # the scores do vary with m - n
+
+
+def test_gptj_equals_neox_after_channel_permutation():
+    """Meta's interleaved pairs are HF's halves after the permutation q/k weights get in conversion."""
+    x = torch.randn(2, 5, 3, 10, dtype=torch.float64)
+    positions = torch.randint(0, 1000, (2, 5))
+    inv_freq = FQ.rope(8)[0]
+    perm = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2), torch.arange(8, 10)])
+    neox = PF.rope(x[..., perm], positions, inv_freq, layout="neox")
+    assert_close(PF.rope(x, positions, inv_freq, layout="gptj"), neox[..., torch.argsort(perm)], atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- strides
+
+def test_rope_reads_views_of_a_fused_qkv_projection():
+    batch, seq, heads, head_dim = 2, 6, 4, 16
+    qkv = torch.randn(batch, seq, 3 * heads * head_dim)
+    q, k, v = qkv.view(batch, seq, 3, heads, head_dim).unbind(2)
+    assert not q.is_contiguous()
+    inv_freq = FQ.rope(head_dim)[0]
+    out_q, out_k = PF.rope_qk(q, k, None, inv_freq)
+    assert_close(out_q, PF.rope(q.contiguous(), None, inv_freq), atol=0, rtol=0)
+    assert_close(out_k, PF.rope(k.contiguous(), None, inv_freq), atol=0, rtol=0)
+    # In place on the view: only q's slots of qkv change.
+    before = qkv.clone()
+    PF.rope_(q, None, inv_freq)
+    fused = qkv.view(batch, seq, 3, heads, head_dim)
+    assert_close(fused[:, :, 0], out_q, atol=0, rtol=0)
+    assert torch.equal(fused[:, :, 1:], before.view(batch, seq, 3, heads, head_dim)[:, :, 1:])
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x[..., ::2],                                   # channel stride 2
+    lambda x: x[:, ::2, 1:, 3:11],                           # sliced
+    lambda x: x[:1, :1].expand(2, 3, 4, 16),                 # stride 0
+    lambda x: x.permute(3, 0, 1, 2).contiguous().permute(1, 2, 3, 0),  # channels outermost in memory
+], ids=["channel_stride", "sliced", "expanded", "channels_outermost"])
+def test_rope_any_strides(make):
+    x = make(torch.randn(2, 6, 4, 16, dtype=torch.float64))
+    inv_freq = FQ.rope(x.shape[-1] - 2)[0]
+    positions = torch.randint(0, 500, (x.shape[1],))
+    out = PF.rope(x, positions, inv_freq, 1.0, "gptj")
+    assert out.is_contiguous()
+    assert_close(out, reference_rope(x, positions, inv_freq, "gptj"), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- packed sequences, qk, in place
+
+def test_thd_cu_seqlens_equals_each_sequence_alone():
+    lengths = [5, 0, 1, 9]
+    cu_seqlens = torch.tensor([0, 5, 5, 6, 15], dtype=torch.int32)
+    x = torch.randn(15, 2, 8)
+    inv_freq = FQ.rope(8)[0]
+    out = PF.rope(x, None, inv_freq, 0.9, "gptj", "thd", 4, cu_seqlens)
+    start = 0
+    for n in lengths:
+        alone = PF.rope(x[start:start + n], None, inv_freq, 0.9, "gptj", "thd", 4)
+        assert torch.equal(out[start:start + n], alone)
+        start += n
+    # Explicit positions take precedence over the restart rule.
+    positions = torch.arange(15)
+    assert torch.equal(PF.rope(x, positions, inv_freq, 1.0, "neox", "thd", 0, cu_seqlens),
+                       PF.rope(x, None, inv_freq, 1.0, "neox", "thd"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rope_qk_equals_two_rope_calls_with_different_head_counts(fmt):
+    batch = 1 if fmt == "thd" else 2
+    q = to_format(torch.randn(batch, 5, 8, 16), fmt)
+    k = to_format(torch.randn(batch, 5, 2, 12), fmt)  # GQA, and a smaller head_dim for k
+    positions = torch.randint(0, 100, (5,))
+    inv_freq = FQ.rope(12)[0]
+    out_q, out_k = PF.rope_qk(q, k, positions, inv_freq, 0.5, "gptj", fmt, 7)
+    assert torch.equal(out_q, PF.rope(q, positions, inv_freq, 0.5, "gptj", fmt, 7))
+    assert torch.equal(out_k, PF.rope(k, positions, inv_freq, 0.5, "gptj", fmt, 7))
+    grad_q, grad_k = torch.randn_like(out_q), torch.randn_like(out_k)
+    back_q, back_k = PF.rope_qk_backward(grad_q, grad_k, positions, inv_freq, 0.5, "gptj", fmt, 7)
+    assert torch.equal(back_q, PF.rope_backward(grad_q, positions, inv_freq, 0.5, "gptj", fmt, 7))
+    assert torch.equal(back_k, PF.rope_backward(grad_k, positions, inv_freq, 0.5, "gptj", fmt, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["bhsd", "thd"])
+def test_rope_inplace_equals_rope(dtype, fmt):
+    x = to_format(torch.randn(1, 6, 3, 10, dtype=dtype), fmt)
+    positions = torch.randint(0, 9000, (6,))
+    inv_freq = FQ.rope(8)[0]
+    expected = PF.rope(x, positions, inv_freq, 2.0, "neox", fmt, 1)
+    y = x.clone()
+    version = y._version
+    assert PF.rope_(y, positions, inv_freq, 2.0, "neox", fmt, 1) is y
+    assert torch.equal(y, expected) and y._version > version
+
+
+def test_rope_inplace_autograd_through_a_non_leaf():
+    leaf = torch.randn(2, 4, 2, 8, dtype=torch.float64, requires_grad=True)
+    inv_freq = FQ.rope(8)[0]
+    x = leaf * 3
+    PF.rope_(x, None, inv_freq)
+    grad = torch.randn_like(x)
+    x.backward(grad)
+    assert_close(leaf.grad, 3 * PF.rope_backward(grad, None, inv_freq))
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        PF.rope_(leaf, None, inv_freq)
+
+
+def test_rope_inplace_rejects_overlapping_memory():
+    x = torch.randn(1, 1, 1, 8).expand(2, 3, 1, 8)
+    with pytest.raises(RuntimeError, match="posenc.rope_: x has elements that share memory"):
+        PF.rope_(x, None, FQ.rope(8)[0])
+
+
+# ---------------------------------------------------------------- gradients
+
+def test_backward_is_the_inverse_rotation():
+    x = torch.randn(2, 5, 3, 10, requires_grad=True)
+    positions = torch.randint(0, 3000, (2, 5))
+    inv_freq = FQ.rope(8)[0]
+    out = PF.rope(x, positions, inv_freq, 0.6, "gptj", "bshd", 2)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert_close(x.grad.double(), reference_rope(grad, positions + 2, -inv_freq, "gptj", 0.6), atol=2e-6, rtol=0)
+    # An unscaled rotation is orthogonal: backward of forward gives the gradient back.
+    rotated = PF.rope(grad, positions, inv_freq, 1.0, "gptj", "bshd", 2)
+    assert_close(PF.rope_backward(rotated, positions, inv_freq, 1.0, "gptj", "bshd", 2), grad, atol=2e-6, rtol=0)
+
+
+def test_only_positions_and_frequencies_are_saved():
+    x = torch.randn(2, 5, 3, 8, requires_grad=True)
+    positions, inv_freq = torch.randint(0, 9, (2, 5)), FQ.rope(8)[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        PF.rope(x, positions, inv_freq)
+        PF.rope_qk(x, x, None, inv_freq)
+    assert [t.shape for t in saved] == [positions.shape, inv_freq.shape, inv_freq.shape]
+    assert torch.equal(saved[0], positions) and all(torch.equal(t, inv_freq) for t in saved[1:])
+
+
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_gradcheck(layout):
+    def f64(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    inv_freq = FQ.rope(4)[0]
+    positions = torch.randint(0, 50, (2, 3))
+    x, q, k = f64(2, 3, 2, 6), f64(2, 3, 2, 6), f64(2, 3, 1, 6)
+    cos, sin = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, 2, 5])
+    packed = f64(5, 2, 6)
+    checks = [
+        (lambda t: PF.rope(t, positions, inv_freq, 0.8, layout, "bshd", 1), (x,)),
+        (lambda t: PF.rope_backward(t, None, inv_freq, 0.8, layout, "bhsd", 1), (x,)),
+        (lambda a, b: PF.rope_qk(a, b, None, inv_freq, 1.3, layout), (q, k)),
+        (lambda t: PF.rope_(t * 1, None, inv_freq, 1.0, layout), (x,)),
+        (lambda t: PF.rope_cos_sin(t, cos, sin, layout), (x,)),
+        (lambda t: PF.rope(t, None, inv_freq, 1.0, layout, "thd", 0, cu_seqlens), (packed,)),
+    ]
+    for fn, inputs in checks:
+        assert torch.autograd.gradcheck(fn, inputs)
+        assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+# ---------------------------------------------------------------- rope_cos_sin and the reference libraries
+
+def hf_cos_sin(positions, inv_freq, layout):
+    angle = positions.double()[..., None] * inv_freq
+    emb = torch.cat([angle, angle], -1) if layout == "neox" else angle.repeat_interleave(2, -1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("table_shape", ["[S,r]", "[1,S,r]", "[B,S,r]"])
+def test_rope_cos_sin_equals_rope(layout, table_shape):
+    x = torch.randn(2, 6, 3, 10, dtype=torch.float64)
+    inv_freq = FQ.rope(8)[0]
+    positions = torch.randint(0, 100, (6,)) if table_shape != "[B,S,r]" else torch.randint(0, 100, (2, 6))
+    cos, sin = hf_cos_sin(positions, inv_freq, layout)
+    if table_shape == "[1,S,r]":
+        cos, sin = cos[None], sin[None]
+    out = PF.rope_cos_sin(x, cos, sin, layout)
+    assert_close(out, PF.rope(x, positions, inv_freq, 1.0, layout), atol=1e-12, rtol=0)
+    # Tables of another dtype are read in the maths type of x.
+    out32 = PF.rope_cos_sin(x.float(), cos.float(), sin.float(), layout)
+    assert_close(out32.double(), out, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("unsqueeze_dim, fmt", [(1, "bhsd"), (2, "bshd")])
+def test_rope_cos_sin_matches_hugging_face_apply_rotary_pos_emb(unsqueeze_dim, fmt):
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    config = hf_config({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64})
+    rotary = llama.LlamaRotaryEmbedding(config)
+    q = torch.randn(2, 4, 7, 64) if fmt == "bhsd" else torch.randn(2, 7, 4, 64)
+    k = torch.randn(2, 2, 7, 64) if fmt == "bhsd" else torch.randn(2, 7, 2, 64)
+    position_ids = torch.randint(0, 64, (2, 7))  # HF's float32 angles are exact enough only at small p
+    cos, sin = rotary(q, position_ids)
+    hf_q, hf_k = llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    assert_close(PF.rope_cos_sin(q, cos, sin, "neox", fmt), hf_q, atol=1e-6, rtol=0)
+    assert_close(PF.rope_cos_sin(k, cos, sin, "neox", fmt), hf_k, atol=1e-6, rtol=0)
+    # And the module built from the same config gives the same result.
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config, format=fmt)
+    ours_q, ours_k = module(q, k, position_ids)
+    assert_close(ours_q, hf_q, atol=1e-5, rtol=0)
+    assert_close(ours_k, hf_k, atol=1e-5, rtol=0)
+
+
+def test_rope_cos_sin_matches_hugging_face_partial_rotary():
+    """HF's partial rotary (e.g. Phi, GPT-NeoX): rotate the first r channels, concatenate the rest."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    q = torch.randn(2, 3, 5, 16)  # bhsd
+    positions = torch.arange(5)
+    cos, sin = hf_cos_sin(positions, FQ.rope(6)[0], "neox")
+    cos, sin = cos.float()[None], sin.float()[None]
+    rotated, _ = llama.apply_rotary_pos_emb(q[..., :6], q[..., :6], cos, sin)
+    expected = torch.cat([rotated, q[..., 6:]], -1)
+    assert_close(PF.rope_cos_sin(q, cos, sin, "neox", "bhsd"), expected, atol=1e-6, rtol=0)
+
+
+def test_gptj_matches_rotary_embedding_torch():
+    ret = pytest.importorskip("rotary_embedding_torch")
+    rotary = ret.RotaryEmbedding(dim=12)
+    t = torch.randn(2, 3, 17, 20)  # [B, H, S, D]: rotates the first 12 channels, interleaved
+    expected = rotary.rotate_queries_or_keys(t, offset=5)
+    inv_freq = rotary.freqs.detach().double()
+    assert_close(PF.rope(t, None, inv_freq, 1.0, "gptj", "bhsd", 5), expected, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- context parallelism (dual-chunk split)
+
+def test_zigzag_positions_split_the_sequence():
+    parts = [PF.zigzag_positions(24, 3, rank) for rank in range(3)]
+    assert parts[0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert parts[2].tolist() == [8, 9, 10, 11, 12, 13, 14, 15]
+    assert sorted(torch.cat(parts).tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize("fmt, seq_dim", [("bshd", 1), ("sbhd", 0), ("bhsd", 2)])
+def test_context_parallel_shards_equal_the_unsharded_result(fmt, seq_dim):
+    x = to_format(torch.randn(2, 16, 3, 8), fmt)
+    inv_freq = FQ.rope(8)[0]
+    full = PF.rope(x, None, inv_freq, 1.0, "neox", fmt, 5)
+    for rank in range(4):
+        positions = PF.zigzag_positions(16, 4, rank)
+        local = PF.rope(x.index_select(seq_dim, positions), positions, inv_freq, 1.0, "neox", fmt, 5)
+        assert torch.equal(local, full.index_select(seq_dim, positions))
+
+
+def test_context_parallel_packed_sequences():
+    cu_seqlens = torch.tensor([0, 8, 12, 28], dtype=torch.int32)
+    x = torch.randn(28, 2, 8)
+    inv_freq = FQ.rope(8)[0]
+    full = PF.rope(x, None, inv_freq, 1.0, "gptj", "thd", 0, cu_seqlens)
+    covered = []
+    for rank in range(2):
+        positions, indices, local_cu = PF.zigzag_positions_varlen(cu_seqlens, 2, rank)
+        assert local_cu.tolist() == [0, 4, 6, 14] and local_cu.dtype == torch.int32
+        local = PF.rope(x[indices], positions, inv_freq, 1.0, "gptj", "thd")
+        assert torch.equal(local, full[indices])
+        covered += indices.tolist()
+    assert sorted(covered) == list(range(28))
+    first_positions, _, _ = PF.zigzag_positions_varlen(cu_seqlens, 2, 0)
+    assert first_positions[:4].tolist() == [0, 1, 6, 7]  # chunks 0 and 3 of the first sequence (chunk 2)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.zigzag_positions(10, 2, 0), "seq_len 10 must be a multiple of 2 \\* cp_size = 4"),
+    (lambda: PF.zigzag_positions(8, 2, 2), r"cp_rank 2 is outside \[0, 2\)"),
+    (lambda: PF.zigzag_positions_varlen(torch.tensor([0, 4, 6]), 2, 0), "every sequence length must be a multiple"),
+    (lambda: PF.zigzag_positions_varlen(torch.tensor([0, 8, 4]), 2, 0), "never decrease"),
+])
+def test_context_parallel_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------- the module
+
+def test_module_matches_functional_and_scripts():
+    module = posenc.nn.RotaryEmbedding(16, 12, base=500.0, layout="gptj", scaling={"rope_type": "linear", "factor": 2})
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 1, 16)
+    positions = torch.randint(0, 100, (2, 5))
+    out_q, out_k = module(q, k, positions, 3)
+    inv_freq = powers(12, 500.0) / 2
+    assert_close(out_q.double(), reference_rope(q, positions + 3, inv_freq, "gptj"), atol=2e-6, rtol=0)
+    assert_close(out_k.double(), reference_rope(k, positions + 3, inv_freq, "gptj"), atol=2e-6, rtol=0)
+    scripted = torch.jit.script(module)
+    for a, b in zip(scripted(q, k, positions, 3), (out_q, out_k)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double().float()])
+def test_module_frequencies_stay_float64(convert):
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [3.0] * 32,
+               "original_max_position_embeddings": 64, "max_position_embeddings": 256}
+    module = posenc.nn.RotaryEmbedding(64, scaling=scaling)
+    convert(module)
+    assert module.inv_freq.dtype == torch.float64 and module.long_inv_freq.dtype == torch.float64
+    assert torch.equal(module.inv_freq, FQ.rope(64, scaling=scaling)[0])
+    assert torch.equal(module.long_inv_freq, FQ.rope(64, scaling=scaling, seq_len=65)[0])
+    q = torch.randn(1, 3, 2, 64, dtype=torch.bfloat16)
+    out_q, _ = module(q, q)
+    assert out_q.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("call", [
+    dict(seq=20, positions=None, offset=0),     # L = 20 > 16: rescaled
+    dict(seq=10, positions=None, offset=0),     # L = 10: original
+    dict(seq=4, positions=None, offset=30),     # L = 34 from the offset
+    dict(seq=4, positions=[1, 2, 40, 3], offset=2),  # L = 43 from the largest position
+])
+def test_module_dynamic_ntk_and_longrope_follow_the_sequence_length(call):
+    positions = None if call["positions"] is None else torch.tensor(call["positions"])
+    length = (call["offset"] + call["seq"]) if positions is None else int(positions.max()) + call["offset"] + 1
+    q, k = torch.randn(2, call["seq"], 2, 8), torch.randn(2, call["seq"], 1, 8)
+    for scaling in [{"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 16},
+                    {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 3, 4, 5],
+                     "original_max_position_embeddings": 16, "max_position_embeddings": 64}]:
+        module = posenc.nn.RotaryEmbedding(8, scaling=scaling)
+        inv_freq, scale = FQ.rope(8, scaling=scaling, seq_len=length)
+        expected = PF.rope_qk(q, k, positions, inv_freq, scale, "neox", "bshd", call["offset"])
+        for a, b in zip(module(q, k, positions, call["offset"]), expected):
+            assert_close(a, b, atol=1e-6, rtol=0)
+        for a, b in zip(torch.jit.script(module)(q, k, positions, call["offset"]), expected):
+            assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_module_bad_arguments():
+    with pytest.raises(ValueError, match="rotary_dim 10 exceeds head_dim 8"):
+        posenc.nn.RotaryEmbedding(8, 10)
+    with pytest.raises(ValueError, match='layout must be "neox" or "gptj", got "half"'):
+        posenc.nn.RotaryEmbedding(8, layout="half")
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        posenc.nn.RotaryEmbedding(8, 5)
+
+
+# ---------------------------------------------------------------- opcheck, compile, export
+
+def opcheck_samples():
+    inv_freq = FQ.rope(6)[0]
+    q = torch.randn(2, 5, 3, 8, requires_grad=True)
+    k = torch.randn(2, 5, 1, 8, requires_grad=True)
+    packed = torch.randn(9, 2, 8, requires_grad=True)
+    cu_seqlens = torch.tensor([0, 4, 9])
+    yield "rope", torch.ops.posenc.rope.default, (q, torch.randint(0, 99, (2, 5)), inv_freq, 0.5, "gptj", "bshd", 3)
+    yield "rope_thd", torch.ops.posenc.rope.default, (packed, None, inv_freq, 1.0, "neox", "thd", 0, cu_seqlens)
+    yield "rope_bhsd", torch.ops.posenc.rope.default, (q.transpose(1, 2), torch.arange(5), inv_freq, 1.0, "neox",
+                                                       "bhsd")
+    yield "rope_backward", torch.ops.posenc.rope_backward.default, (q, None, inv_freq, 0.5, "neox", "sbhd", 1)
+    yield "rope_qk", torch.ops.posenc.rope_qk.default, (q, k, None, inv_freq, 1.0, "gptj")
+    yield "rope_qk_backward", torch.ops.posenc.rope_qk_backward.default, (q, k, torch.arange(5), inv_freq)
+    yield "rope_", torch.ops.posenc.rope_.default, (q.detach().clone(), None, inv_freq, 2.0, "gptj")
+    yield "rope_cos_sin", torch.ops.posenc.rope_cos_sin.default, (q, torch.randn(5, 6), torch.randn(5, 6))
+    yield "rope_cos_sin_backward", torch.ops.posenc.rope_cos_sin_backward.default, (
+        q, torch.randn(2, 5, 6), torch.randn(2, 5, 6), "gptj")
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0])
+def test_opcheck(sample):
+    _, op, args = sample
+    torch.library.opcheck(op, args)
+
+
+class Attention(torch.nn.Module):
+    """A tiny attention block: fused qkv projection, rotary q/k (GQA), scaled dot-product attention."""
+
+    def __init__(self, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv = torch.nn.Linear(16, (heads + 2 * kv_heads) * head_dim)
+        self.rotary = posenc.nn.RotaryEmbedding(head_dim, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 32})
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, self.head_dim).split([self.heads, self.kv_heads, self.kv_heads], 2)
+        q, k = self.rotary(q, k)
+        k, v = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=True)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+    model = Attention()
+    x = torch.randn(2, 6, 16)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    assert_close(out, model(x))
+    out.sum().backward()
+    compiled_grad = model.qkv.weight.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert_close(compiled_grad, model.qkv.weight.grad)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8}])
+def test_compile_dynamic_no_recompilation_when_the_sequence_length_changes(scaling):
+    import torch._dynamo.testing
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    module = posenc.nn.RotaryEmbedding(8, scaling=scaling)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=counter)
+    frames = None
+    for seq in [5, 9, 13, 30]:  # 30 > max_position_embeddings: the dynamic base changes, the graph does not
+        q, k = torch.randn(3, seq, 4, 8), torch.randn(3, seq, 1, 8)
+        with torch._dynamo.config.patch(error_on_recompile=frames is not None):
+            out = compiled(q, k)
+        frames = counter.frame_count if frames is None else frames
+        for a, b in zip(out, module(q, k)):
+            assert_close(a, b)
+    assert counter.frame_count == frames
+
+
+def test_compile_inductor_inplace():
+    torch._dynamo.reset()
+    inv_freq = FQ.rope(8)[0]
+
+    def f(x):
+        y = x * 2
+        PF.rope_(y, None, inv_freq, 1.0, "gptj")
+        return y + 1
+
+    x = torch.randn(2, 5, 3, 8)
+    assert_close(torch.compile(f, fullgraph=True)(x), f(x))
+
+
+def test_export():
+    model = Attention()
+    x = torch.randn(2, 6, 16)
+    exported = torch.export.export(model, (x,))
+    assert_close(exported.module()(x), model(x))
+    assert "posenc.rope_qk" in str(exported.graph)
+
+
+# ---------------------------------------------------------------- bad input (SPEC 5)
+
+X = torch.randn(2, 4, 3, 8)
+INV = FQ.rope(8)[0]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.rope(X, None, FQ.rope(10)[0]), "posenc.rope: rotary_dim 10 exceeds the head_dim 8 of x"),
+    (lambda: PF.rope_cos_sin(X, torch.randn(4, 5), torch.randn(4, 5)),
+     "posenc.rope_cos_sin: rotary_dim 5 .* must be even and positive"),
+    (lambda: PF.rope(X, torch.arange(4.0), INV), "posenc.rope: positions must be an int64 .* got Float"),
+    (lambda: PF.rope(X, torch.arange(5), INV),
+     r"posenc.rope: positions has shape \[5\] but needs \[4\] or \[batch, seq\]"),
+    (lambda: PF.rope(X, torch.zeros(3, 4, dtype=torch.long), INV), r"positions has shape \[3, 4\]"),
+    (lambda: PF.rope(X[0], torch.zeros(1, 4, dtype=torch.long), INV, format="thd"), r"positions has shape \[1, 4\]"),
+    (lambda: PF.rope(X.long(), None, INV), "posenc.rope: x must be a floating tensor, got Long"),
+    (lambda: PF.rope(X, None, torch.arange(4)), "posenc.rope: inv_freq must be a floating tensor"),
+    (lambda: PF.rope(X[0], None, INV), r"posenc.rope: x must be 4-D for its format, got shape \[4, 3, 8\]"),
+    (lambda: PF.rope(X, None, INV, layout="half"), 'posenc.rope: layout must be "neox" or "gptj", got "half"'),
+    (lambda: PF.rope(X, None, INV, format="bsd"), 'posenc.rope: format must be .* got "bsd"'),
+    (lambda: PF.rope(X, None, INV, cu_seqlens=torch.tensor([0, 4])), 'cu_seqlens needs format "thd"'),
+    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0, 3, 2, 4])),
+     "posenc.rope: cu_seqlens must not decrease, got 3 then 2 at index 2"),
+    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([1, 4])),
+     "cu_seqlens must start at 0, got 1"),
+    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0, 3])),
+     "cu_seqlens must end at the token count T = 4, got 3"),
+    (lambda: PF.rope(X[0], None, INV, format="thd", cu_seqlens=torch.tensor([0.0, 4.0])),
+     "cu_seqlens must be an int64 or int32 tensor, got Float"),
+    (lambda: PF.rope_qk(X, X.double(), None, INV), "posenc.rope_qk: k is Double but q is Float"),
+    (lambda: PF.rope_qk(X, X[:, :3], None, INV), "posenc.rope_qk: k has shape .* sequence sizes differ"),
+    (lambda: PF.rope(X, None, INV.clone().requires_grad_()), "posenc.rope: inv_freq is not differentiable"),
+    (lambda: PF.rope_cos_sin(X, torch.randn(4, 8), torch.randn(4, 6)), "posenc.rope_cos_sin: cos has shape"),
+    (lambda: PF.rope_cos_sin(X, torch.randn(3, 4, 8), torch.randn(3, 4, 8)), "which does not match x"),
+])
+def test_bad_input_messages(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_bad_input_meta_matches_cpu():
+    x = torch.empty(2, 4, 3, 8, device="meta")
+    with pytest.raises(RuntimeError, match="posenc.rope: rotary_dim 10 exceeds the head_dim 8 of x"):
+        PF.rope(x, None, FQ.rope(10)[0].to("meta"))
+
+
+def test_empty_inputs_give_empty_results():
+    assert PF.rope(torch.randn(2, 0, 3, 8), None, INV).shape == (2, 0, 3, 8)
+    assert PF.rope(torch.randn(0, 4, 3, 8), torch.zeros(0, 4, dtype=torch.long), INV).shape == (0, 4, 3, 8)
+    assert PF.rope(torch.randn(0, 2, 8), None, INV, format="thd", cu_seqlens=torch.tensor([0])).shape == (0, 2, 8)
+    k = torch.randn(1, 4, 2, 8)
+    out_q, out_k = PF.rope_qk(torch.randn(1, 4, 0, 8), k, None, INV)
+    assert out_q.shape == (1, 4, 0, 8) and torch.equal(out_k, PF.rope(k, None, INV))
+
+
+def test_nan_and_inf_propagate():
+    x = torch.randn(1, 3, 1, 8)
+    x[0, 1, 0, 2] = float("nan")
+    out = PF.rope(x, None, INV)
+    assert torch.isnan(out[0, 1, 0, [2, 6]]).all() and torch.isfinite(out[0, [0, 2]]).all()
+    inf_freq = INV.clone()
+    inf_freq[1] = float("inf")
+    out = PF.rope(torch.randn(1, 3, 1, 8), None, inf_freq)  # angles 0 * inf and p * inf are NaN
+    assert torch.isnan(out[..., [1, 5]]).all() and torch.isfinite(out[..., [0, 2, 3, 4, 6, 7]]).all()
