@@ -194,6 +194,7 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
     """
     return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
 
+
 # Rotary (SPEC 4.3). inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
 
 def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,

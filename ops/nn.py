@@ -254,6 +254,7 @@ class T5RelativeBias(torch.nn.Module):
         return (f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
                 f"bidirectional={self.bidirectional}")
 
+
 _SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}
 
 

@@ -65,6 +65,7 @@ class T5Fixture(torch.nn.Module):
         q_len, k_len = scores.shape[2], scores.shape[3]
         return scores + self.encoder(q_len, k_len), scores + self.decoder(q_len, k_len, q_offset)
 
+
 class RopeFixture(torch.nn.Module):
     """Rotary q/k of an attention layer: RotaryEmbedding(head_dim 8, rotary_dim 6, base 100, linear factor 2,
     neox) on bshd q [B,S,4,8] / k [B,S,2,8] with per-row positions and offset 2; then gptj rope of packed thd

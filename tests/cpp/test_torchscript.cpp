@@ -163,6 +163,7 @@ TEST(TorchScript, T5ForwardAndBackward) {
   const auto batch_grad = grad.sum(0, /*keepdim=*/true);
   EXPECT_LT(max_abs_diff(encoder_weight.grad(), reference_t5_grad(batch_grad, encoder_buckets, 32)), 1e-4);
   EXPECT_LT(max_abs_diff(decoder_weight.grad(), reference_t5_grad(batch_grad, decoder_buckets, 16)), 1e-4);
+}
 
 TEST(TorchScript, RopeForwardAndBackward) {
   auto module = load_fixture("rope");
