@@ -203,6 +203,76 @@ def bench_t5(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def saved_bytes(forward: Callable[[], object]) -> int:
+    """Bytes of the tensors autograd saves for backward during one forward pass (activation memory)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return total
+
+
+def bench_rope(repeat: int, quick: bool) -> List[dict]:
+    """RoPE on q and k: Hugging Face's apply_rotary_pos_emb (tables precomputed, as a model does once for all
+    layers) eager and under torch.compile, rotary-embedding-torch (gptj pairing), and the copy bound."""
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    except ImportError:
+        print("rope: transformers is not installed (pip install transformers); skipped")
+        return []
+    table = Table("rope_qk", repeat)
+    head_dim = 128
+    inv_freq = posenc.frequencies.rope(head_dim)[0]
+    hf_compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True)
+    training = (1, 512, 16) if quick else (4, 2048, 16)
+    for (batch, seq, heads), positions in [(training, None), ((8, 1, 32), "decode")]:
+        pos = torch.randint(0, 4096, (batch, seq)) if positions else None
+        hf_pos = pos if positions else torch.arange(seq).expand(batch, seq)
+        angle = hf_pos.double()[..., None] * inv_freq
+        emb = torch.cat([angle, angle], dim=-1)
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
+            k = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            both = torch.cat([q, k])
+            shape = f"q,k [{batch}, {seq}, {heads}, {head_dim}]" + (" +pos" if positions else "")
+
+            def hf(qq, kk, fn=apply_rotary_pos_emb):
+                return fn(qq, kk, cos, sin, unsqueeze_dim=2)
+
+            baselines = {"HF eager": lambda: hf(q, k), "HF compile": lambda: hf(q, k, hf_compiled)}
+            if not positions:
+                try:
+                    from rotary_embedding_torch import RotaryEmbedding
+                    ret = RotaryEmbedding(head_dim)
+                    baselines["rotary-emb-torch"] = lambda: (ret.rotate_queries_or_keys(q, seq_dim=1),
+                                                             ret.rotate_queries_or_keys(k, seq_dim=1))
+                except ImportError:
+                    pass
+            table.add(shape, dtype, "fwd", lambda: PF.rope_qk(q, k, pos, inv_freq), baselines, both, copies=1)
+
+            qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+            grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+
+            def train(fn):
+                def run():
+                    out_q, out_k = fn()
+                    torch.autograd.backward([out_q, out_k], [grad_q, grad_k])
+                return run
+
+            ours = lambda: PF.rope_qk(qg, kg, pos, inv_freq)  # noqa: E731
+            hf_eager = lambda: hf(qg, kg)  # noqa: E731
+            table.add(shape, dtype, "fwd+bwd", train(ours),
+                      {"HF eager": train(hf_eager), "HF compile": train(lambda: hf(qg, kg, hf_compiled))}, both,
+                      copies=2, saved_bytes=saved_bytes(ours), baseline_saved_bytes=saved_bytes(hf_eager))
+    return table.rows
+
+
 def bench_overhead(repeat: int, quick: bool) -> List[dict]:
     """Per-call overhead through torch.ops on a tiny input."""
     table = Table("overhead", repeat)
@@ -224,6 +294,7 @@ def bench_overhead(repeat: int, quick: bool) -> List[dict]:
 
 
 BENCHMARKS = {
+    "rope": bench_rope,
     "sinusoidal": bench_sinusoidal,
     "embedding": bench_embedding_backward,
     "learned": bench_learned,
