@@ -155,26 +155,21 @@ def test_nan_and_inf_propagate():
 # --- determinism -----------------------------------------------------------------------------------------
 
 
-def test_table_gradients_are_bitwise_identical_for_1_and_2_threads():
+def test_table_gradients_are_bitwise_identical_for_1_and_2_threads(same_bits_for_any_thread_count):
     torch.manual_seed(0)
     tokens = torch.randint(0, 50, (8, 512))  # many repeats per row: the order of sums matters
     positions = torch.randint(0, 600, (8, 512))
     token_weight = table(50, 256, requires_grad=True)
     pos_weight = table(600, 256, requires_grad=True)
     grad_out = torch.randn(8, 512, 256)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 1, 2):
-            torch.set_num_threads(n)
-            out = PF.embed_learned(tokens, token_weight, pos_weight, positions, 0.5)
-            results.append((out, *grads(out, (token_weight, pos_weight), grad_out)))
-    finally:
-        torch.set_num_threads(threads)
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+    def forward_and_grads():
+        out = PF.embed_learned(tokens, token_weight, pos_weight, positions, 0.5)
+        return (out, *grads(out, (token_weight, pos_weight), grad_out))
+
+    first = same_bits_for_any_thread_count(forward_and_grads)
     expected = F.embedding(tokens, token_weight) * 0.5 + F.embedding(positions, pos_weight)
-    assert_grads_close(results[0][1:], grads(expected, (token_weight, pos_weight), grad_out))
+    assert_grads_close(first[1:], grads(expected, (token_weight, pos_weight), grad_out))
 
 
 # --- positions: fairseq, attention masks, OPT -------------------------------------------------------------

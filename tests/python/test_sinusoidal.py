@@ -269,19 +269,10 @@ def test_double_backward_through_embedding_is_a_clear_error():
         torch.autograd.grad(out, weight, upstream, create_graph=True)
 
 
-def test_embedding_backward_deterministic_across_threads():
+def test_embedding_backward_deterministic_across_threads(same_bits_for_any_thread_count):
     grad = torch.randn(4, 2048, 64)
     indices = torch.randint(0, 50, (4, 2048))
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = PF.embedding_backward(grad, indices, 50, 1.0, 3)
-        torch.set_num_threads(2)
-        two = PF.embedding_backward(grad, indices, 50, 1.0, 3)
-        again = PF.embedding_backward(grad, indices, 50, 1.0, 3)
-    finally:
-        torch.set_num_threads(previous)
-    assert torch.equal(one, two) and torch.equal(two, again)
+    two = same_bits_for_any_thread_count(lambda: PF.embedding_backward(grad, indices, 50, 1.0, 3))
     expected = torch.zeros(50, 64, dtype=torch.float64).index_add_(0, indices.flatten(), grad.double().view(-1, 64))
     expected[3] = 0
     assert_close(two.double(), expected, atol=1e-4, rtol=1e-5)
