@@ -11,4 +11,14 @@ inline int64_t rows_per_task(int64_t row_width) {
   return std::max<int64_t>(1, kGrainSize / std::max<int64_t>(row_width, 1));
 }
 
+// Rows of a per-position table (encodings, gathered table rows) that a task keeps hot while every leading
+// index streams its rows past them: about 128 KiB, well inside L2, so that the table is read from memory
+// (or computed) once per call rather than once per batch row, and each leading index reads a long
+// contiguous run of its rows.
+constexpr int64_t kBlockBytes = 128 * 1024;
+
+inline int64_t rows_per_block(int64_t row_bytes) {
+  return std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
+}
+
 }  // namespace posenc

@@ -1,6 +1,7 @@
 // CPU kernels of ALiBi. Row (b, h, i) of a [B, H, Q, K] bias holds -m * d_j (causal) or -m * |d_j|
 // (symmetric), d_j = i + (K - Q) - j, m = slopes[b or 0, head_offset + h].
 #include "common/alibi.h"
+#include "common/convert.h"
 #include "common/parallel.h"
 
 #include <ATen/Dispatch.h>
@@ -69,12 +70,17 @@ void alibi_row(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t d
     return neg_slope * (kSymmetric ? std::abs(d) : d);
   };
   if (src == nullptr) {
-    for (const auto j : c10::irange(k_len)) dst[j * dst_stride] = static_cast<scalar_t>(bias(j));
+    if (dst_stride == 1) {
+      for (int64_t j = 0; j < k_len; ++j) dst[j] = from_opmath<scalar_t>(bias(j));
+    } else {
+      for (int64_t j = 0; j < k_len; ++j) dst[j * dst_stride] = from_opmath<scalar_t>(bias(j));
+    }
   } else if (src_stride == 1 && dst_stride == 1) {
-    for (const auto j : c10::irange(k_len)) dst[j] = static_cast<scalar_t>(static_cast<opmath_t>(src[j]) + bias(j));
+    // In place (add_alibi_) src and dst are the same row, so neither pointer is __restrict__.
+    for (int64_t j = 0; j < k_len; ++j) dst[j] = from_opmath<scalar_t>(to_opmath(src[j]) + bias(j));
   } else {
-    for (const auto j : c10::irange(k_len)) {
-      dst[j * dst_stride] = static_cast<scalar_t>(static_cast<opmath_t>(src[j * src_stride]) + bias(j));
+    for (int64_t j = 0; j < k_len; ++j) {
+      dst[j * dst_stride] = from_opmath<scalar_t>(to_opmath(src[j * src_stride]) + bias(j));
     }
   }
 }
@@ -142,6 +148,32 @@ void add_alibi__cpu(const at::Tensor& scores, const at::Tensor& slopes, c10::str
   });
 }
 
+// sum_j row[j] * d_j (|d_j| symmetric), d_j = distance0 - j, in float64. Unit-stride rows are summed in
+// kLanes interleaved partial sums (lane l takes j = l mod kLanes), added in lane order at the end: vector
+// registers hold the lanes, and the order is fixed by k_len alone, whatever thread sums the row.
+template <bool kSymmetric, typename scalar_t>
+double alibi_row_gradient(const scalar_t* row, int64_t stride, int64_t k_len, double distance0, const double* key_pos) {
+  constexpr int64_t kLanes = 16;
+  auto weight = [&](int64_t j) {
+    const double d = distance0 - key_pos[j];
+    return kSymmetric ? std::abs(d) : d;
+  };
+  double lanes[kLanes] = {};
+  int64_t j = 0;
+  if (stride == 1) {
+    for (; j + kLanes <= k_len; j += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        lanes[l] += static_cast<double>(to_opmath(row[j + l])) * weight(j + l);
+      }
+    }
+  }
+  double tail = 0;
+  for (; j < k_len; ++j) tail += static_cast<double>(to_opmath(row[j * stride])) * weight(j);
+  double sum = 0;
+  for (const double lane : lanes) sum += lane;
+  return sum + tail;
+}
+
 // d/d slopes[b?, head_offset + h] = -sum_{i, j} grad[b, h, i, j] * d_ij (|d_ij| symmetric). Each row is summed
 // in float64 by one thread, then rows are added in row order: the same bits for any thread count.
 at::Tensor alibi_backward_cpu(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
@@ -160,12 +192,9 @@ at::Tensor alibi_backward_cpu(const at::Tensor& grad, const at::Tensor& slopes, 
       for (const auto n : c10::irange(begin, end)) {
         const scalar_t* row = g + rows.offset_of(n);
         const auto d0 = static_cast<double>(rows.distance0(n));
-        double sum = 0;
-        for (const auto j : c10::irange(k_len)) {
-          const double d = d0 - key_pos[j];
-          sum += static_cast<double>(row[j * rows.stride_j]) * (alibi_mode == AlibiMode::Symmetric ? std::abs(d) : d);
-        }
-        row_sums[n] = -sum;
+        row_sums[n] = -(alibi_mode == AlibiMode::Symmetric
+                            ? alibi_row_gradient<true>(row, rows.stride_j, k_len, d0, key_pos.data())
+                            : alibi_row_gradient<false>(row, rows.stride_j, k_len, d0, key_pos.data()));
       }
     });
   });

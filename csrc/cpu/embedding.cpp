@@ -1,4 +1,5 @@
 // CPU kernel of embedding_backward: a scatter-add of gradient rows into a table, bitwise deterministic.
+#include "common/convert.h"
 #include "common/embedding.h"
 #include "common/parallel.h"
 #include "common/positions.h"
@@ -38,9 +39,10 @@ RowGroups group_rows(const int64_t* id, int64_t num_ids, int64_t num_grad_rows, 
   return groups;
 }
 
-// Threads split the channels, never the rows: every table entry sums its gradient rows in row order,
-// so the result is the same bits for any thread count. Each entry is accumulated in maths precision
-// and written once, so no float copy of the table is needed for fp16/bf16.
+// Threads split the table rows: each table row sums its gradient rows in row order, whichever thread
+// owns it, so the result is the same bits for any thread count, and each thread writes whole rows
+// (long contiguous runs of the table) and reads whole gradient rows. Each entry is accumulated in maths
+// precision and written once, so no float copy of the table is needed for fp16/bf16.
 at::Tensor embedding_backward_cpu(const at::Tensor& grad, const at::Tensor& indices, int64_t num_rows, double scale,
                                   std::optional<int64_t> padding_idx) {
   constexpr const char* op = "embedding_backward";
@@ -61,24 +63,28 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad, const at::Tensor& indi
     const scalar_t* src = rows.const_data_ptr<scalar_t>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     const auto row_scale = static_cast<opmath_t>(scale);
-    const int64_t grain = std::max<int64_t>(16, kGrainSize / (num_rows + num_grad_rows));
-    at::parallel_for(0, width, grain, [&](int64_t begin, int64_t end) {
-      const int64_t channels = end - begin;
-      std::vector<opmath_t> acc(channels);
-      for (const auto r : c10::irange(num_rows)) {
-        scalar_t* __restrict__ w = dst + r * width + begin;
+    // A table row costs its width to write plus its width per gradient row: on average
+    // (1 + num_grad_rows / num_rows) rows of work.
+    const int64_t work_per_row = width + width * num_grad_rows / std::max<int64_t>(num_rows, 1);
+    at::parallel_for(0, num_rows, rows_per_task(work_per_row), [&](int64_t begin, int64_t end) {
+      std::vector<opmath_t> sum(width);
+      opmath_t* __restrict__ acc = sum.data();
+      for (const auto r : c10::irange(begin, end)) {
+        scalar_t* __restrict__ w = dst + r * width;
         const int64_t first = groups.start[r];
         const int64_t last = groups.start[r + 1];
         if (first == last) {
-          std::fill_n(w, channels, scalar_t(0));
+          std::fill_n(w, width, scalar_t(0));
           continue;
         }
-        std::fill(acc.begin(), acc.end(), opmath_t(0));
-        for (const auto k : c10::irange(first, last)) {
-          const scalar_t* __restrict__ g = src + groups.order[k] * width + begin;
-          for (int64_t d = 0; d < channels; ++d) acc[d] += static_cast<opmath_t>(g[d]);
+        // The sum starts from +0 (so a lone -0 gradient gives +0, as the sum of several does).
+        const scalar_t* __restrict__ g = src + groups.order[first] * width;
+        for (int64_t d = 0; d < width; ++d) acc[d] = opmath_t(0) + to_opmath(g[d]);
+        for (const auto k : c10::irange(first + 1, last)) {
+          g = src + groups.order[k] * width;
+          for (int64_t d = 0; d < width; ++d) acc[d] += to_opmath(g[d]);
         }
-        for (int64_t d = 0; d < channels; ++d) w[d] = static_cast<scalar_t>(acc[d] * row_scale);
+        for (int64_t d = 0; d < width; ++d) w[d] = from_opmath<scalar_t>(acc[d] * row_scale);
       }
     });
   });

@@ -1,4 +1,5 @@
 // CPU kernels of the learned family: rows of position (and token) tables gathered, scaled and added.
+#include "common/convert.h"
 #include "common/learned.h"
 #include "common/parallel.h"
 #include "common/positions.h"
@@ -13,10 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace posenc {
@@ -55,64 +54,6 @@ std::vector<int64_t> position_rows(const char* op, const char* table, const std:
   return rows;
 }
 
-// Conversions between storage and maths precision. c10's Half/BFloat16 conversions branch (NaN, denormals),
-// which stops the compiler vectorizing a loop; these compute the same bits (IEEE round to nearest even,
-// c10's NaN encodings) with selects and bit operations only, so the loops below vectorize.
-float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-uint32_t float_to_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-}
-
-template <typename scalar_t>
-at::opmath_type<scalar_t> to_opmath(scalar_t value) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    return bits_to_float(uint32_t(value.x) << 16);
-  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    // c10::detail::fp16_ieee_to_fp32_value with its branch turned into a mask.
-    const uint32_t w = uint32_t(value.x) << 16;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t two_w = w + w;
-    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
-    const uint32_t is_denormal = 0u - uint32_t(two_w < (1u << 27));
-    const uint32_t magnitude = (float_to_bits(denormalized) & is_denormal) | (float_to_bits(normalized) & ~is_denormal);
-    return bits_to_float(sign | magnitude);
-  } else {
-    return value;
-  }
-}
-
-template <typename scalar_t>
-scalar_t from_opmath(at::opmath_type<scalar_t> value) {
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    const uint32_t bits = float_to_bits(value);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t is_nan = 0u - uint32_t(value != value);
-    return c10::BFloat16(uint16_t((0x7FC0u & is_nan) | (rounded & ~is_nan)), c10::BFloat16::from_bits());
-  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    // c10::detail::fp16_ieee_from_fp32_value with its branches turned into max and a mask.
-    const uint32_t w = float_to_bits(value);
-    const uint32_t shl1_w = w + w;
-    const uint32_t sign = w & 0x80000000u;
-    const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
-    const float base = bits_to_float((bias >> 1) + 0x07800000u) +
-                       bits_to_float(w & 0x7FFFFFFFu) * 0x1.0p+112f * 0x1.0p-110f;
-    const uint32_t bits = float_to_bits(base);
-    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
-    const uint32_t is_nan = 0u - uint32_t(shl1_w > 0xFF000000u);
-    return c10::Half(uint16_t((sign >> 16) | (0x7E00u & is_nan) | (nonsign & ~is_nan)), c10::Half::from_bits());
-  } else {
-    return value;
-  }
-}
-
 // dst = src * scale + pe over one row, in maths precision, rounded once.
 template <typename scalar_t>
 void add_row(const scalar_t* __restrict__ src, const scalar_t* __restrict__ pe, scalar_t* __restrict__ dst,
@@ -120,16 +61,27 @@ void add_row(const scalar_t* __restrict__ src, const scalar_t* __restrict__ pe, 
   for (int64_t d = 0; d < width; ++d) dst[d] = from_opmath<scalar_t>(to_opmath(src[d]) * scale + to_opmath(pe[d]));
 }
 
-// out[n, :] = source(n) * scale + table[rows[n % rows.size()], :]. Rows are independent, so threads split
-// them; positions shared by every leading index repeat every rows.size() output rows.
+// out[n, :] = source(n) * scale + table[rows[p], :] for the rows n = l * P + p, P = rows.size() positions
+// (shared by L = num_out_rows / P leading indices, or one per row: L = 1). The work is cut into tiles
+// (block of positions, leading index), block-major: a tile is a contiguous run of rows, and a task streams
+// the rows of every leading index it owns past the block's table rows, which stay in L2, so the table is
+// read from memory about once per call, not once per leading index.
 template <typename scalar_t, typename Source>
 void add_table_rows(const scalar_t* table, const std::vector<int64_t>& rows, int64_t num_out_rows, int64_t width,
                     Source source, double scale, scalar_t* out) {
   const auto row_scale = static_cast<at::opmath_type<scalar_t>>(scale);
-  const auto period = static_cast<int64_t>(rows.size());
-  at::parallel_for(0, num_out_rows, rows_per_task(width), [&](int64_t begin, int64_t end) {
-    for (const auto n : c10::irange(begin, end)) {
-      add_row(source(n), table + rows[n % period] * width, out + n * width, width, row_scale);
+  const auto num_positions = static_cast<int64_t>(rows.size());
+  const int64_t leads = num_out_rows / num_positions;
+  const int64_t block = std::min(num_positions, rows_per_block(width * static_cast<int64_t>(sizeof(scalar_t))));
+  const int64_t num_blocks = at::divup(num_positions, block);
+  at::parallel_for(0, num_blocks * leads, rows_per_task(block * width), [&](int64_t begin, int64_t end) {
+    for (const auto tile : c10::irange(begin, end)) {
+      const int64_t first = (tile / leads) * block;
+      const int64_t last = std::min(num_positions, first + block);
+      const int64_t n0 = (tile % leads) * num_positions;
+      for (const auto p : c10::irange(first, last)) {
+        add_row(source(n0 + p), table + rows[p] * width, out + (n0 + p) * width, width, row_scale);
+      }
     }
   });
 }

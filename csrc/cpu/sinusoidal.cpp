@@ -1,5 +1,6 @@
 // CPU kernels of the sinusoidal family: sin/cos of p * inv_freq written or added in a channel layout.
 #include "common/angle.h"
+#include "common/convert.h"
 #include "common/parallel.h"
 #include "common/positions.h"
 #include "common/sinusoidal.h"
@@ -11,6 +12,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace posenc {
@@ -37,44 +39,50 @@ void encode_position(double position, const double* inv_freq, int64_t pairs, Sin
   }
 }
 
-// out[n, :] = row(n) * scale + PE(position of row n). Positions shared by every leading index are
-// encoded once into a [S, 2F] table; per-row positions are encoded row by row.
+// dst = src * scale + pe over one row, in maths precision, rounded once; an odd last channel has no encoding.
+template <typename scalar_t>
+void add_row(const scalar_t* __restrict__ src, const at::opmath_type<scalar_t>* __restrict__ pe,
+             scalar_t* __restrict__ dst, int64_t encoded, int64_t width, at::opmath_type<scalar_t> scale) {
+  for (int64_t d = 0; d < encoded; ++d) dst[d] = from_opmath<scalar_t>(to_opmath(src[d]) * scale + pe[d]);
+  if (width > encoded) dst[encoded] = from_opmath<scalar_t>(to_opmath(src[encoded]) * scale);
+}
+
+// out[n, :] = row(n) * scale + PE(position of row n), rows n = l * P + p for P positions and L = rows / P
+// leading indices (positions shared by the leading indices: P = S; one per row: P = rows, L = 1).
+// The work is cut into tiles (block of positions, leading index), block-major: a tile is a contiguous run
+// of rows, and a task encodes a block once, in maths precision, then streams the rows of every leading
+// index it owns past the encodings, which stay in L2. sin/cos are thus computed about once per (position,
+// frequency) however the tiles are split, and no table is bigger than a block; tiles also split a few
+// positions with many leading indices (decoding: P = 1) over the threads.
 template <typename scalar_t, typename RowSource>
-void add_encoding(const at::Tensor& positions, bool shared, const at::Tensor& inv_freq, SinusoidalLayout layout,
+void add_encoding(const PositionValues& positions, const double* inv_freq, int64_t pairs, SinusoidalLayout layout,
                   int64_t rows, int64_t width, double scale, RowSource row, scalar_t* out) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const double* pos = positions.const_data_ptr<double>();
-  const double* freq = inv_freq.const_data_ptr<double>();
-  const int64_t pairs = inv_freq.numel();
   const int64_t encoded = 2 * pairs;
-  const int64_t seq_len = positions.numel();
+  const int64_t num_positions = positions.size();
+  const int64_t leads = rows / num_positions;
   const auto row_scale = static_cast<opmath_t>(scale);
-
-  std::vector<opmath_t> table;
-  if (shared) {
-    table.resize(seq_len * encoded);
-    at::parallel_for(0, seq_len, rows_per_task(encoded), [&](int64_t begin, int64_t end) {
-      std::vector<opmath_t> scratch(encoded);
-      for (const auto s : c10::irange(begin, end)) {
-        encode_position(pos[s], freq, pairs, layout, &table[s * encoded], scratch.data());
+  const int64_t block = std::min(num_positions, rows_per_block(encoded * static_cast<int64_t>(sizeof(opmath_t))));
+  const int64_t num_blocks = at::divup(num_positions, block);
+  at::parallel_for(0, num_blocks * leads, rows_per_task(block * width), [&](int64_t begin, int64_t end) {
+    // One block of encodings plus the interleaved layout's scratch row.
+    std::vector<opmath_t> buffer((block + 1) * encoded);
+    opmath_t* scratch = buffer.data() + block * encoded;
+    int64_t encoded_block = -1;
+    for (const auto tile : c10::irange(begin, end)) {
+      const int64_t b = tile / leads;
+      const int64_t first = b * block;
+      const int64_t count = std::min(block, num_positions - first);
+      if (b != encoded_block) {
+        for (const auto p : c10::irange(count)) {
+          encode_position(positions[first + p], inv_freq, pairs, layout, buffer.data() + p * encoded, scratch);
+        }
+        encoded_block = b;
       }
-    });
-  }
-  at::parallel_for(0, rows, rows_per_task(width), [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> own(shared ? 0 : 2 * encoded);
-    for (const auto n : c10::irange(begin, end)) {
-      const opmath_t* pe = own.data();
-      if (shared) {
-        pe = &table[(n % seq_len) * encoded];
-      } else {
-        encode_position(pos[n], freq, pairs, layout, own.data(), own.data() + encoded);
+      const int64_t n0 = (tile % leads) * num_positions + first;
+      for (const auto p : c10::irange(count)) {
+        add_row(row(n0 + p), buffer.data() + p * encoded, out + (n0 + p) * width, encoded, width, row_scale);
       }
-      const scalar_t* src = row(n);
-      scalar_t* dst = out + n * width;
-      for (const auto d : c10::irange(encoded)) {
-        dst[d] = static_cast<scalar_t>(static_cast<opmath_t>(src[d]) * row_scale + pe[d]);
-      }
-      if (width > encoded) dst[encoded] = static_cast<scalar_t>(static_cast<opmath_t>(src[encoded]) * row_scale);
     }
   });
 }
@@ -88,17 +96,19 @@ at::Tensor sinusoidal_cpu(const at::Tensor& positions, const at::Tensor& inv_fre
   auto sizes = positions.sizes().vec();
   sizes.push_back(2 * pairs);
   auto out = at::empty(sizes, positions.options().dtype(out_dtype));
-  const auto pos = positions_as_double(positions, 0, offset);
-  const auto freq = inv_freq.to(at::kDouble).contiguous();
+  if (out.numel() == 0) return out;
+  const PositionValues pos(positions, 0, offset);
+  const DoubleValues freq(inv_freq);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "posenc_sinusoidal", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    const double* p = pos.const_data_ptr<double>();
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, pos.numel(), rows_per_task(2 * pairs), [&](int64_t begin, int64_t end) {
-      std::vector<opmath_t> pe(4 * pairs);
+    const int64_t encoded = 2 * pairs;
+    at::parallel_for(0, pos.size(), rows_per_task(encoded), [&](int64_t begin, int64_t end) {
+      std::vector<opmath_t> pe(2 * encoded);
       for (const auto n : c10::irange(begin, end)) {
-        encode_position(p[n], freq.const_data_ptr<double>(), pairs, pair_layout, pe.data(), pe.data() + 2 * pairs);
-        for (const auto d : c10::irange(2 * pairs)) dst[n * 2 * pairs + d] = static_cast<scalar_t>(pe[d]);
+        encode_position(pos[n], freq.data(), pairs, pair_layout, pe.data(), pe.data() + encoded);
+        scalar_t* __restrict__ row = dst + n * encoded;
+        for (int64_t d = 0; d < encoded; ++d) row[d] = from_opmath<scalar_t>(pe[d]);
       }
     });
   });
@@ -107,17 +117,17 @@ at::Tensor sinusoidal_cpu(const at::Tensor& positions, const at::Tensor& inv_fre
 
 at::Tensor add_sinusoidal_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                               double x_scale, c10::string_view layout, int64_t offset) {
-  const bool shared = check_add_sinusoidal(x, positions, inv_freq, layout);
+  check_add_sinusoidal(x, positions, inv_freq, layout);
   const auto pair_layout = parse_sinusoidal_layout("add_sinusoidal", layout);
   const auto input = x.contiguous();
   auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
   if (input.numel() == 0) return out;
   const int64_t width = input.size(-1);
-  const auto pos = positions_as_double(positions, input.size(-2), offset);
-  const auto freq = inv_freq.to(at::kDouble).contiguous();
+  const PositionValues pos(positions, input.size(-2), offset);
+  const DoubleValues freq(inv_freq);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_sinusoidal", [&] {
     const scalar_t* src = input.const_data_ptr<scalar_t>();
-    add_encoding<scalar_t>(pos, shared, freq, pair_layout, input.numel() / width, width, x_scale,
+    add_encoding<scalar_t>(pos, freq.data(), inv_freq.size(0), pair_layout, input.numel() / width, width, x_scale,
                            [&](int64_t n) { return src + n * width; }, out.mutable_data_ptr<scalar_t>());
   });
   return out;
@@ -127,7 +137,7 @@ at::Tensor embed_sinusoidal_cpu(const at::Tensor& tokens, const at::Tensor& toke
                                 const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double token_scale,
                                 std::optional<int64_t> padding_idx, c10::string_view layout, int64_t offset) {
   constexpr const char* op = "embed_sinusoidal";
-  const bool shared = check_embed_sinusoidal(tokens, token_weight, positions, inv_freq, padding_idx, layout);
+  check_embed_sinusoidal(tokens, token_weight, positions, inv_freq, padding_idx, layout);
   const auto pair_layout = parse_sinusoidal_layout(op, layout);
   const int64_t vocab = token_weight.size(0);
   const int64_t width = token_weight.size(1);
@@ -138,12 +148,12 @@ at::Tensor embed_sinusoidal_cpu(const at::Tensor& tokens, const at::Tensor& toke
   if (out.numel() == 0) return out;
   const auto ids = tokens.to(at::kLong).contiguous();
   const auto weight = token_weight.contiguous();
-  const auto pos = positions_as_double(positions, tokens.size(-1), offset);
-  const auto freq = inv_freq.to(at::kDouble).contiguous();
+  const PositionValues pos(positions, tokens.size(-1), offset);
+  const DoubleValues freq(inv_freq);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_embed_sinusoidal", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();
     const int64_t* id = ids.const_data_ptr<int64_t>();
-    add_encoding<scalar_t>(pos, shared, freq, pair_layout, ids.numel(), width, token_scale,
+    add_encoding<scalar_t>(pos, freq.data(), inv_freq.size(0), pair_layout, ids.numel(), width, token_scale,
                            [&](int64_t n) { return table + id[n] * width; }, out.mutable_data_ptr<scalar_t>());
   });
   return out;

@@ -172,6 +172,28 @@ def test_table_gradients_are_bitwise_identical_for_1_and_2_threads(same_bits_for
     assert_grads_close(first[1:], grads(expected, (token_weight, pos_weight), grad_out))
 
 
+@pytest.mark.parametrize("shape", [(3, 100, 1024), (64, 1, 1024), (2, 3, 40, 512)])
+@pytest.mark.parametrize("kind", ["default", "shared", "per_row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_learned_blocks_and_threads(shape, kind, dtype):
+    """Blocks of positions times leading indices (a decoding step: one position, many leading indices),
+    split over threads: every row once, the same bits for 1 and 2 threads."""
+    x = torch.randn(shape, dtype=dtype)
+    weight = table(200, shape[-1], dtype)
+    positions = sample_positions(kind, shape[:-1], 200, 1)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(PF.add_learned(x, weight, positions, 1))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])
+    expected = x.float() + F.embedding(reference_rows(positions, shape[-2], 1), weight).float()
+    assert torch.equal(results[0], expected.to(dtype))  # one float32 add, rounded once
+
+
 # --- positions: fairseq, attention masks, OPT -------------------------------------------------------------
 
 

@@ -202,6 +202,48 @@ def test_add_sinusoidal_values(dtype, layout, kind, width):
     assert_close(out.double(), expected, **tolerance(dtype))
 
 
+def across_threads(fn):
+    """fn() with 1 thread, then 2: both results."""
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn()
+        torch.set_num_threads(2)
+        two = fn()
+    finally:
+        torch.set_num_threads(previous)
+    return one, two
+
+
+# Shapes that cut into several blocks of positions and tiles (D = 1024: 32 positions per block), a decoding
+# step (one position, many leading indices) and a 4-d input; the kernel splits them over threads.
+@pytest.mark.parametrize("shape", [(3, 100, 1025), (64, 1, 1024), (2, 3, 40, 1024)])
+@pytest.mark.parametrize("kind", ["none", "shared", "per_row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_sinusoidal_blocks_and_threads(shape, kind, dtype):
+    x = torch.randn(shape, dtype=dtype)
+    seq = shape[-2]
+    positions = {"none": None, "shared": torch.randint(0, 5000, (seq,)),
+                 "per_row": torch.randint(0, 5000, shape[:-1])}[kind]
+    inv_freq = posenc.frequencies.sinusoidal(shape[-1])
+    one, two = across_threads(lambda: PF.add_sinusoidal(x, positions, inv_freq, 1.5, "interleaved", 2))
+    assert torch.equal(one, two)
+    reference_positions = torch.arange(seq) if positions is None else positions
+    pe = pad_zero_column(reference_pe(reference_positions + 2, inv_freq, "interleaved"), shape[-1])
+    assert_close(one.double(), x.double() * 1.5 + pe, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("shape", [(3, 100), (64, 1)])
+def test_embed_sinusoidal_blocks_and_threads(shape):
+    tokens = torch.randint(0, 300, shape)
+    weight = torch.randn(300, 1024)
+    inv_freq = posenc.frequencies.sinusoidal(1024)
+    one, two = across_threads(lambda: PF.embed_sinusoidal(tokens, weight, None, inv_freq, 2.0))
+    assert torch.equal(one, two)
+    pe = reference_pe(torch.arange(shape[-1]), inv_freq, "interleaved")
+    assert_close(one.double(), F.embedding(tokens, weight).double() * 2.0 + pe, **tolerance(torch.float32))
+
+
 def test_add_sinusoidal_strided_input():
     base = torch.randn(10, 4, 32, dtype=torch.float64)
     x = base.transpose(0, 1)[:, :, ::2]  # [4, 10, 16], not contiguous
