@@ -345,6 +345,19 @@ BENCHMARKS = {
 }
 
 
+def markdown(rows: List[dict]) -> str:
+    """The rows as the README's table: ms medians, baselines as (their time / ours)."""
+    lines = ["| op | shape | dtype | mode | ours ms | baselines ms (baseline / ours) | copy ms (ours / copy) | alloc+copy ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        baselines = "; ".join(f"{name} {ms:.2f} ({r['speedup'][name]:.2f}x)" for name, ms in r["baselines_ms"].items())
+        copy = f"{r['copy_ms']:.2f} ({r['ours_over_copy']:.2f})" if "copy_ms" in r else ""
+        alloc = f"{r['alloc_copy_ms']:.2f}" if "alloc_copy_ms" in r else ""
+        ours = f"{r['us_per_call']} us/call" if "us_per_call" in r else f"{r['ours_ms']:.2f}"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {ours} | {baselines} | {copy} | {alloc} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(BENCHMARKS), help="comma-separated: " + ",".join(BENCHMARKS))
@@ -352,12 +365,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
+    parser.add_argument("--markdown", help="also write the rows as a markdown table to this file")
+    parser.add_argument("--from-json", help="format the rows of an earlier --json run instead of measuring")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}")
     rows = []
-    for name in args.ops.split(","):
-        rows += BENCHMARKS[name](args.repeat, args.quick)
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["rows"]
+    else:
+        for name in args.ops.split(","):
+            rows += BENCHMARKS[name](args.repeat, args.quick)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
