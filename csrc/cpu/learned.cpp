@@ -65,8 +65,9 @@ void add_row(const scalar_t* __restrict__ src, const scalar_t* __restrict__ pe, 
 // (shared by L = num_out_rows / P leading indices, or one per row: L = 1). The work is cut into tiles
 // (block of positions, leading index), block-major: a tile is a contiguous run of rows, and a task streams
 // the rows of every leading index it owns past the block's table rows, which stay in L2, so the table is
-// read from memory about once per call, not once per leading index.
-template <typename scalar_t, typename Source>
+// read from memory about once per call, not once per leading index. kGathered: source rows come from a table
+// in token order (embed_learned), so the next one is prefetched.
+template <bool kGathered, typename scalar_t, typename Source>
 void add_table_rows(const scalar_t* table, const std::vector<int64_t>& rows, int64_t num_out_rows, int64_t width,
                     Source source, double scale, scalar_t* out) {
   const auto row_scale = static_cast<at::opmath_type<scalar_t>>(scale);
@@ -80,6 +81,7 @@ void add_table_rows(const scalar_t* table, const std::vector<int64_t>& rows, int
       const int64_t last = std::min(num_positions, first + block);
       const int64_t n0 = (tile % leads) * num_positions;
       for (const auto p : c10::irange(first, last)) {
+        if (kGathered && p + 1 < last) prefetch_row(source(n0 + p + 1), width * static_cast<int64_t>(sizeof(scalar_t)));
         add_row(source(n0 + p), table + rows[p] * width, out + (n0 + p) * width, width, row_scale);
       }
     }
@@ -119,8 +121,9 @@ at::Tensor add_learned_cpu(const at::Tensor& x, const at::Tensor& weight, const 
   const auto table = weight.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_learned", [&] {
     const scalar_t* src = input.const_data_ptr<scalar_t>();
-    add_table_rows<scalar_t>(table.const_data_ptr<scalar_t>(), rows, input.numel() / width, width,
-                             [&](int64_t n) { return src + n * width; }, 1.0, out.mutable_data_ptr<scalar_t>());
+    add_table_rows</*kGathered=*/false, scalar_t>(
+        table.const_data_ptr<scalar_t>(), rows, input.numel() / width, width,
+        [&](int64_t n) { return src + n * width; }, 1.0, out.mutable_data_ptr<scalar_t>());
   });
   return out;
 }
@@ -145,9 +148,9 @@ at::Tensor embed_learned_cpu(const at::Tensor& tokens, const at::Tensor& token_w
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, token_table.scalar_type(), "posenc_embed_learned", [&] {
     const scalar_t* words = token_table.const_data_ptr<scalar_t>();
     const int64_t* id = ids.const_data_ptr<int64_t>();
-    add_table_rows<scalar_t>(pos_table.const_data_ptr<scalar_t>(), rows, ids.numel(), width,
-                             [&](int64_t n) { return words + id[n] * width; }, token_scale,
-                             out.mutable_data_ptr<scalar_t>());
+    add_table_rows</*kGathered=*/true, scalar_t>(
+        pos_table.const_data_ptr<scalar_t>(), rows, ids.numel(), width,
+        [&](int64_t n) { return words + id[n] * width; }, token_scale, out.mutable_data_ptr<scalar_t>());
   });
   return out;
 }

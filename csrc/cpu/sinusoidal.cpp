@@ -53,8 +53,9 @@ void add_row(const scalar_t* __restrict__ src, const at::opmath_type<scalar_t>* 
 // of rows, and a task encodes a block once, in maths precision, then streams the rows of every leading
 // index it owns past the encodings, which stay in L2. sin/cos are thus computed about once per (position,
 // frequency) however the tiles are split, and no table is bigger than a block; tiles also split a few
-// positions with many leading indices (decoding: P = 1) over the threads.
-template <typename scalar_t, typename RowSource>
+// positions with many leading indices (decoding: P = 1) over the threads. kGathered: rows come from a table
+// in token order (embed_sinusoidal), so the next one is prefetched.
+template <bool kGathered, typename scalar_t, typename RowSource>
 void add_encoding(const PositionValues& positions, const double* inv_freq, int64_t pairs, SinusoidalLayout layout,
                   int64_t rows, int64_t width, double scale, RowSource row, scalar_t* out) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -81,6 +82,7 @@ void add_encoding(const PositionValues& positions, const double* inv_freq, int64
       }
       const int64_t n0 = (tile % leads) * num_positions + first;
       for (const auto p : c10::irange(count)) {
+        if (kGathered && p + 1 < count) prefetch_row(row(n0 + p + 1), width * static_cast<int64_t>(sizeof(scalar_t)));
         add_row(row(n0 + p), buffer.data() + p * encoded, out + (n0 + p) * width, encoded, width, row_scale);
       }
     }
@@ -127,8 +129,9 @@ at::Tensor add_sinusoidal_cpu(const at::Tensor& x, const std::optional<at::Tenso
   const DoubleValues freq(inv_freq);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_sinusoidal", [&] {
     const scalar_t* src = input.const_data_ptr<scalar_t>();
-    add_encoding<scalar_t>(pos, freq.data(), inv_freq.size(0), pair_layout, input.numel() / width, width, x_scale,
-                           [&](int64_t n) { return src + n * width; }, out.mutable_data_ptr<scalar_t>());
+    add_encoding</*kGathered=*/false, scalar_t>(
+        pos, freq.data(), inv_freq.size(0), pair_layout, input.numel() / width, width, x_scale,
+        [&](int64_t n) { return src + n * width; }, out.mutable_data_ptr<scalar_t>());
   });
   return out;
 }
@@ -153,8 +156,9 @@ at::Tensor embed_sinusoidal_cpu(const at::Tensor& tokens, const at::Tensor& toke
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_embed_sinusoidal", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();
     const int64_t* id = ids.const_data_ptr<int64_t>();
-    add_encoding<scalar_t>(pos, freq.data(), inv_freq.size(0), pair_layout, ids.numel(), width, token_scale,
-                           [&](int64_t n) { return table + id[n] * width; }, out.mutable_data_ptr<scalar_t>());
+    add_encoding</*kGathered=*/true, scalar_t>(
+        pos, freq.data(), inv_freq.size(0), pair_layout, ids.numel(), width, token_scale,
+        [&](int64_t n) { return table + id[n] * width; }, out.mutable_data_ptr<scalar_t>());
   });
   return out;
 }
