@@ -7,9 +7,6 @@
 
 namespace posenc {
 
-constexpr double kTwoPiHi = 6.283185307179586;       // the double nearest 2*pi
-constexpr double kTwoPiLo = 2.4492935982947064e-16;  // 2*pi - kTwoPiHi
-constexpr double kInvTwoPi = 0.15915494309189535;
 // pi/2 in three parts (fdlibm's pio2_1, pio2_2, pio2_2t): the first has 33 bits, so k * kHalfPi1 is exact
 // for |k| < 2^20 quarter turns and the reduction needs no fma (which would be a libm call, not a vector op).
 constexpr double kHalfPi1 = 1.57079632673412561417e+00;
@@ -18,32 +15,10 @@ constexpr double kHalfPi3 = 2.02226624879595063154e-21;
 constexpr double kTwoOverPi = 0.6366197723675814;
 constexpr double kRoundMagic = 6755399441055744.0;   // 1.5 * 2^52: x + magic - magic rounds x to an integer
 
-// Cody-Waite reduction to [-pi, pi]: a float32 sin of p * w at p = 2^20 would otherwise lose all
-// accuracy, because the float32 product alone is off by up to 2^20 * 2^-24 = 0.06 rad.
-inline double reduce_angle(double angle) {
-  const double turns = std::nearbyint(angle * kInvTwoPi);
-  return std::fma(-turns, kTwoPiLo, std::fma(-turns, kTwoPiHi, angle));
-}
-
-template <typename opmath_t>
-struct SinCos {
-  opmath_t sin;
-  opmath_t cos;
-};
-
-template <typename opmath_t>
-inline SinCos<opmath_t> sincos(double angle) {
-  if constexpr (sizeof(opmath_t) == sizeof(double)) {
-    return {std::sin(angle), std::cos(angle)};
-  } else {
-    const float reduced = static_cast<float>(reduce_angle(angle));
-    return {std::sin(reduced), std::cos(reduced)};
-  }
-}
-
 // sin and cos of position * inv_freq[i] for a whole row of frequencies. The float32 version is plain
 // arithmetic with no libm call, so the compiler vectorizes the loop: a float64 reduction to
 // [-pi/4, pi/4] by quarter turns, then the minimax polynomials of Cephes' sinf/cosf (error < 2e-7).
+// The reduction must be float64: at p = 2^20 a float32 product p * w alone is off by up to 0.06 rad.
 inline void sincos_row(double position, const double* inv_freq, int64_t n, float* sin_out, float* cos_out) {
   for (int64_t i = 0; i < n; ++i) {
     const double angle = position * inv_freq[i];
