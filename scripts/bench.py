@@ -1,16 +1,23 @@
 """Benchmarks posenc's ops against the paths users run today, as ratios measured in the same run.
 
-    python scripts/bench.py [--ops sinusoidal,embedding,...] [--repeat 10] [--json bench.json] [--quick]
+    python scripts/bench.py [--ops rope,sinusoidal,...] [--repeat 10] [--quick] [--reuse-memory] [--no-thp]
+                            [--json bench.json] [--markdown bench.md] [--from-json bench.json]
 
 For every op and shape: our median time, each baseline's median time and its ratio to ours (> 1: we are
-faster), and the copy bound: the same bytes moved by `out.copy_(x)` (one copy for a forward pass, two for
-forward + backward), with our time over it. Uses every thread of the machine (torch.get_num_threads()).
+faster), and two bounds, each with our time over it:
+  copy   the same bytes moved by `out.copy_(x)` into a tensor allocated once (one copy for a forward pass,
+         two for forward + backward): the bandwidth bound of SPEC section 6;
+  fresh  the same copies into freshly allocated tensors (`x.clone()`): the least any op that returns a new
+         tensor pays, ours and the baselines alike.
+Ours, the baselines and the bounds of a row are timed round-robin (every repetition runs each once), so a
+burst of load from elsewhere on this shared machine slows them alike. Uses every thread of the machine.
 
-Every op that returns a fresh tensor (ours and the baselines alike) pays for the kernel zeroing the pages
-it first touches; with 4 KiB pages that alone costs about as much as the copy on this machine (a fresh
-33 MB output: 45 ms against 16 ms for a copy into a reused buffer). The benchmark therefore sets
-THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator then asks for transparent huge pages), which serves every
-contender equally; --no-thp measures with 4 KiB pages.
+Why two bounds: glibc serves tensors over 32 MiB with a fresh mmap, and the kernel zeroes every page on
+first touch, which costs about as much as the copy itself. The benchmark sets THP_MEM_ALLOC_ENABLE=1
+(PyTorch's CPU allocator then asks for transparent huge pages, which cuts the fault count; --no-thp turns it
+off). --reuse-memory keeps freed memory mapped (glibc mallopt), so every allocation reuses touched pages:
+fresh then equals copy, and the ratios show the kernels alone, as in a training loop whose allocator
+caches.
 """
 import os
 
@@ -23,7 +30,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,84 +39,83 @@ import posenc
 from posenc import functional as PF
 
 
-def median_ms(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 2) -> Dict[str, float]:
+    """Median time of each function, measured round-robin: every repetition runs each function once."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def copy_ms(reference: torch.Tensor, copies: int, repeat: int) -> float:
-    """The copy bound: `copies` copies of `reference` into a buffer allocated once."""
-    out = torch.empty_like(reference)
-    return median_ms(lambda: [out.copy_(reference) for _ in range(copies)], repeat)
+def reuse_memory() -> None:
+    """Keep freed memory mapped (glibc): no allocation is served by a fresh mmap, none is returned to the kernel."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2 ** 31 - 1)):
+        raise RuntimeError("mallopt failed: --reuse-memory needs glibc")
 
 
-def alloc_copy_ms(reference: torch.Tensor, copies: int, repeat: int) -> float:
-    """The same copies into fresh tensors, as an op that returns a new tensor must do."""
-    return median_ms(lambda: [torch.empty_like(reference).copy_(reference) for _ in range(copies)], repeat)
-
-
-def leaves(outputs) -> List[torch.Tensor]:
-    """The leaf tensors an autograd graph accumulates into."""
-    found, seen = [], set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            found.append(node.variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-def backward(outputs, grads) -> None:
-    """A training step's backward: gradients of every leaf, computed fresh (as after zero_grad(set_to_none))."""
-    torch.autograd.grad(outputs, leaves(outputs), grads)
-
-
-def fwd_bwd(forward: Callable[[], torch.Tensor], grad: torch.Tensor) -> Callable[[], None]:
+def fwd_grads(forward: Callable[[], object], inputs: Sequence[torch.Tensor],
+              grads: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """Forward, then the gradients of `inputs` through torch.autograd.grad: the forward and backward kernels
+    only. .backward() would also accumulate into each leaf's .grad (x.grad += dx, 1.5 more copies of x, for
+    ours and the baselines alike), which is not the op's cost: in training x is an activation."""
     def run():
-        backward([forward()], [grad])
+        outputs = forward()
+        outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        return torch.autograd.grad(outputs, inputs, grads)
     return run
 
 
 class Table:
-    """Rows of one op: ours against named baselines and the copy bound."""
+    """Rows of one op: ours against named baselines and the copy bounds."""
 
     def __init__(self, op: str, repeat: int):
         self.op, self.repeat, self.rows = op, repeat, []
 
     def add(self, shape: str, dtype: torch.dtype, mode: str, ours: Callable, baselines: Dict[str, Callable],
-            copy_reference: Optional[torch.Tensor] = None, copies: int = 1, **extra):
-        row = {"op": self.op, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
-               "ours_ms": median_ms(ours, self.repeat), "baselines_ms": {}, "speedup": {}}
-        for name, fn in baselines.items():
-            row["baselines_ms"][name] = median_ms(fn, self.repeat)
-            row["speedup"][name] = row["baselines_ms"][name] / row["ours_ms"]
+            copy_reference: Optional[torch.Tensor] = None, copies: int = 1, fresh: bool = True, **extra):
+        fns = {"ours": ours, **{f"baseline {name}": fn for name, fn in baselines.items()}}
         if copy_reference is not None:
-            row["copy_ms"] = copy_ms(copy_reference, copies, self.repeat)
-            row["ours_over_copy"] = row["ours_ms"] / row["copy_ms"]
-            row["alloc_copy_ms"] = alloc_copy_ms(copy_reference, copies, self.repeat)
+            out = torch.empty_like(copy_reference)
+            fns["copy"] = lambda: [out.copy_(copy_reference) for _ in range(copies)]
+            if fresh:
+                fns["fresh"] = lambda: [copy_reference.clone() for _ in range(copies)]
+        ms = medians_ms(fns, self.repeat)
+        row = {"op": self.op, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+               "ours_ms": ms["ours"], "baselines_ms": {}, "speedup": {}}
+        for name in baselines:
+            row["baselines_ms"][name] = ms[f"baseline {name}"]
+            row["speedup"][name] = row["baselines_ms"][name] / row["ours_ms"]
+        for bound in ("copy", "fresh"):
+            if bound in ms:
+                row[f"{bound}_ms"] = ms[bound]
+                row[f"ours_over_{bound}"] = row["ours_ms"] / ms[bound]
         row.update(extra)
         self.rows.append(row)
         print(format_row(row), flush=True)
 
 
 def format_row(row) -> str:
-    parts = [f"{row['op']:<22} {row['shape']:<28} {row['dtype']:<9} {row['mode']:<8} ours {row['ours_ms']:8.2f} ms"]
+    head = f"{row['op']:<22} {row['shape']:<34} {row['dtype']:<9} {row['mode']:<12}"
+    if "us_per_call" in row:
+        parts = [f"{head} ours {row['us_per_call']:6.2f} us"]
+        parts += [f"{name} {us:6.2f} us" for name, us in row["us_per_call_parts"].items()]
+        return " | ".join(parts)
+    parts = [f"{head} ours {row['ours_ms']:8.2f} ms"]
     for name, ms in row["baselines_ms"].items():
         parts.append(f"{name} {ms:8.2f} ms ({row['speedup'][name]:5.2f}x)")
-    if "copy_ms" in row:
-        parts.append(f"copy {row['copy_ms']:7.2f} ms (ours/copy {row['ours_over_copy']:4.2f}) "
-                     f"alloc+copy {row['alloc_copy_ms']:7.2f} ms")
-    for key in ("saved_bytes", "baseline_saved_bytes", "us_per_call"):
+    for bound in ("copy", "fresh"):
+        if f"{bound}_ms" in row:
+            parts.append(f"{bound} {row[bound + '_ms']:7.2f} ms (ours/{bound} {row['ours_over_' + bound]:4.2f})")
+    for key in ("saved_bytes", "baseline_saved_bytes"):
         if key in row:
             parts.append(f"{key} {row[key]}")
     return " | ".join(parts)
@@ -130,8 +136,8 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
         xg = x.clone().requires_grad_()
         grad = torch.randn_like(x)
         table.add(f"x [{batch}, {seq}, {dim}]", dtype, "fwd+bwd",
-                  fwd_bwd(lambda: PF.add_sinusoidal(xg, None, inv_freq, 2.0), grad),
-                  {"eager table+add": fwd_bwd(lambda: xg * 2.0 + pe, grad)}, x, copies=2)
+                  fwd_grads(lambda: PF.add_sinusoidal(xg, None, inv_freq, 2.0), [xg], [grad]),
+                  {"eager table+add": fwd_grads(lambda: xg * 2.0 + pe, [xg], [grad])}, x, copies=2)
 
     fused = Table("embed_sinusoidal", repeat)
     vocab = 32000
@@ -140,11 +146,18 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(vocab, dim, dtype=dtype)
         pe = cached.to(dtype)
-        out_like = torch.empty(batch, seq, dim, dtype=dtype)
+        # zeros, not empty: an untouched tensor's pages all map the zero page, so copying it reads nothing
+        out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd",
                   lambda: PF.embed_sinusoidal(tokens, weight, None, inv_freq, 32.0),
                   {"eager two lookups": lambda: F.embedding(tokens, weight) * 32.0 + F.embedding(positions, pe)},
                   out_like, copies=1)
+        weight_g = weight.clone().requires_grad_()
+        grad = torch.randn_like(out_like)
+        fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd+bwd",
+                  fwd_grads(lambda: PF.embed_sinusoidal(tokens, weight_g, None, inv_freq, 32.0), [weight_g], [grad]),
+                  {"eager two lookups": fwd_grads(lambda: F.embedding(tokens, weight_g) * 32.0
+                                                  + F.embedding(positions, pe), [weight_g], [grad])})
     return table.rows + fused.rows
 
 
@@ -173,22 +186,25 @@ def bench_learned(repeat: int, quick: bool) -> List[dict]:
                   {"eager x+embedding": lambda: x + F.embedding(positions, wpe)}, x, copies=1)
         xg, wg = x.clone().requires_grad_(), wpe.clone().requires_grad_()
         grad = torch.randn_like(x)
-        table.add(f"x [{batch}, {seq}, {dim}]", dtype, "fwd+bwd", fwd_bwd(lambda: PF.add_learned(xg, wg), grad),
-                  {"eager x+embedding": fwd_bwd(lambda: xg + F.embedding(positions, wg), grad)}, x, copies=2)
+        table.add(f"x [{batch}, {seq}, {dim}]", dtype, "fwd+bwd",
+                  fwd_grads(lambda: PF.add_learned(xg, wg), [xg, wg], [grad]),
+                  {"eager x+embedding": fwd_grads(lambda: xg + F.embedding(positions, wg), [xg, wg], [grad])},
+                  x, copies=2)
 
     fused = Table("embed_learned", repeat)
     tokens = torch.randint(0, vocab, (batch, seq))
     for dtype in (torch.float32, torch.bfloat16):
         wte, wpe = torch.randn(vocab, dim, dtype=dtype), torch.randn(seq, dim, dtype=dtype)
-        out_like = torch.empty(batch, seq, dim, dtype=dtype)
+        out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd", lambda: PF.embed_learned(tokens, wte, wpe),
                   {"eager two lookups": lambda: F.embedding(tokens, wte) + F.embedding(positions, wpe)},
                   out_like, copies=1)
         wte_g, wpe_g = wte.clone().requires_grad_(), wpe.clone().requires_grad_()
         grad = torch.randn_like(out_like)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd+bwd",
-                  fwd_bwd(lambda: PF.embed_learned(tokens, wte_g, wpe_g), grad),
-                  {"eager two lookups": fwd_bwd(lambda: F.embedding(tokens, wte_g) + F.embedding(positions, wpe_g), grad)})
+                  fwd_grads(lambda: PF.embed_learned(tokens, wte_g, wpe_g), [wte_g, wpe_g], [grad]),
+                  {"eager two lookups": fwd_grads(lambda: F.embedding(tokens, wte_g) + F.embedding(positions, wpe_g),
+                                                  [wte_g, wpe_g], [grad])})
     return table.rows + fused.rows
 
 
@@ -206,9 +222,21 @@ def bench_alibi(repeat: int, quick: bool) -> List[dict]:
         sg, mg = scores.clone().requires_grad_(), slopes.clone().requires_grad_()
         grad = torch.randn_like(scores)
         dist = distance.to(dtype)
-        table.add(shape, dtype, "fwd+bwd", fwd_bwd(lambda: PF.add_alibi(sg, mg, "symmetric"), grad),
-                  {"eager bias+add": fwd_bwd(lambda: sg + (-mg.to(dtype)[:, None, None] * dist), grad)}, scores, copies=2)
-    return table.rows
+        table.add(shape, dtype, "fwd+bwd", fwd_grads(lambda: PF.add_alibi(sg, mg, "symmetric"), [sg, mg], [grad]),
+                  {"eager bias+add": fwd_grads(lambda: sg + (-mg.to(dtype)[:, None, None] * dist), [sg, mg], [grad])},
+                  scores, copies=2)
+        # In place: no output to allocate, so the kernel alone against the copy bound.
+        buffer = scores.clone()
+        table.add(shape, dtype, "fwd in place", lambda: PF.add_alibi_(buffer, slopes, "symmetric"),
+                  {"eager bias+add_": lambda: buffer.add_(bias)}, scores, copies=1, fresh=False)
+    slope_grad = Table("alibi_backward", repeat)  # the slope gradient alone: one read of grad
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(batch, heads, q_len, k_len, dtype=dtype)
+        dist = distance.to(dtype)
+        slope_grad.add(f"grad [{batch}, {heads}, {q_len}, {k_len}]", dtype, "bwd",
+                       lambda: PF.alibi_backward(grad, slopes, "symmetric"),
+                       {"eager autograd": lambda: -(grad.sum(0) * dist).sum((1, 2))})
+    return table.rows + slope_grad.rows
 
 
 def eager_t5_bias(weight: torch.Tensor, q_len: int, k_len: int, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -229,16 +257,61 @@ def bench_t5(repeat: int, quick: bool) -> List[dict]:
     heads, q_len, k_len, buckets, distance = (16, 512, 512, 32, 128) if quick else (16, 1024, 1024, 32, 128)
     for dtype in (torch.float32, torch.bfloat16):
         weight = torch.randn(buckets, heads, dtype=dtype)
-        out_like = torch.empty(1, heads, q_len, k_len, dtype=dtype)
+        out_like = torch.zeros(1, heads, q_len, k_len, dtype=dtype)
         shape = f"bias [1, {heads}, {q_len}, {k_len}]"
         table.add(shape, dtype, "fwd", lambda: PF.t5_bias(weight, q_len, k_len, True, buckets, distance),
                   {"eager bucket+embedding": lambda: eager_t5_bias(weight, q_len, k_len, buckets, distance)},
                   out_like, copies=1)
         wg = weight.clone().requires_grad_()
         grad = torch.randn_like(out_like)
-        table.add(shape, dtype, "fwd+bwd", fwd_bwd(lambda: PF.t5_bias(wg, q_len, k_len, True, buckets, distance), grad),
-                  {"eager bucket+embedding": fwd_bwd(lambda: eager_t5_bias(wg, q_len, k_len, buckets, distance), grad)},
+        table.add(shape, dtype, "fwd+bwd",
+                  fwd_grads(lambda: PF.t5_bias(wg, q_len, k_len, True, buckets, distance), [wg], [grad]),
+                  {"eager bucket+embedding": fwd_grads(lambda: eager_t5_bias(wg, q_len, k_len, buckets, distance),
+                                                       [wg], [grad])},
                   out_like, copies=2)
+    backward = Table("t5_bias_backward", repeat)  # the weight gradient alone
+    relative = torch.arange(k_len)[None, :] - torch.arange(q_len)[:, None]
+    bucket_ids = PF.relative_position_bucket(relative, True, buckets, distance)
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(1, heads, q_len, k_len, dtype=dtype)
+        backward.add(f"grad [1, {heads}, {q_len}, {k_len}]", dtype, "bwd",
+                     lambda: PF.t5_bias_backward(grad, True, buckets, distance),
+                     {"eager embedding bwd": lambda: torch.ops.aten.embedding_dense_backward(
+                         grad.squeeze(0).permute(1, 2, 0), bucket_ids, buckets, -1, False)})
+    return table.rows + backward.rows
+
+
+def bench_overhead(repeat: int, quick: bool) -> List[dict]:
+    """Per-call overhead through torch.ops on a tiny input, and where it goes."""
+    table = Table("overhead", repeat)
+    x = torch.randn(1, 1, 8)
+    inv_freq = posenc.frequencies.sinusoidal(8)
+    calls = 2000
+
+    def many(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    def many_in_inference_mode(fn):  # below the Autograd key: binding, dispatch and our CPU kernel only
+        def run():
+            with torch.inference_mode():
+                return [fn() for _ in range(calls)]
+        return run
+
+    op = torch.ops.posenc.add_sinusoidal
+    ms = medians_ms({"ours": many(lambda: op(x, None, inv_freq)),
+                     "torch.add": many(lambda: torch.add(x, x)),
+                     # the floor of any call through torch.ops: a trivial op's Python binding and boxed dispatch
+                     "torch.ops.aten.alias": many(lambda: torch.ops.aten.alias(x)),
+                     "ours .default": many(lambda: op.default(x, None, inv_freq)),
+                     "ours inference_mode": many_in_inference_mode(lambda: op(x, None, inv_freq))}, repeat)
+    parts = {name: t / calls * 1e3 for name, t in ms.items()}
+    ours = parts.pop("ours")
+    row = {"op": "overhead", "shape": "x [1, 1, 8]", "dtype": "float32", "mode": "fwd",
+           "ours_ms": ours / 1e3, "baselines_ms": {k: v / 1e3 for k, v in parts.items()},
+           "speedup": {k: v / ours for k, v in parts.items()}, "us_per_call": round(ours, 2),
+           "us_per_call_parts": {k: round(v, 2) for k, v in parts.items()}}
+    table.rows.append(row)
+    print(format_row(row), flush=True)
     return table.rows
 
 
@@ -302,35 +375,18 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
             grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
 
             def train(fn):
-                def run():
-                    backward(list(fn()), [grad_q, grad_k])
-                return run
+                return fwd_grads(fn, [qg, kg], [grad_q, grad_k])
 
             ours = lambda: PF.rope_qk(qg, kg, pos, inv_freq)  # noqa: E731
             hf_eager = lambda: hf(qg, kg)  # noqa: E731
             table.add(shape, dtype, "fwd+bwd", train(ours),
                       {"HF eager": train(hf_eager), "HF compile": train(lambda: hf(qg, kg, hf_compiled))}, both,
                       copies=2, saved_bytes=saved_bytes(ours), baseline_saved_bytes=saved_bytes(hf_eager))
-    return table.rows
-
-
-def bench_overhead(repeat: int, quick: bool) -> List[dict]:
-    """Per-call overhead through torch.ops on a tiny input."""
-    table = Table("overhead", repeat)
-    x = torch.randn(1, 1, 8)
-    inv_freq = posenc.frequencies.sinusoidal(8)
-    calls = 2000
-
-    def many(fn):
-        return lambda: [fn() for _ in range(calls)]
-
-    ours = median_ms(many(lambda: torch.ops.posenc.add_sinusoidal(x, None, inv_freq)), repeat)
-    add = median_ms(many(lambda: torch.add(x, x)), repeat)
-    row = {"op": "overhead", "shape": "x [1, 1, 8]", "dtype": "float32", "mode": "fwd",
-           "ours_ms": ours / calls, "baselines_ms": {"torch.add": add / calls},
-           "speedup": {"torch.add": add / ours}, "us_per_call": round(ours / calls * 1e3, 2)}
-    table.rows.append(row)
-    print(format_row(row), flush=True)
+            # In place (rope_ on q and k stacked): no output to allocate, so the kernel alone against the copy.
+            buffer = both.clone()
+            buffer_pos = None if pos is None else torch.cat([pos, pos])
+            table.add(shape, dtype, "fwd in place", lambda: PF.rope_(buffer, buffer_pos, inv_freq), {}, both,
+                      copies=1, fresh=False)
     return table.rows
 
 
@@ -346,15 +402,20 @@ BENCHMARKS = {
 
 
 def markdown(rows: List[dict]) -> str:
-    """The rows as the README's table: ms medians, baselines as (their time / ours)."""
-    lines = ["| op | shape | dtype | mode | ours ms | baselines ms (baseline / ours) | copy ms (ours / copy) | alloc+copy ms |",
+    """The rows as the README's table: ms medians, baselines as (their time / ours), bounds as (ours / bound)."""
+    lines = ["| op | shape | dtype | mode | ours ms | baselines ms (baseline / ours) | copy ms (ours / copy) "
+             "| fresh ms (ours / fresh) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "us_per_call" in r:
+            parts = "; ".join(f"{name} {us} us" for name, us in r["us_per_call_parts"].items())
+            lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['us_per_call']} us/call "
+                         f"| {parts} | | |")
+            continue
         baselines = "; ".join(f"{name} {ms:.2f} ({r['speedup'][name]:.2f}x)" for name, ms in r["baselines_ms"].items())
-        copy = f"{r['copy_ms']:.2f} ({r['ours_over_copy']:.2f})" if "copy_ms" in r else ""
-        alloc = f"{r['alloc_copy_ms']:.2f}" if "alloc_copy_ms" in r else ""
-        ours = f"{r['us_per_call']} us/call" if "us_per_call" in r else f"{r['ours_ms']:.2f}"
-        lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {ours} | {baselines} | {copy} | {alloc} |")
+        bounds = [f"{r[b + '_ms']:.2f} ({r['ours_over_' + b]:.2f})" if b + "_ms" in r else "" for b in ("copy", "fresh")]
+        lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['ours_ms']:.2f} | {baselines} "
+                     f"| {bounds[0]} | {bounds[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -367,9 +428,14 @@ def main() -> None:
     parser.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
     parser.add_argument("--markdown", help="also write the rows as a markdown table to this file")
     parser.add_argument("--from-json", help="format the rows of an earlier --json run instead of measuring")
+    parser.add_argument("--reuse-memory", action="store_true",
+                        help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
     args = parser.parse_args()
+    if args.reuse_memory:
+        reuse_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}")
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}"
+          + (", --reuse-memory" if args.reuse_memory else ""))
     rows = []
     if args.from_json:
         with open(args.from_json) as f:
@@ -383,7 +449,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"), "rows": rows}, f, indent=1)
+                       "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+                       "reuse_memory": args.reuse_memory, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
