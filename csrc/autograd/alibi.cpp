@@ -1,11 +1,13 @@
 // Autograd of ALiBi: torch::autograd::Functions at the Autograd key that call the forward ops below
 // autograd and alibi_backward through the dispatcher. The bias is linear in the slopes, so alibi_backward
-// is linear in its gradient and its own derivative is a bias again: double backward works.
+// is linear in its gradient and its own derivative is a bias again: double backward works. A call with
+// nothing to record goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/alibi.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
@@ -83,16 +85,29 @@ struct AlibiBackward : public torch::autograd::Function<AlibiBackward> {
 at::Tensor alibi_bias_autograd(const at::Tensor& slopes, c10::SymInt q_len, c10::SymInt k_len, c10::string_view mode,
                                int64_t head_offset, std::optional<c10::SymInt> num_heads,
                                std::optional<at::ScalarType> dtype) {
+  if (!torch::autograd::compute_requires_grad(slopes)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return alibi_bias_symint(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads),
+                             dtype);
+  }
   return AlibiBias::apply(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads), dtype);
 }
 
 at::Tensor add_alibi_autograd(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
                               int64_t head_offset) {
+  if (!torch::autograd::compute_requires_grad(scores, slopes)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_alibi(scores, slopes, mode, head_offset);
+  }
   return AddAlibi::apply(scores, slopes, mode, head_offset);
 }
 
 at::Tensor alibi_backward_autograd(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
                                    int64_t head_offset) {
+  if (!torch::autograd::compute_requires_grad(grad, slopes)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return alibi_backward(grad, slopes, mode, head_offset);
+  }
   return AlibiBackward::apply(grad, slopes, mode, head_offset);
 }
 

@@ -1,12 +1,14 @@
 // Autograd of the learned family: torch::autograd::Functions at the Autograd key that call the forward
 // ops below autograd and scatter gradients into the tables with the deterministic embedding_backward.
-// Only integer positions/tokens are saved, never x or a table.
+// Only integer positions/tokens are saved, never x or a table. A call with nothing to record (grad mode
+// off, or no table or x requiring grad) goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/embedding.h>
 #include <posenc/learned.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/arange.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -112,12 +114,20 @@ struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
 
 at::Tensor learned_autograd(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
                             std::optional<int64_t> padding_idx) {
+  if (!torch::autograd::compute_requires_grad(weight)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return learned(weight, positions, offset, padding_idx);
+  }
   return Learned::apply(weight, positions, offset, padding_idx);
 }
 
 at::Tensor add_learned_autograd(const at::Tensor& x, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& positions, int64_t offset,
                                 std::optional<int64_t> padding_idx) {
+  if (!torch::autograd::compute_requires_grad(x, weight)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_learned(x, weight, positions, offset, padding_idx);
+  }
   return AddLearned::apply(x, weight, positions, offset, padding_idx);
 }
 
@@ -125,6 +135,11 @@ at::Tensor embed_learned_autograd(const at::Tensor& tokens, const at::Tensor& to
                                   const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
                                   double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
                                   std::optional<int64_t> pos_padding_idx) {
+  if (!torch::autograd::compute_requires_grad(token_weight, pos_weight)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
+                         pos_padding_idx);
+  }
   return EmbedLearned::apply(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
                              pos_padding_idx);
 }

@@ -1,11 +1,14 @@
 // Autograd of the rotary family. A rotation is linear in x, so its gradient is the transposed map:
 // rope <-> rope_backward (rotation by -angle), rope_cos_sin <-> rope_cos_sin_backward. Each op's backward
 // is its partner op, so double backward works. Only positions, frequencies (or the cos/sin tables) and
-// scalars are saved, never x.
+// scalars are saved, never x. A call with nothing to record (grad mode off, or nothing requiring grad) goes
+// straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/rope.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -164,6 +167,11 @@ template <bool kInverse>
 at::Tensor rope_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                          double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
                          const std::optional<at::Tensor>& cu_seqlens) {
+  if (!torch::autograd::compute_requires_grad(x, inv_freq)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return kInverse ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+                    : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+  }
   return Rope<kInverse>::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
 }
 
@@ -173,6 +181,11 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autograd(const at::Tensor& q, const a
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
                                                     const std::optional<at::Tensor>& cu_seqlens) {
+  if (!torch::autograd::compute_requires_grad(q, k, inv_freq)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+                    : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+  }
   const auto out = RopeQK<kInverse>::apply(q, k, positions, inv_freq, attention_scale, layout, format, offset,
                                            cu_seqlens);
   return {out[0], out[1]};
@@ -181,12 +194,24 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autograd(const at::Tensor& q, const a
 void rope__autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
                     const std::optional<at::Tensor>& cu_seqlens) {
+  if (!torch::autograd::compute_requires_grad(x, inv_freq)) {
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+    }
+    torch::autograd::impl::bump_version(x);  // a tensor saved for another backward is now stale
+    return;
+  }
   RopeInplace::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
 }
 
 template <bool kTranspose>
 at::Tensor rope_cos_sin_autograd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  c10::string_view layout, c10::string_view format) {
+  if (!torch::autograd::compute_requires_grad(x, cos, sin)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return RopeCosSin<kTranspose>::apply_tables(x, cos, sin, layout, format, kTranspose);
+  }
   return RopeCosSin<kTranspose>::apply(x, cos, sin, layout, format);
 }
 

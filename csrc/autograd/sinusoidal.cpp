@@ -1,10 +1,13 @@
 // Autograd of the sinusoidal family: torch::autograd::Functions at the Autograd key that call the
-// forward ops below autograd and the backward ops through the dispatcher.
+// forward ops below autograd and the backward ops through the dispatcher. As in PyTorch's generated
+// VariableType kernels, a call with nothing to record (grad mode off, or no input requiring grad) goes
+// straight below autograd: building a node and its saved values would be half the cost of a small call.
 #include <posenc/embedding.h>
 #include <posenc/sinusoidal.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -67,6 +70,10 @@ struct EmbedSinusoidal : public torch::autograd::Function<EmbedSinusoidal> {
 
 at::Tensor add_sinusoidal_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                                    const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
+  if (!torch::autograd::compute_requires_grad(x, positions, inv_freq)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset);
+  }
   return AddSinusoidal::apply(x, positions, inv_freq, x_scale, layout, offset);
 }
 
@@ -74,6 +81,10 @@ at::Tensor embed_sinusoidal_autograd(const at::Tensor& tokens, const at::Tensor&
                                      const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                      double token_scale, std::optional<int64_t> padding_idx, c10::string_view layout,
                                      int64_t offset) {
+  if (!torch::autograd::compute_requires_grad(token_weight, positions, inv_freq)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
+  }
   return EmbedSinusoidal::apply(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
 }
 

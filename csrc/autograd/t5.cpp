@@ -1,10 +1,12 @@
 // Autograd of the T5 relative bias: a torch::autograd::Function at the Autograd key calling t5_bias below
 // autograd and t5_bias_backward through the dispatcher. The bias is a gather, linear in the table, so the
-// backward is linear in its gradient and its own derivative is a gather again: double backward works.
+// backward is linear in its gradient and its own derivative is a gather again: double backward works. A call
+// with nothing to record goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/t5.h>
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -61,12 +63,21 @@ struct T5BiasBackward : public torch::autograd::Function<T5BiasBackward> {
 
 at::Tensor t5_bias_autograd(const at::Tensor& weight, c10::SymInt q_len, c10::SymInt k_len, bool bidirectional,
                             int64_t num_buckets, int64_t max_distance, c10::SymInt q_offset) {
+  if (!torch::autograd::compute_requires_grad(weight)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return t5_bias_symint(weight, std::move(q_len), std::move(k_len), bidirectional, num_buckets, max_distance,
+                          std::move(q_offset));
+  }
   return T5Bias::apply(weight, std::move(q_len), std::move(k_len), bidirectional, num_buckets, max_distance,
                        std::move(q_offset));
 }
 
 at::Tensor t5_bias_backward_autograd(const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
                                      int64_t max_distance, c10::SymInt q_offset) {
+  if (!torch::autograd::compute_requires_grad(grad)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return t5_bias_backward_symint(grad, bidirectional, num_buckets, max_distance, std::move(q_offset));
+  }
   return T5BiasBackward::apply(grad, bidirectional, num_buckets, max_distance, std::move(q_offset));
 }
 

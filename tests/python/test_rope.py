@@ -384,6 +384,15 @@ def test_rope_inplace_equals_rope(dtype, fmt):
     assert torch.equal(y, expected) and y._version > version
 
 
+def test_rope_inplace_without_grad_invalidates_tensors_saved_for_backward():
+    weight = torch.randn(2, 4, 2, 8, requires_grad=True)
+    x = torch.randn(2, 4, 2, 8)
+    y = x * weight  # saves x for weight's gradient
+    PF.rope_(x, None, FQ.rope(8)[0])  # nothing requires grad: the call records no node
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_rope_inplace_autograd_through_a_non_leaf():
     leaf = torch.randn(2, 4, 2, 8, dtype=torch.float64, requires_grad=True)
     inv_freq = FQ.rope(8)[0]
