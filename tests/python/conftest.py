@@ -29,3 +29,21 @@ def same_bits_for_any_thread_count():
         return results[0]
 
     return run
+
+
+@pytest.fixture
+def compiled_matches_eager():
+    """Compiles fn with torch.compile(fullgraph=True, backend="aot_eager"): the forward graph, and the backward
+    graph AOTAutograd derives from our autograd kernels. Asserts that the output and the gradients of `wrt`
+    (a random output gradient) equal eager's."""
+
+    def check(fn, inputs, wrt, dynamic=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        expected, actual = fn(*inputs), compiled(*inputs)
+        torch.testing.assert_close(actual, expected)
+        grad_out = torch.randn_like(expected)
+        for a, e in zip(torch.autograd.grad(actual, wrt, grad_out), torch.autograd.grad(expected, wrt, grad_out)):
+            torch.testing.assert_close(a, e)
+
+    return check
