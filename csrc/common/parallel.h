@@ -21,11 +21,16 @@ inline int64_t rows_per_block(int64_t row_bytes) {
   return std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(row_bytes, 1));
 }
 
-// Asks for a row the loop will read next (a gathered table row: no hardware prefetcher can guess where it is),
-// one request per 64-byte line, so that its loads overlap the current row's work.
+// Asks for the head of a row the loop will read next (a gathered table row: no hardware prefetcher can guess
+// where it is), one request per 64-byte line, so that its first loads overlap the current row's work and the
+// L2 streamer, which follows the loop into the row, fetches the rest. Requests for a whole row (32 to 64
+// lines) fill the core's miss buffers and stall the current row's loads: measured 1.3-1.5x the copy bound for
+// embed_learned, against 1.2-1.3x with 1 KiB.
+constexpr int64_t kPrefetchBytes = 1024;
+
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  for (int64_t b = 0; b < std::min(bytes, kPrefetchBytes); b += 64) __builtin_prefetch(p + b);
 }
 
 }  // namespace posenc
