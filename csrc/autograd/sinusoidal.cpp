@@ -41,7 +41,8 @@ struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const double x_scale = ctx->saved_data["x_scale"].toDouble();
-    return {grad_outputs[0].mul(x_scale), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    // x_scale = 1 (an encoding added to x as it is): the gradient passes through, no copy.
+    return {x_scale == 1.0 ? grad_outputs[0] : grad_outputs[0].mul(x_scale), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

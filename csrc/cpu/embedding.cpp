@@ -69,6 +69,9 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad, const at::Tensor& indi
     at::parallel_for(0, num_rows, rows_per_task(work_per_row), [&](int64_t begin, int64_t end) {
       std::vector<opmath_t> sum(width);
       opmath_t* __restrict__ acc = sum.data();
+      // Gradient rows are read in table-row order, so scattered: the next one is prefetched.
+      const int64_t last_of_task = groups.start[end];
+      const int64_t row_bytes = width * static_cast<int64_t>(sizeof(scalar_t));
       for (const auto r : c10::irange(begin, end)) {
         scalar_t* __restrict__ w = dst + r * width;
         const int64_t first = groups.start[r];
@@ -78,11 +81,14 @@ at::Tensor embedding_backward_cpu(const at::Tensor& grad, const at::Tensor& indi
           continue;
         }
         // The sum starts from +0 (so a lone -0 gradient gives +0, as the sum of several does).
-        const scalar_t* __restrict__ g = src + groups.order[first] * width;
-        for (int64_t d = 0; d < width; ++d) acc[d] = opmath_t(0) + to_opmath(g[d]);
-        for (const auto k : c10::irange(first + 1, last)) {
-          g = src + groups.order[k] * width;
-          for (int64_t d = 0; d < width; ++d) acc[d] += to_opmath(g[d]);
+        for (const auto k : c10::irange(first, last)) {
+          if (k + 1 < last_of_task) prefetch_row(src + groups.order[k + 1] * width, row_bytes);
+          const scalar_t* __restrict__ g = src + groups.order[k] * width;
+          if (k == first) {
+            for (int64_t d = 0; d < width; ++d) acc[d] = opmath_t(0) + to_opmath(g[d]);
+          } else {
+            for (int64_t d = 0; d < width; ++d) acc[d] += to_opmath(g[d]);
+          }
         }
         for (int64_t d = 0; d < width; ++d) w[d] = from_opmath<scalar_t>(acc[d] * row_scale);
       }
