@@ -252,11 +252,12 @@ def test_add_sinusoidal_strided_input():
     assert_close(out, x + reference_pe(torch.arange(10), inv_freq, "interleaved"), atol=1e-12, rtol=0)
 
 
-def test_add_sinusoidal_backward_is_scale():
+@pytest.mark.parametrize("x_scale", [0.25, 1.0, -3.0])
+def test_add_sinusoidal_backward_is_scale(x_scale):
     x = torch.randn(2, 5, 8, requires_grad=True)
     grad = torch.randn(2, 5, 8)
-    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(8), 0.25).backward(grad)
-    assert_close(x.grad, grad * 0.25)
+    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(8), x_scale).backward(grad)
+    assert torch.equal(x.grad, grad * x_scale)
 
 
 def test_add_sinusoidal_gradcheck():
