@@ -74,14 +74,6 @@ RotaryView<scalar_t> view_of(const at::Tensor& in, const at::Tensor& out, RopeFo
 #define POSENC_NO_CARRIED_DEPENDENCY
 #endif
 
-// GCC vectorizes with 256-bit registers by default even where the CPU has AVX-512; the row loops are
-// compute-bound in cache, and 512-bit registers halve their instructions (no effect without AVX-512).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
-#define POSENC_WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
-#else
-#define POSENC_WIDE_VECTORS
-#endif
-
 // x1 c - x2 s and x2 c + x1 s as GCC contracts them where the CPU has FMA: the second product rounded,
 // then fused into the first. Spelled out, so that every copy the compiler makes of a loop (vector body,
 // epilogue, a tail vectorized across y1 and y2) computes the same bits; that contraction is not
@@ -107,8 +99,8 @@ inline T rotate_second(T x1, T x2, T c, T s) {
 // One head's row: pair i is channels (i, i + pairs) for neox, (2i, 2i + 1) for gptj; the channels past
 // 2 * pairs are copied. kUnit: both rows are contiguous, which fixes every stride at compile time.
 template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename opmath_t>
-POSENC_WIDE_VECTORS void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
-                                    PairCoeffs<opmath_t> k, int64_t pairs, int64_t head_dim) {
+void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step, PairCoeffs<opmath_t> k,
+                int64_t pairs, int64_t head_dim) {
   const int64_t is = kUnit ? 1 : in_step;
   const int64_t os = kUnit ? 1 : out_step;
   const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;       // channel of pair i = first * i
@@ -169,8 +161,8 @@ inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* i
 
 // All heads of one token of a bf16 view with contiguous rows.
 template <RopeLayout kLayout>
-POSENC_WIDE_VECTORS void rotate_heads_bf16(const RotaryView<c10::BFloat16>& v, int64_t b, int64_t s,
-                                           PairCoeffs<float> k, int64_t pairs) {
+void rotate_heads_bf16(const RotaryView<c10::BFloat16>& v, int64_t b, int64_t s, PairCoeffs<float> k,
+                       int64_t pairs) {
   // neox: word j of either half holds pairs 2j and 2j + 1. The coefficients of the even and of the odd
   // pairs are laid out apart once per token, so that every head's loop reads them without shuffles.
   const int64_t words = pairs / 2;
