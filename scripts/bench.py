@@ -53,6 +53,9 @@ def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+REUSE_MEMORY = False  # --reuse-memory: freed memory stays resident, so peak memory is not measured
+
+
 def reuse_memory() -> None:
     """Keep freed memory mapped (glibc): no allocation is served by a fresh mmap, none is returned to the kernel."""
     import ctypes
@@ -115,7 +118,7 @@ def format_row(row) -> str:
     for bound in ("copy", "fresh"):
         if f"{bound}_ms" in row:
             parts.append(f"{bound} {row[bound + '_ms']:7.2f} ms (ours/{bound} {row['ours_over_' + bound]:4.2f})")
-    for key in ("saved_bytes", "baseline_saved_bytes"):
+    for key in ("saved_bytes", "baseline_saved_bytes", "peak_bytes", "baseline_peak_bytes"):
         if key in row:
             parts.append(f"{key} {row[key]}")
     return " | ".join(parts)
@@ -329,6 +332,21 @@ def saved_bytes(forward: Callable[[], object]) -> int:
     return total
 
 
+def peak_rss_bytes(fn: Callable[[], object]) -> int:
+    """How far the resident set rises above its level before fn while fn runs (Linux: VmHWM, reset through
+    /proc/self/clear_refs). Large tensors are mapped when allocated and unmapped when freed, so this is the
+    most memory fn's tensors hold at once. Not with --reuse-memory, which keeps freed memory resident."""
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_kib("VmRSS")
+    fn()
+    return (status_kib("VmHWM") - before) * 1024
+
+
 def bench_rope(repeat: int, quick: bool) -> List[dict]:
     """RoPE on q and k: Hugging Face's apply_rotary_pos_emb (tables precomputed, as a model does once for all
     layers) eager and under torch.compile, rotary-embedding-torch (gptj pairing), and the copy bound."""
@@ -379,9 +397,12 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
 
             ours = lambda: PF.rope_qk(qg, kg, pos, inv_freq)  # noqa: E731
             hf_eager = lambda: hf(qg, kg)  # noqa: E731
+            memory = {"saved_bytes": saved_bytes(ours), "baseline_saved_bytes": saved_bytes(hf_eager)}
+            if not REUSE_MEMORY and not positions:  # decoding's few KiB come from the heap, not new pages
+                memory.update(peak_bytes=peak_rss_bytes(train(ours)), baseline_peak_bytes=peak_rss_bytes(train(hf_eager)))
             table.add(shape, dtype, "fwd+bwd", train(ours),
                       {"HF eager": train(hf_eager), "HF compile": train(lambda: hf(qg, kg, hf_compiled))}, both,
-                      copies=2, saved_bytes=saved_bytes(ours), baseline_saved_bytes=saved_bytes(hf_eager))
+                      copies=2, **memory)
             # In place (rope_ on q and k stacked): no output to allocate, so the kernel alone against the copy.
             buffer = both.clone()
             buffer_pos = None if pos is None else torch.cat([pos, pos])
@@ -432,6 +453,8 @@ def main() -> None:
                         help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
     args = parser.parse_args()
     if args.reuse_memory:
+        global REUSE_MEMORY
+        REUSE_MEMORY = True
         reuse_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}"
