@@ -132,18 +132,15 @@ inline uint32_t load_word(const c10::BFloat16* p) {
 
 inline void store_word(c10::BFloat16* p, uint32_t w) { std::memcpy(p, &w, sizeof(w)); }
 
-inline float low_channel(uint32_t w) { return bits_to_float(w << 16); }
+// A word's two channels, and the word of two values rounded (convert.h's bf16 conversions).
+inline float low_channel(uint32_t w) { return to_opmath(c10::BFloat16(uint16_t(w), c10::BFloat16::from_bits())); }
 
-inline float high_channel(uint32_t w) { return bits_to_float(w & 0xFFFF0000u); }
-
-// The bf16 rounding of v in the high 16 bits (the low 16 are junk).
-inline uint32_t round_to_bf16(float v) {
-  const uint32_t bits = float_to_bits(v);
-  return v != v ? 0x7FC00000u : bits + 0x7FFFu + ((bits >> 16) & 1u);
+inline float high_channel(uint32_t w) {
+  return to_opmath(c10::BFloat16(uint16_t(w >> 16), c10::BFloat16::from_bits()));
 }
 
 inline uint32_t pack_word(float low, float high) {
-  return (round_to_bf16(high) & 0xFFFF0000u) | (round_to_bf16(low) >> 16);
+  return (uint32_t(from_opmath<c10::BFloat16>(high).x) << 16) | from_opmath<c10::BFloat16>(low).x;
 }
 
 // Asks for this head's row of the next token, read and written one token from now. A token's rows of a
@@ -218,10 +215,10 @@ void rotate_heads_bf16(const RotaryView<c10::BFloat16>& v, int64_t b, int64_t s,
       }
       if (pairs % 2 == 1) {  // an odd last pair, alone
         const int64_t i = pairs - 1;
-        const auto a = static_cast<float>(x1[i]);
-        const auto b = static_cast<float>(x2[i]);
-        y1[i] = static_cast<c10::BFloat16>(rotate_first(a, b, k.c1[i], k.s1[i]));
-        y2[i] = static_cast<c10::BFloat16>(rotate_second(a, b, k.c2[i], k.s2[i]));
+        const float a = to_opmath(x1[i]);
+        const float b = to_opmath(x2[i]);
+        y1[i] = from_opmath<c10::BFloat16>(rotate_first(a, b, k.c1[i], k.s1[i]));
+        y2[i] = from_opmath<c10::BFloat16>(rotate_second(a, b, k.c2[i], k.s2[i]));
       }
     }
     if (in == out) continue;  // in place: the channels past rotary_dim are already there
