@@ -50,8 +50,8 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
   };
   const auto add_offset = [&](int64_t value, int64_t n) {
     int64_t result = 0;
-    if (c10::add_overflows(value, offset, &result)) fail(n, std::to_string(value), "(overflow)");
-    if (result < domain.lo || result > domain.hi) fail(n, std::to_string(value), std::to_string(result));
+    if (c10::add_overflows(value, offset, &result)) fail(n, c10::str(value), "(overflow)");
+    if (result < domain.lo || result > domain.hi) fail(n, c10::str(value), c10::str(result));
     return static_cast<T>(result);
   };
 
@@ -73,14 +73,14 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
   const auto dtype = positions->scalar_type();
   if (at::isFloatingType(dtype)) {
     if constexpr (std::is_same_v<T, double>) {
-      if (std::abs(offset) > kMaxExactPosition) fail(0, "(any)", "offset " + std::to_string(offset));
+      if (std::abs(offset) > kMaxExactPosition) fail(0, "(any)", "offset " + c10::str(offset));
       const auto values = positions->to(at::kDouble).contiguous();
       const double* p = values.const_data_ptr<double>();
       out.resize(values.numel());
       for (int64_t n = 0; n < values.numel(); ++n) {
         const double result = p[n] + static_cast<double>(offset);
         if (std::abs(result) > static_cast<double>(kMaxExactPosition) && std::isfinite(result)) {
-          fail(n, std::to_string(p[n]), std::to_string(result));
+          fail(n, c10::str(p[n]), c10::str(result));
         }
         out[n] = result;
       }

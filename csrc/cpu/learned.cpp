@@ -15,28 +15,29 @@
 namespace posenc {
 namespace {
 
-// out = in * scale + table[rows[p]]: the table rows of `rows` ([P] positions, shared by out's rows / P
-// leading indices) added to out's rows.
+// out = in * scale + table[table_rows[p]]: the rows read by P positions (shared by out's rows / P leading
+// indices) added to out's rows.
 template <typename scalar_t>
-void add_rows(RowInput<scalar_t> in, const at::Tensor& out, const at::Tensor& table, const std::vector<int64_t>& rows,
-              double scale) {
+void add_rows(RowInput<scalar_t> in, const at::Tensor& out, const at::Tensor& table,
+              const std::vector<int64_t>& table_rows, double scale) {
   const int64_t width = out.size(-1);
   cpu::learned_stub<scalar_t>({in, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
-                               table.const_data_ptr<scalar_t>(), rows.data(), static_cast<int64_t>(rows.size()), scale});
+                               table.const_data_ptr<scalar_t>(), table_rows.data(),
+                               static_cast<int64_t>(table_rows.size()), scale});
 }
 
 at::Tensor learned_cpu(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
                        std::optional<int64_t> padding_idx) {
   constexpr const char* op = "learned";
   check_learned(weight, positions, padding_idx);
-  const auto rows = read_positions<int64_t>(op, positions, 0, offset, table_domain(weight.size(0), "weight"));
+  const auto table_rows = read_positions<int64_t>(op, positions, 0, offset, table_domain(weight.size(0), "weight"));
   auto sizes = positions.sizes().vec();
   sizes.push_back(weight.size(1));
   auto out = at::empty(sizes, weight.options());
   if (out.numel() == 0) return out;
   const auto table = weight.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, table.scalar_type(), "posenc_learned", [&] {
-    add_rows<scalar_t>({}, out, table, rows, 1.0);
+    add_rows<scalar_t>({}, out, table, table_rows, 1.0);
   });
   return out;
 }
@@ -45,13 +46,13 @@ at::Tensor add_learned_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                            int64_t offset, std::optional<int64_t> padding_idx) {
   constexpr const char* op = "add_learned";
   check_add_learned(x, weight, positions, padding_idx);
-  const auto rows = read_positions<int64_t>(op, positions, x.size(-2), offset, table_domain(weight.size(0), "weight"));
+  const auto table_rows = read_positions<int64_t>(op, positions, x.size(-2), offset, table_domain(weight.size(0), "weight"));
   const auto input = x.contiguous();
   auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
   const auto table = weight.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_learned", [&] {
-    add_rows<scalar_t>({input.const_data_ptr<scalar_t>()}, out, table, rows, 1.0);
+    add_rows<scalar_t>({input.const_data_ptr<scalar_t>()}, out, table, table_rows, 1.0);
   });
   return out;
 }
@@ -63,7 +64,7 @@ at::Tensor embed_learned_cpu(const at::Tensor& tokens, const at::Tensor& token_w
   constexpr const char* op = "embed_learned";
   check_embed_learned(tokens, token_weight, pos_weight, positions, padding_idx, pos_padding_idx);
   check_indices_in_range(op, "tokens", tokens, token_weight.size(0), "the vocabulary of token_weight, size");
-  const auto rows =
+  const auto table_rows =
       read_positions<int64_t>(op, positions, tokens.size(-1), offset, table_domain(pos_weight.size(0), "pos_weight"));
   auto sizes = tokens.sizes().vec();
   sizes.push_back(token_weight.size(1));
@@ -73,8 +74,8 @@ at::Tensor embed_learned_cpu(const at::Tensor& tokens, const at::Tensor& token_w
   const auto token_table = token_weight.contiguous();
   const auto pos_table = pos_weight.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, token_table.scalar_type(), "posenc_embed_learned", [&] {
-    add_rows<scalar_t>({token_table.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>()}, out, pos_table, rows,
-                       token_scale);
+    add_rows<scalar_t>({token_table.const_data_ptr<scalar_t>(), ids.const_data_ptr<int64_t>()}, out, pos_table,
+                       table_rows, token_scale);
   });
   return out;
 }
