@@ -48,13 +48,18 @@ VOCAB = 256  # bytes
 BLOCK = 16384  # the corpus is cut into blocks of this many bytes; every tenth block is held out
 HELD_OUT_EVERY = 10
 
-# Sizes of the run. "default" is the README's demo (about 10 minutes with setup on 2 cores); "quick" is for
-# tests; "large" is a longer, larger run for a machine with time to spare.
+# Sizes of the run. "default" is the demo's (about 4 minutes of 2 cores, 10 with a cold setup); "quick" is for
+# tests; "large" is a longer, larger run (about 15 times the default's work) at the same training length.
 PRESETS: Dict[str, Dict[str, float]] = {
     "quick": dict(dim=32, layers=1, heads=2, train_len=16, batch=8, steps=12, lr=3e-3, eval_chunks=4),
     "default": dict(dim=128, layers=3, heads=4, train_len=64, batch=32, steps=400, lr=2e-3, eval_chunks=32),
-    "large": dict(dim=256, layers=6, heads=8, train_len=128, batch=32, steps=3000, lr=1e-3, eval_chunks=64),
+    "large": dict(dim=192, layers=4, heads=6, train_len=64, batch=32, steps=2000, lr=1.5e-3, eval_chunks=64),
 }
+
+
+def describe(preset: Dict[str, float]) -> str:
+    return (f"{preset['layers']} x {preset['dim']}, {preset['heads']} heads, {preset['steps']} steps of "
+            f"{preset['batch']} x {preset['train_len']} bytes")
 
 
 # ---------------------------------------------------------------- the model
@@ -318,8 +323,6 @@ def train(model: ByteLM, data: Tensor, args: argparse.Namespace, procs: Processe
     DistributedDataParallel averages the gradients, so W processes compute what one process computes."""
     from tqdm import tqdm
 
-    if args.batch % procs.world:
-        raise ValueError(f"posenc.study: --batch {args.batch} must be a multiple of the {procs.world} processes")
     local = args.batch // procs.world
     rows = slice(procs.rank * local, (procs.rank + 1) * local)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if procs.world > 1 else model
@@ -345,7 +348,7 @@ def train(model: ByteLM, data: Tensor, args: argparse.Namespace, procs: Processe
     losses: List[float] = []
     start = time.perf_counter()
     model.train()
-    bar = tqdm(range(args.steps), desc=f"train {desc}", disable=not procs.main, leave=True, dynamic_ncols=True)
+    bar = tqdm(range(args.steps), desc=f"train {desc}", disable=not procs.main, mininterval=0.5, dynamic_ncols=True)
     for step in bar:
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         offsets = torch.randint(0, data.numel() - args.train_len - 1, (args.batch,), generator=generator)
@@ -360,7 +363,7 @@ def train(model: ByteLM, data: Tensor, args: argparse.Namespace, procs: Processe
         optimizer.step()
         (global_loss,) = procs.sum(loss.item() / procs.world)
         losses.append(global_loss)
-        bar.set_postfix(loss=f"{global_loss:.3f}", bpb=f"{global_loss / math.log(2):.3f}")
+        bar.set_postfix(loss=f"{global_loss:.3f}", bpb=f"{global_loss / math.log(2):.3f}", refresh=False)
     bar.close()
     return {"seconds": time.perf_counter() - start, "losses": losses,
             "final_loss": sum(losses[-10:]) / len(losses[-10:])}
@@ -395,7 +398,7 @@ def evaluate_lengths(model: ByteLM, chunks: Tensor, lengths: List[int], procs: P
     model.eval()
     results: Dict[int, Dict[str, object]] = {}
     bar = tqdm(total=chunks.size(0) * (chunks.size(1) - 1) * len(lengths), desc=f"eval  {desc}", unit="B",
-               unit_scale=True, disable=not procs.main, leave=True, dynamic_ncols=True)
+               unit_scale=True, disable=not procs.main, mininterval=0.5, dynamic_ncols=True)
     for length in lengths:
         try:
             bpb = evaluate(model, chunks, length, procs, bar=bar)
@@ -525,8 +528,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--out", default="build/study", help="folder for every output (default build/study)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                        help="sizes of the run: quick (tests), default (the demo), large; flags below override")
+    parser.add_argument("--preset", choices=list(PRESETS), default="default",
+                        help="sizes of the run (flags below override them): "
+                        + "; ".join(f"{name}: {describe(p)}" for name, p in PRESETS.items()))
     parser.add_argument("--data", help="train and evaluate on this text file instead of Python's own text")
     parser.add_argument("--encodings", default=",".join(ENCODINGS), help="comma-separated subset of "
                         + ",".join(ENCODINGS))
@@ -551,6 +555,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if e not in ENCODINGS:
             parser.error(f"unknown encoding {e!r}; choose from {', '.join(ENCODINGS)}")
     args.factors = sorted({int(f) for f in args.factors.split(",")})
+    if args.data and not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for name in ("batch", "eval_chunks"):
+        if getattr(args, name) % world:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of the {world} processes")
     return args
 
 
@@ -567,12 +577,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         text, source = Path(args.data).read_bytes(), f"{args.data}"
     else:
         text, source = python_corpus()
-    train_data, held_out = split(text)
     lengths = [args.train_len * f for f in args.factors]
-    chunks = eval_chunks(held_out, args.eval_chunks, max(lengths))
-    if args.eval_chunks % procs.world:
-        raise ValueError(f"posenc.study: --eval-chunks {args.eval_chunks} must be a multiple of the "
-                         f"{procs.world} processes")
+    try:
+        train_data, held_out = split(text)
+        chunks = eval_chunks(held_out, args.eval_chunks, max(lengths))
+    except ValueError as error:  # too little text: say so, no traceback
+        procs.close()
+        sys.exit(str(error))
     say(f"text: {source}\nsplit: {train_data.numel()} training bytes, {held_out.numel()} held-out bytes; "
         f"evaluating {chunks.size(0)} chunks of {chunks.size(1) - 1} predictions at lengths {lengths}\n"
         f"processes: {procs.world} x {procs.threads} threads (torch.set_num_threads)")

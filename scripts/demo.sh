@@ -19,6 +19,8 @@ echo "== setup took $((SECONDS - start)) s"
 
 echo "== the study: $PROCESSES process(es), DistributedDataParallel over gloo when more than one"
 if [ "$PROCESSES" -gt 1 ]; then
+  # One thread per process on 2 cores (the study sets it too; set here, torchrun prints no warning about it).
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( ($(nproc) + PROCESSES - 1) / PROCESSES ))} \
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$PROCESSES" scripts/study.py --out "$OUT" "$@"
 else
   "$PYTHON" scripts/study.py --out "$OUT" "$@"
