@@ -482,8 +482,9 @@ def generate(model: torch.nn.Module, prompt: bytes, count: int, context: int) ->
 
 def export(model: ByteLM, name: str, chunks: Tensor, lengths: List[int], args: argparse.Namespace,
            out: Path, procs: Processes) -> Dict[str, object]:
-    """Saves ``model`` with TorchScript (``model.pt``) and torch.export (``model.pt2``, dynamic length), checks
-    both against the eager model, and writes what the C++ program needs to repeat the evaluation."""
+    """Saves ``model`` with TorchScript (``model.pt``) and torch.export (``model.pt2``, batch and length
+    dynamic), checks both against the eager model at the shortest and longest length, and writes what the C++
+    program needs to repeat the evaluation and the greedy continuation of the prompt."""
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
     with warnings.catch_warnings():  # TorchScript is deprecated upstream, and still what C++ programs load
