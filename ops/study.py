@@ -561,7 +561,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for name in ("batch", "eval_chunks"):
         if getattr(args, name) % world:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of the {world} processes")
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be a multiple of the {world} "
+                         f"processes")
     return args
 
 

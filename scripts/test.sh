@@ -19,7 +19,8 @@ cmake --build build/consumer
 "$PYTHON" scripts/train_tiny.py --steps 60 --out build/consumer/model
 build/consumer/posenc_run_model build/consumer/model/model.pt build/consumer/model/sample.txt
 # The study's C++ program, built alone the same way, on a model from a short run of the study.
-cmake -S scripts/study_cpp -B build/consumer_study -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install;$torch_prefix" >/dev/null
+cmake -S scripts/study_cpp -B build/consumer_study -G Ninja \
+  -DCMAKE_PREFIX_PATH="$PWD/build/install;$torch_prefix" >/dev/null
 cmake --build build/consumer_study
 "$PYTHON" scripts/study.py --preset quick --encodings alibi --out build/consumer_study/run \
   >build/consumer_study/run.log 2>&1 || { cat build/consumer_study/run.log; exit 1; }
