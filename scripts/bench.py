@@ -411,33 +411,37 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
-def positional_ms(step: Callable[[], object], label: Callable[[], object]) -> Dict[str, float]:
-    """One profiled step: its wall time and the time of its positional code, in ms.
+def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3) -> Dict[str, float]:
+    """Profiled steps: the medians of a step's wall time and of its positional code's time (ms), and the median
+    of their ratio per step (the share).
 
     `label()` is a context manager under which the model's positional code runs inside
     torch.profiler.record_function("positional") ranges. Forward: the elapsed time of those ranges (the ops
     inside included). Backward: the autograd engine's evaluate_function events of the nodes those ops
     recorded, matched by sequence number."""
     from torch.profiler import ProfilerActivity, profile
+    walls, positional = [], []
     with label():
-        step()  # the profiler's own first-call cost stays out of the measured step
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            step()
-            wall = time.perf_counter() - start
-    events = prof.events()
-    ranges = [e for e in events if e.name == "positional"]
-    forward = sum(e.cpu_time_total for e in ranges)
-    sequence = set()
-    pending = [child for e in ranges for child in e.cpu_children]
-    while pending:
-        event = pending.pop()
-        if event.sequence_nr >= 0:
-            sequence.add((event.thread, event.sequence_nr))
-        pending += event.cpu_children
-    backward = sum(e.cpu_time_total for e in events if e.name.startswith("autograd::engine::evaluate_function:")
-                   and (e.fwd_thread, e.sequence_nr) in sequence)
-    return {"step_ms": wall * 1e3, "positional_ms": (forward + backward) / 1e3}
+        step()  # the profiler's own first-call cost stays out of the measured steps
+        for _ in range(steps):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - start)
+            events = prof.events()
+            ranges = [e for e in events if e.name == "positional"]
+            sequence = set()
+            pending = [child for e in ranges for child in e.cpu_children]
+            while pending:
+                event = pending.pop()
+                if event.sequence_nr >= 0:
+                    sequence.add((event.thread, event.sequence_nr))
+                pending += event.cpu_children
+            backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function:")
+                        and (e.fwd_thread, e.sequence_nr) in sequence]
+            positional.append(sum(e.cpu_time_total for e in ranges + backward) / 1e3)
+    return {"step_ms": statistics.median(walls) * 1e3, "positional_ms": statistics.median(positional),
+            "share": statistics.median(p / (w * 1e3) for p, w in zip(positional, walls))}
 
 
 def bench_model(repeat: int, quick: bool) -> List[dict]:
@@ -495,9 +499,10 @@ def bench_model(repeat: int, quick: bool) -> List[dict]:
                 modeling.apply_rotary_pos_emb = apply
 
         ms = {"patched": step(patched), "unpatched": step(unpatched)}
-        shares = {name: positional_ms(fn, lambda m=(patched if name == "patched" else unpatched): label(m))
+        shares = {name: positional_ms(fn, lambda m=(patched if name == "patched" else unpatched): label(m),
+                                      steps=min(3, repeat))
                   for name, fn in ms.items()}
-        share = {name: s["positional_ms"] / s["step_ms"] for name, s in shares.items()}
+        share = {name: s["share"] for name, s in shares.items()}
         mode = f"fwd+bwd, positional {100 * share['unpatched']:.1f}% -> {100 * share['patched']:.1f}%"
         table.add(f"Llama {layers}x{hidden}, {heads} heads, seq {seq}", dtype, mode, ms["patched"],
                   {"HF eager": ms["unpatched"]},
@@ -505,7 +510,7 @@ def bench_model(repeat: int, quick: bool) -> List[dict]:
                   baseline_positional_ms=shares["unpatched"]["positional_ms"],
                   baseline_step_ms=shares["unpatched"]["step_ms"],
                   positional_share=share["patched"], baseline_positional_share=share["unpatched"])
-        print(f"{'':<22} profiled step: HF eager positional {shares['unpatched']['positional_ms']:.1f} of "
+        print(f"{'':<22} profiled steps (medians): HF eager positional {shares['unpatched']['positional_ms']:.1f} of "
               f"{shares['unpatched']['step_ms']:.1f} ms, posenc {shares['patched']['positional_ms']:.1f} of "
               f"{shares['patched']['step_ms']:.1f} ms", flush=True)
     return table.rows

@@ -24,6 +24,15 @@ LOGITS_ATOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-4
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models are tiny: one thread runs them faster than two (the suite's cost stays small)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops that reach the dispatcher (aten and posenc, forward and backward)."""
 
@@ -80,12 +89,12 @@ def patched_copy(model):
 
 # ---------------------------------------------------------------- rotary: Llama with every scaling
 
-SEQ_LIMIT = 24  # max_position_embeddings (and the original length of yarn, llama3, longrope: 16)
+SEQ_LIMIT = 24  # max_position_embeddings; the original length of llama3 and longrope is 16, of yarn 6 (factor 4)
 SCALINGS = {
     "default": {"rope_type": "default"},
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16},
     "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
@@ -108,9 +117,9 @@ def test_llama_every_scaling_matches_hugging_face(scaling):
     assert [c.target for c in record.changes] == [
         "model.rotary_emb", "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
     long = torch.randint(0, VOCAB, (2, 30))  # past max_position_embeddings and the original 16: scaling at work
-    prompt = torch.randint(0, VOCAB, (2, 14))  # generation crosses 16 and 24: LongRoPE switches, dynamic grows
+    prompt = torch.randint(0, VOCAB, (2, 15))  # generation crosses 16 and 24: LongRoPE switches, dynamic grows
     assert_same_model_outputs(reference, patched, dict(input_ids=long), dict(input_ids=long, labels=long),
-                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=14))
+                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
     counts = ops_of(lambda: patched(input_ids=long, labels=long).loss.backward())
     assert counts["posenc.rope_qk.default"] == 2 and counts["posenc.rope_qk_backward.default"] == 2  # per layer
     assert counts["aten.cos.default"] == counts["aten.sin.default"] == 0  # no tables
@@ -193,6 +202,14 @@ def test_bloom_alibi_matches_hugging_face():
         assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=labels),
                                   dict(input_ids=tokens, attention_mask=mask, max_new_tokens=8), real=compared)
         assert ops_of(lambda: patched(**inputs))["posenc.alibi_bias.default"] == 1
+    # Decoding with a cache and no mask: BLOOM's inline path, sent through posenc by the all-ones mask.
+    with torch.no_grad():
+        steps = [model(input_ids=tokens[:, :9], use_cache=True) for model in (patched, reference)]
+        for _ in range(3):
+            following = tokens[:, 9 + _:10 + _]
+            steps = [model(input_ids=following, cache=step.cache, use_cache=True)
+                     for model, step in zip((patched, reference), steps)]
+            torch.testing.assert_close(steps[0].logits, steps[1].logits, atol=LOGITS_ATOL, rtol=0)
 
 
 def test_t5_relative_bias_matches_hugging_face():
@@ -243,6 +260,19 @@ def test_gpt2_token_type_ids_and_inputs_embeds_keep_working():
     torch.testing.assert_close(logits(patched, inputs_embeds=embeds), logits(reference, inputs_embeds=embeds),
                                atol=0, rtol=0)
     assert torch.equal(patched.transformer.wpe(torch.arange(5)), reference.transformer.wpe(torch.arange(5)))
+
+
+@pytest.mark.parametrize("build", [lambda: llama(SCALINGS["longrope"]), gpt2], ids=["llama", "gpt2"])
+def test_patched_models_compile_fullgraph(build):
+    """RotaryAngles and GPT-2's marker are traced by torch.compile: one graph, the eager logits."""
+    reference = build()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=tokens).logits, logits(reference, input_ids=tokens),
+                                   atol=LOGITS_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------- unpatch, records, errors
