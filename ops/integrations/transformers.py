@@ -9,18 +9,19 @@
   frequencies (:class:`RotaryAngles`) instead of tables, and each attention layer then rotates q and k with
   one ``posenc.rope_qk`` call: no cos/sin tensor is built at all, for any scaling (default, linear, dynamic,
   YaRN, Llama 3, LongRoPE). The layers call their modeling file's ``apply_rotary_pos_emb`` by its global
-  name, so that function is wrapped (once per modeling file, while a model of that file is patched): the
-  wrapper sends :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every
-  unpatched model, to the original function unchanged.
+  name, so that function is wrapped while a patched model of that file exists: the wrapper sends
+  :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every unpatched model, to the
+  original function unchanged.
 - **BLOOM**: the model's ``build_alibi_tensor`` becomes posenc's ``alibi_bias`` (one row per head, as BLOOM
   adds it inside ``baddbmm``); a call without an attention mask gets an all-ones mask, so that both of
   BLOOM's paths build the bias with posenc.
 - **T5**: ``compute_bias`` of the attention layers that own a bucket table becomes ``posenc.t5_bias``.
 - **GPT-2**: ``wte(input_ids) + wpe(position_ids)`` becomes one ``posenc.embed_learned`` call.
 
-Everything is per instance (instance attributes, submodules, hooks of that model), except the rotary
-wrapper described above; no class is modified, and the state dict is unchanged.
+Everything else is per instance: a swapped submodule, or an instance attribute that shadows its class's method
+on that one object. No class is modified, and the state dict is unchanged.
 """
+import copy
 import functools
 import importlib
 import inspect
@@ -49,10 +50,10 @@ _NAME = "posenc.integrations.transformers"
 
 @dataclass
 class Change:
-    """One replacement: ``kind`` is "module" (a submodule swapped), "method" (an instance attribute that shadows
-    the class's method), "hook" (a forward pre-hook) or "function" (a modeling file's global function wrapped);
-    ``target`` names it (``model.rotary_emb``, ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``),
-    ``replacement`` says what took its place."""
+    """One replacement: ``kind`` is "module" (a submodule swapped), "method" (an attribute of one instance that
+    shadows its class's method) or "function" (a modeling file's global function wrapped); ``target`` names it
+    (``model.rotary_emb``, ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``), ``replacement``
+    says what took its place."""
 
     kind: str
     target: str
@@ -64,20 +65,20 @@ class Change:
 
 @dataclass
 class Patch:
-    """What :func:`patch` changed in one model (``changes``), and how to undo it."""
+    """What :func:`patch` changed in one model (``changes``), and how to undo it.
+
+    The undo steps are data (a submodule path and the module it held, an attribute to delete), applied to the
+    model given to :func:`unpatch`: a ``copy.deepcopy`` of a patched model is a patched model of its own, whose
+    ``unpatch`` restores the copy."""
 
     model_type: str
     family: str
     changes: List[Change] = field(default_factory=list)
-    _undo: List[Callable[[], None]] = field(default_factory=list, repr=False)
+    _undo: List[Tuple[str, str, Any]] = field(default_factory=list, repr=False)
 
     def __str__(self) -> str:
         return "\n".join([f"posenc patch of a {self.model_type} model ({self.family}):"]
                          + [f"  {change}" for change in self.changes])
-
-    def _record(self, kind: str, target: str, replacement: str, undo: Callable[[], None]) -> None:
-        self.changes.append(Change(kind, target, replacement))
-        self._undo.append(undo)
 
 
 def patch(model: torch.nn.Module) -> Patch:
@@ -109,8 +110,14 @@ def unpatch(model: torch.nn.Module) -> Patch:
     record = getattr(model, "_posenc_patch", None)
     if record is None:
         raise ValueError(f"{_NAME}.unpatch: the model is not patched")
-    for undo in reversed(record._undo):
-        undo()
+    for kind, path, value in reversed(record._undo):
+        if kind == "module":
+            replacement = model.get_submodule(path)
+            if isinstance(replacement, RotaryPositions):
+                replacement.release()
+            _set_submodule(model, path, value)
+        else:
+            model.get_submodule(path).__dict__.pop(value, None)
     del model._posenc_patch
     return record
 
@@ -132,21 +139,31 @@ def _find(model: torch.nn.Module, predicate: Callable[[torch.nn.Module], bool]) 
     return [(name, module) for name, module in model.named_modules() if predicate(module)]
 
 
-def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
+def _set_submodule(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _shadow_method(record: Patch, owner: torch.nn.Module, owner_name: str, method: str, fn: Callable,
-                   what: str) -> None:
-    """Binds fn to one instance as ``owner.<method>`` (an instance attribute shadows the class's method)."""
+def _swap_module(record: Patch, model: torch.nn.Module, path: str, module: torch.nn.Module, what: str) -> None:
+    record._undo.append(("module", path, model.get_submodule(path)))
+    _set_submodule(model, path, module)
+    record.changes.append(Change("module", path, what))
+
+
+def _shadow_method(record: Patch, owner: torch.nn.Module, path: str, method: str, fn: Callable, what: str) -> None:
+    """Binds fn to one instance as ``owner.<method>``: an instance attribute shadows the class's method (and
+    ``copy.deepcopy`` binds it to the copy)."""
     setattr(owner, method, types.MethodType(fn, owner))
-    record._record("method", f"{owner_name or 'model'}.{method}", what, lambda: delattr(owner, method))
+    record._undo.append(("attribute", path, method))
+    record.changes.append(Change("method", f"{path or 'model'}.{method}", what))
 
 
-def _pre_hook(record: Patch, owner: torch.nn.Module, owner_name: str, hook: Callable, what: str) -> None:
-    handle = owner.register_forward_pre_hook(hook, with_kwargs=True)
-    record._record("hook", f"{owner_name or 'model'} forward pre-hook", what, handle.remove)
+def _class_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The arguments of a call to ``module``'s class forward, all by name (``**kwargs`` flattened)."""
+    bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
+    bound.pop(next(iter(bound)))  # self
+    extra = bound.pop("kwargs", {})
+    return {**bound, **extra}
 
 
 # ---------------------------------------------------------------- rotary
@@ -186,17 +203,39 @@ class RotaryPositions(torch.nn.Module):
     LongRoPE takes its long factors when L > original_max_position_embeddings; dynamic NTK keeps Hugging Face's
     state, the longest L seen, and rescales for it (back to the original frequencies once an L below
     max_position_embeddings arrives), so a model gives the same results patched or not, call after call.
+
+    Each instance holds the wrapper of its modeling file's ``apply_rotary_pos_emb`` (see :func:`patch`) until
+    :meth:`release` (called by :func:`unpatch`) or until it is garbage collected; a ``copy.deepcopy`` holds it
+    too.
     """
 
-    def __init__(self, original: torch.nn.Module):
+    def __init__(self, original: torch.nn.Module, modeling: str):
         super().__init__()
         self.config = original.config
+        self.modeling = modeling
         self.rotary = RotaryEmbedding.from_hf_config(original.config)
         self.dynamic = self.rotary.per_call_scaling == "dynamic"
         self.original_max_seq_len = int(self.rotary.max_position_embeddings)
         # Hugging Face's dynamic state, taken over from the module this one replaces.
         self.max_seq_len_cached = int(getattr(original, "max_seq_len_cached", self.original_max_seq_len))
         self._dynamic_inv_freq: Optional[Tuple[int, Tensor]] = None
+        self._hold_wrapper()
+
+    def _hold_wrapper(self) -> None:
+        _hold_rotary_wrapper(self.modeling)
+        self._release = weakref.finalize(self, _release_rotary_wrapper, self.modeling)
+
+    def release(self) -> None:
+        """Gives up this instance's hold on the wrapper (once; later calls do nothing)."""
+        self._release()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "RotaryPositions":
+        duplicate = RotaryPositions.__new__(RotaryPositions)
+        memo[id(self)] = duplicate
+        duplicate.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()
+                                   if key != "_release"})
+        duplicate._hold_wrapper()
+        return duplicate
 
     def _inv_freq(self, x: Tensor, positions: Tensor) -> Tensor:
         if not self.dynamic:
@@ -225,14 +264,13 @@ class RotaryPositions(torch.nn.Module):
         return f"rotary_dim={self.rotary.rotary_dim}, base={self.rotary.base}, scaling={self.rotary.scaling}"
 
 
-# Per modeling file: [the original apply_rotary_pos_emb, the number of patched models that need the wrapper].
+# Per modeling file: [its original apply_rotary_pos_emb, the number of RotaryPositions holding the wrapper].
 _ROTARY_WRAPPERS: Dict[str, list] = {}
 
 
-def _wrap_apply_rotary(record: Patch, model: torch.nn.Module, modeling: str) -> None:
-    module = importlib.import_module(modeling)
-    target = f"{modeling}.apply_rotary_pos_emb"
+def _hold_rotary_wrapper(modeling: str) -> None:
     if modeling not in _ROTARY_WRAPPERS:
+        module = importlib.import_module(modeling)
         original = module.apply_rotary_pos_emb
 
         @functools.wraps(original)
@@ -246,17 +284,13 @@ def _wrap_apply_rotary(record: Patch, model: torch.nn.Module, modeling: str) -> 
         _ROTARY_WRAPPERS[modeling] = [original, 0]
     _ROTARY_WRAPPERS[modeling][1] += 1
 
-    def release() -> None:
-        entry = _ROTARY_WRAPPERS[modeling]
-        entry[1] -= 1
-        if entry[1] == 0:
-            module.apply_rotary_pos_emb = entry[0]
-            del _ROTARY_WRAPPERS[modeling]
 
-    # Released by unpatch, or when the model is garbage collected still patched (a finalizer runs once).
-    release_once = weakref.finalize(model, release)
-    record._record("function", target, "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original",
-                   release_once)
+def _release_rotary_wrapper(modeling: str) -> None:
+    entry = _ROTARY_WRAPPERS[modeling]
+    entry[1] -= 1
+    if entry[1] == 0:  # the last holder: the modeling file gets its own function back
+        sys.modules[modeling].apply_rotary_pos_emb = entry[0]
+        del _ROTARY_WRAPPERS[modeling]
 
 
 def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
@@ -267,16 +301,16 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
                          f"{type(model).__name__}")
     if not callable(getattr(sys.modules[modeling], "apply_rotary_pos_emb", None)):
         raise ValueError(f"{_NAME}.patch: {modeling} has no apply_rotary_pos_emb to route to posenc")
-    record = Patch(model_type, "rotary")
     for name, original in found:
         if getattr(original, "rope_type", None) is not None and not isinstance(original.rope_type, str):
             raise ValueError(f"{_NAME}.patch: {name} has per-layer-type rope parameters, which this patch does "
                              f"not cover")
-        replacement = RotaryPositions(original).to(device=original.inv_freq.device)
-        _set_submodule(model, name, replacement)
-        record._record("module", name, f"posenc RotaryPositions ({replacement.extra_repr()})",
-                       functools.partial(_set_submodule, model, name, original))
-    _wrap_apply_rotary(record, model, modeling)
+    record = Patch(model_type, "rotary")
+    for name, original in found:
+        replacement = RotaryPositions(original, modeling).to(device=original.inv_freq.device)
+        _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
+    record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
+                                 "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
     return record
 
 
@@ -296,40 +330,31 @@ def _bloom_alibi(self, attention_mask: Tensor, num_heads: int, dtype: torch.dtyp
 
 
 def _cache_of(arguments: Dict[str, Any]) -> Any:
-    # transformers 5.x renames past_key_values to cache inside forward; a pre-hook may see either name.
+    # transformers 5.x renames past_key_values to cache inside forward; a caller may still use either name.
     return arguments.get("cache", arguments.get("past_key_values"))
 
 
-def _bound_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    extra = bound.pop("kwargs", {})
-    return {**bound, **extra}
-
-
-def _bloom_mask_for_every_call(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """BLOOM builds the bias inline when no attention mask is given; an all-ones mask (what "no mask" means)
-    sends it through build_alibi_tensor."""
-    arguments = _bound_arguments(module, args, kwargs)
-    if arguments.get("attention_mask") is not None:
-        return None
+def _bloom_forward(self, *args, **kwargs):
+    """BLOOM builds its bias inline when no attention mask is given; an all-ones mask (what "no mask" means)
+    sends that call through build_alibi_tensor too."""
+    arguments = _class_forward(self, args, kwargs)
     embeddings = arguments.get("inputs_embeds")
     tokens = arguments.get("input_ids") if embeddings is None else embeddings[..., 0]
-    if tokens is None:
-        return None
-    batch, seq = tokens.shape[:2]
-    cache = _cache_of(arguments)
-    k_len = cache.get_mask_sizes(seq, 0)[0] if cache is not None else seq
-    arguments["attention_mask"] = torch.ones(batch, k_len, dtype=torch.long, device=tokens.device)
-    return (), arguments
+    if arguments.get("attention_mask") is None and tokens is not None:
+        batch, seq = tokens.shape[:2]
+        cache = _cache_of(arguments)
+        k_len = cache.get_mask_sizes(seq, 0)[0] if cache is not None else seq
+        arguments["attention_mask"] = torch.ones(batch, k_len, dtype=torch.long, device=tokens.device)
+    return type(self).forward(self, **arguments)
 
 
 def _patch_bloom(model: torch.nn.Module) -> Patch:
-    found = _find(model, lambda m: type(m).__name__ == "BloomModel")
     record = Patch("bloom", "alibi")
-    for name, bloom in found:
+    for name, bloom in _find(model, lambda m: type(m).__name__ == "BloomModel"):
         _shadow_method(record, bloom, name, "build_alibi_tensor", _bloom_alibi,
                        "posenc.alibi_bias (causal, one row per head)")
-        _pre_hook(record, bloom, name, _bloom_mask_for_every_call, "an all-ones attention mask when none is given")
+        _shadow_method(record, bloom, name, "forward", _bloom_forward,
+                       "BloomModel.forward with an all-ones attention mask when none is given")
     return record
 
 
@@ -369,13 +394,21 @@ class _AlreadyInEmbeddings:
                         f"embeddings; only adding them is supported, got {getattr(func, '__name__', func)}")
 
 
-def _gpt2_embed(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """GPT2Model pre-hook: ``inputs_embeds = embed_learned(input_ids, wte, wpe, positions)``, GPT-2's numbering
-    (``position_ids``, else cache length + arange(S))."""
-    arguments = _bound_arguments(module, args, kwargs)
+def _gpt2_wpe_forward(self, position_ids: Tensor):
+    if self.__dict__.get("_posenc_positions_added"):
+        self._posenc_positions_added = False  # one call
+        return _AlreadyInEmbeddings()
+    return torch.nn.Embedding.forward(self, position_ids)
+
+
+def _gpt2_forward(self, *args, **kwargs):
+    """GPT2Model.forward with ``inputs_embeds = embed_learned(input_ids, wte, wpe, positions)``, GPT-2's numbering
+    (``position_ids``, else cache length + arange(S)); for this call, ``wpe`` returns a marker that GPT-2's
+    ``inputs_embeds + position_embeds`` leaves out. Calls with ``inputs_embeds`` run as they are."""
+    arguments = _class_forward(self, args, kwargs)
     tokens = arguments.get("input_ids")
     if tokens is None or arguments.get("inputs_embeds") is not None:
-        return None
+        return type(self).forward(self, **arguments)
     position_ids = arguments.get("position_ids")
     tokens = tokens.reshape(-1, tokens.size(-1))
     offset, positions = 0, None
@@ -385,31 +418,22 @@ def _gpt2_embed(module: torch.nn.Module, args: tuple, kwargs: dict):
     else:
         cache = _cache_of(arguments)
         offset = int(cache.get_seq_length()) if cache is not None else 0
-    arguments["inputs_embeds"] = PF.embed_learned(tokens, module.wte.weight, module.wpe.weight, positions,
-                                                  offset=offset)
+    arguments["inputs_embeds"] = PF.embed_learned(tokens, self.wte.weight, self.wpe.weight, positions, offset=offset)
     arguments["input_ids"] = None
-    module.wpe._posenc_positions_included = True
-    return (), arguments
-
-
-def _gpt2_wpe_forward(self, position_ids: Tensor):
-    if getattr(self, "_posenc_positions_included", False):
-        self._posenc_positions_included = False
-        return _AlreadyInEmbeddings()
-    return torch.nn.Embedding.forward(self, position_ids)
-
-
-def _gpt2_reset(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    module.wpe._posenc_positions_included = False  # also when the forward pass raised before reaching wpe
+    self.wpe._posenc_positions_added = True
+    try:
+        return type(self).forward(self, **arguments)
+    finally:
+        self.wpe._posenc_positions_added = False  # also when the call raised before reaching wpe
 
 
 def _patch_gpt2(model: torch.nn.Module) -> Patch:
     record = Patch("gpt2", "learned")
     for name, gpt2 in _find(model, lambda m: type(m).__name__ == "GPT2Model"):
-        wpe_name = f"{name}.wpe" if name else "wpe"
-        _shadow_method(record, gpt2.wpe, wpe_name, "forward", _gpt2_wpe_forward,
-                       "nothing to add when the token embeddings already hold the positions")
-        _pre_hook(record, gpt2, name, _gpt2_embed, "inputs_embeds = posenc.embed_learned(input_ids, wte, wpe, ...)")
-        handle = gpt2.register_forward_hook(_gpt2_reset, with_kwargs=True, always_call=True)
-        record._record("hook", f"{name or 'model'} forward hook", "clears the wpe flag after each call", handle.remove)
+        wpe = f"{name}.wpe" if name else "wpe"
+        _shadow_method(record, gpt2.wpe, wpe, "forward", _gpt2_wpe_forward,
+                       "nothing to add while the token embeddings already hold the positions")
+        record._undo.append(("attribute", wpe, "_posenc_positions_added"))
+        _shadow_method(record, gpt2, name, "forward", _gpt2_forward,
+                       "GPT2Model.forward with inputs_embeds = posenc.embed_learned(input_ids, wte, wpe, positions)")
     return record
