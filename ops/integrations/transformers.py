@@ -159,11 +159,14 @@ def _shadow_method(record: Patch, owner: torch.nn.Module, path: str, method: str
 
 
 def _class_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    """The arguments of a call to ``module``'s class forward, all by name (``**kwargs`` flattened)."""
-    bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
-    bound.pop(next(iter(bound)))  # self
-    extra = bound.pop("kwargs", {})
-    return {**bound, **extra}
+    """The arguments of a call to ``module``'s class forward, all by name (its ``**kwargs`` flattened)."""
+    signature = inspect.signature(type(module).forward)
+    bound = signature.bind_partial(module, *args, **kwargs).arguments
+    bound.pop(next(iter(signature.parameters)))  # self
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(bound.pop(name, {}))
+    return bound
 
 
 # ---------------------------------------------------------------- rotary
