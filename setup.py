@@ -2,7 +2,8 @@
 
 pip install --no-build-isolation .      (or -e . for an editable install; pip wheel for a wheel)
 Environment: POSENC_BUILD_DIR (default build/), POSENC_BUILD_TESTS=1 to also build the GoogleTest suite
-and the C++ example in the same tree, so that the test command compiles every source once.
+and the C++ example in the same tree, so that the test command compiles every source once (=0: the library
+only; unset: a build folder configured before keeps its choice, a new one builds the library only).
 
 The library is compiled against the torch installed in this environment and works with that torch release
 only: the package requires it (torch==MAJOR.MINOR.*) and records it in posenc/_build_info.py, which
@@ -58,7 +59,7 @@ class CMakeBuild(build_ext):
 
     def build_extension(self, ext):
         build_dir = Path(os.environ.get("POSENC_BUILD_DIR", ROOT / "build")).resolve()
-        with_tests = os.environ.get("POSENC_BUILD_TESTS", "0") == "1"
+        with_tests = os.environ.get("POSENC_BUILD_TESTS")
         cache = build_dir / "CMakeCache.txt"
         torch_dir = Path(torch.utils.cmake_prefix_path) / "Torch"
         if cache.exists() and f"Torch_DIR:PATH={torch_dir}\n" not in cache.read_text():
@@ -70,9 +71,10 @@ class CMakeBuild(build_ext):
             "cmake", "-S", str(ROOT), "-B", str(build_dir),
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DPython3_EXECUTABLE={sys.executable}",
-            f"-DPOSENC_BUILD_TESTS={'ON' if with_tests else 'OFF'}",
-            f"-DPOSENC_BUILD_EXAMPLES={'ON' if with_tests else 'OFF'}",
         ]
+        if with_tests is not None or not cache.exists():  # else the build folder keeps what it was configured with
+            on = "ON" if with_tests == "1" else "OFF"
+            configure += [f"-DPOSENC_BUILD_TESTS={on}", f"-DPOSENC_BUILD_EXAMPLES={on}"]
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"] if not (build_dir / "CMakeCache.txt").exists() else []
         subprocess.check_call(configure)

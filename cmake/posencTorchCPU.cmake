@@ -10,8 +10,9 @@
 # torch or ${TORCH_LIBRARIES}. Where torch is already found (a program that needs torch's CUDA targets calls
 # find_package(Torch) with its toolkit first) or torch::cudart exists, nothing is stood in.
 #
-# TorchConfig.cmake gives the C++ frontend's headers (<torch/nn/...>, <torch/script.h>) to the target torch
-# only: torch_cpu gets them here too.
+# TorchConfig.cmake gives two things to the target torch only, which torch_cpu gets here too: the C++
+# frontend's headers (<torch/nn/...>, <torch/script.h>) and the C++ standard torch's headers are written in
+# (C++20 for torch 2.13 and later; torch 2.14's headers do not compile as C++17).
 macro(posenc_find_torch_cpu)
   if(NOT TARGET torch_cpu AND NOT TARGET torch::cudart)
     add_library(torch::cudart INTERFACE IMPORTED)
@@ -19,5 +20,9 @@ macro(posenc_find_torch_cpu)
   find_package(Torch ${ARGN})
   if(Torch_FOUND)
     set_property(TARGET torch_cpu APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES ${TORCH_INCLUDE_DIRS})
+    get_target_property(_posenc_torch_cxx_standard torch CXX_STANDARD)
+    if(_posenc_torch_cxx_standard)
+      set_property(TARGET torch_cpu APPEND PROPERTY INTERFACE_COMPILE_FEATURES cxx_std_${_posenc_torch_cxx_standard})
+    endif()
   endif()
 endmacro()
