@@ -12,12 +12,14 @@
 # machine's CUDA (whatever part of a toolkit it has) in sight, CUDA_PATH pointing at it. The build folder is
 # build/torch-<version>, apart from build/.
 set -euo pipefail
+step() { echo "== $* (${SECONDS} s in)"; }
+VENV=$(realpath -m "${1:?usage: scripts/check_torch.sh VENV [TORCH]}")
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VENV=${1:?usage: scripts/check_torch.sh VENV [TORCH]}
 PYTHON=${PYTHON:-python3}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$ROOT}
 
+step "venv $VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 py=$(cd "$VENV/bin" && pwd)/python
 if [ $# -ge 2 ]; then
@@ -31,33 +33,35 @@ echo "torch==${torch_version%%+*}" > "$VENV/posenc-constraints.txt"   # nothing 
 build_dir=$ROOT/build/torch-$torch_version
 
 # Runs "$@" where no CUDA toolkit can be found.
+EMPTY=$(mktemp -d)
+trap 'rmdir "$EMPTY"' EXIT
 without_cuda() {
   local path
   path=$(printf %s "$PATH" | tr : '\n' | while read -r dir; do [ -x "$dir/nvcc" ] || printf '%s:' "$dir"; done)
   local hide='for dir in /usr/local/cuda*; do [ -d "$dir" ] && mount --bind "$EMPTY" "$dir"; done; exec "$@"'
   if [ "$(id -u)" = 0 ] && unshare -m true 2>/dev/null; then
-    EMPTY=$(mktemp -d) env -u CUDA_HOME -u CUDA_PATH -u CUDACXX PATH="${path%:}" unshare -m bash -c "$hide" _ "$@"
+    EMPTY=$EMPTY env -u CUDA_HOME -u CUDA_PATH -u CUDACXX PATH="${path%:}" unshare -m bash -c "$hide" _ "$@"
   else
     env -u CUDA_HOME -u CUDA_PATH -u CUDACXX PATH="${path%:}" "$@"
   fi
 }
 
-echo "== build against torch $torch_version with no CUDA toolkit in sight"
+step "build against torch $torch_version with no CUDA toolkit in sight"
 without_cuda bash -c '! command -v nvcc && ! [ -e /usr/local/cuda/include/cuda.h ]' >/dev/null \
-  || { echo "check_torch.sh: could not hide the CUDA toolkit"; exit 1; }
+  || echo "check_torch.sh: /usr/local/cuda stays in sight (hiding it takes root and unshare)"
 without_cuda env POSENC_BUILD_DIR="$build_dir" POSENC_BUILD_TESTS=1 \
   "$py" -m pip install --no-build-isolation --no-deps --force-reinstall -q .
 if grep -q '^CUDA_TOOLKIT_ROOT_DIR\|^CUDAToolkit' "$build_dir/CMakeCache.txt"; then
   echo "check_torch.sh: CMake looked for a CUDA toolkit"; exit 1
 fi
 
-echo "== C++ tests (ctest)"
+step "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j2
 
-echo "== Python tests (pytest, the installed package)"
+step "Python tests (pytest, the installed package)"
 (cd "$VENV" && "$py" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider)
 
-echo "== C++ consumer: find_package(posenc), with this machine's CUDA in sight"
+step "C++ consumer: find_package(posenc), with this machine's CUDA in sight"
 cuda=$(ls -d /usr/local/cuda 2>/dev/null || true)
 cmake --install "$build_dir" --prefix "$build_dir/install" >/dev/null
 CUDA_PATH=${CUDA_PATH:-$cuda} cmake -S scripts/cpp_example -B "$build_dir/consumer" -G Ninja \
@@ -66,7 +70,7 @@ cmake --build "$build_dir/consumer"
 (cd "$VENV" && "$py" "$ROOT/scripts/train_tiny.py" --steps 60 --out "$build_dir/consumer/model")
 "$build_dir/consumer/posenc_run_model" "$build_dir/consumer/model/model.pt" "$build_dir/consumer/model/sample.txt"
 
-echo "== posenc's own configure, with this machine's CUDA in sight"
+step "posenc's own configure, with this machine's CUDA in sight"
 CUDA_PATH=${CUDA_PATH:-$cuda} cmake -S . -B "$build_dir/cuda-in-sight" -G Ninja -DCMAKE_PREFIX_PATH="$torch_prefix" \
   -DPOSENC_BUILD_TESTS=OFF -DPOSENC_BUILD_EXAMPLES=OFF >/dev/null
-echo "check_torch.sh: posenc builds and passes its tests against torch $torch_version"
+echo "check_torch.sh: posenc builds and passes its tests against torch $torch_version (${SECONDS} s)"

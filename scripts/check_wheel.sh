@@ -8,6 +8,7 @@
 # The wheel reuses the CMake build folder (POSENC_BUILD_DIR, default build/): after scripts/setup.sh it
 # compiles nothing. Set KEEP_VENV=1 to keep the venv afterwards.
 set -euo pipefail
+step() { echo "== $* (${SECONDS} s in)"; }
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
@@ -15,12 +16,12 @@ WORK=$(mkdir -p "${1:-build/wheel-check}" && cd "${1:-build/wheel-check}" && pwd
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$ROOT}
 rm -rf "$WORK/dist" "$WORK/venv"
 
-echo "== wheel"
+step "wheel"
 "$PYTHON" -m pip wheel --no-build-isolation --no-deps -q -w "$WORK/dist" .
 wheel=$(ls "$WORK"/dist/posenc-*.whl)
 "$PYTHON" -m zipfile -l "$wheel"
 
-echo "== a new venv with torch $("$PYTHON" -c 'import torch; print(torch.__version__)') and the wheel"
+step "a new venv with torch $("$PYTHON" -c 'import torch; print(torch.__version__)') and the wheel"
 torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')
 echo "torch==$torch_version" > "$WORK/constraints.txt"   # nothing may move torch
 "$PYTHON" -m venv "$WORK/venv"
@@ -28,7 +29,7 @@ venv_python=$WORK/venv/bin/python
 "$venv_python" -m pip install -q -c "$WORK/constraints.txt" "torch==$torch_version"
 "$venv_python" -m pip install -q -c "$WORK/constraints.txt" "$wheel" -r tests/requirements.txt
 
-echo "== pytest against the installed wheel"
+step "pytest against the installed wheel"
 cd "$WORK"
 "$venv_python" - "$WORK/venv" <<'EOF'
 import importlib.metadata
@@ -47,3 +48,4 @@ print(f"posenc {posenc.__version__} from {Path(posenc.__file__).parent}, built f
 EOF
 "$venv_python" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider
 [ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$WORK/venv"
+echo "check_wheel.sh: the wheel installs and passes the tests in a new venv (${SECONDS} s)"
