@@ -10,11 +10,18 @@
 #include <posenc/t5.h>
 #include <posenc/version.h>
 
+#include <string>
+
 namespace posenc {
 
 // The version of the libposenc loaded at run time, "MAJOR.MINOR.PATCH": the same string as Python's
 // posenc.__version__. POSENC_VERSION (posenc/version.h) is the version of the headers compiled against.
 const char* version();
+
+// The CPU capability posenc's kernels run with: "default" (x86-64 baseline), "avx2" (AVX2, FMA, F16C) or
+// "avx512" (AVX-512 F/BW/VL/DQ); the best this CPU supports, unless the environment variable
+// POSENC_CPU_CAPABILITY asks for a lower one. Every capability computes the same bits.
+std::string cpu_capability();
 
 }  // namespace posenc
 
