@@ -59,7 +59,8 @@ step "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j2
 
 step "Python tests (pytest, the installed package)"
-(cd "$VENV" && "$py" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider)
+(cd "$VENV" && POSENC_STUDY_CPP="$build_dir/scripts/study_cpp/posenc_study" \
+  "$py" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider)
 
 step "C++ consumer: find_package(posenc), with this machine's CUDA in sight"
 cuda=$(ls -d /usr/local/cuda 2>/dev/null || true)
