@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
 # Reference libraries the tests compare with; pinned so that a new release cannot change the references.
-"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
+# onnx, onnxscript (with its onnx-ir) and onnxruntime: posenc.onnx and its tests. None of them requires torch.
+"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1 \
+  onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 onnxruntime==1.32.0
 
 echo "== C++ tests (ctest)"
 ctest --test-dir build --output-on-failure
