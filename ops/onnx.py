@@ -54,9 +54,8 @@ def _int64(value):
 
 
 def _size(x, axis: int):
-    """x.shape[axis] as an int64 scalar."""
-    end = axis + 1 if axis != -1 else None
-    return op.Squeeze(op.Shape(x, start=axis, end=end) if end is not None else op.Shape(x, start=axis))
+    """x.shape[axis] as an int64 scalar (dynamic or not)."""
+    return op.Gather(op.Shape(x), op.Constant(value_int=axis), axis=0)
 
 
 def _static(x, axis: int, op_name: str, what: str) -> int:
@@ -86,6 +85,11 @@ def _positions(positions, length, offset: int, dtype: ir.DataType):
 def _angles(positions_f64, inv_freq):
     """float64 angles [..., F] = positions [...] * inv_freq [F]."""
     return op.Mul(op.Unsqueeze(positions_f64, op.Constant(value_ints=[-1])), _to(inv_freq, _DOUBLE))
+
+
+def _last_dim(x, start: int, end: int):
+    """x[..., start:end]."""
+    return op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]), op.Constant(value_ints=[-1]))
 
 
 def _rank(x) -> int:
@@ -201,7 +205,7 @@ def _check_rope(op_name: str, layout: str, format: str) -> None:
 def _packed_positions(cu_seqlens, tokens, offset: int):
     """Positions of a packed batch without explicit positions: t - start of t's sequence, plus offset."""
     t = _arange(tokens)
-    starts = op.Slice(_to(cu_seqlens, _INT64), op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
+    starts = _last_dim(_to(cu_seqlens, _INT64), 0, -1)
     # The last start at or before t: starts never decrease and the first is 0.
     inside = op.LessOrEqual(op.Unsqueeze(starts, op.Constant(value_ints=[0])),
                             op.Unsqueeze(t, op.Constant(value_ints=[1])))
@@ -239,7 +243,8 @@ def _rotate(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str
     maths = _maths_type(x.dtype)
     heads = _static(x, -2 if format != "bhsd" else 1, op_name, "head count")
     head_dim = _static(x, -1, op_name, "head_dim")
-    attributes = dict(interleaved=int(layout == "gptj"), rotary_embedding_dim=rotary_dim if rotary_dim < head_dim else 0)
+    attributes = dict(interleaved=int(layout == "gptj"),
+                      rotary_embedding_dim=rotary_dim if rotary_dim < head_dim else 0)  # 0: every channel
     data = _to(x, maths)
     if format == "bhsd":
         return _to(op.RotaryEmbedding(data, cos, sin, **attributes), x.dtype)
@@ -282,26 +287,19 @@ def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
     head_dim = _static(x, -1, "rope_cos_sin", "head_dim")
     maths = _maths_type(x.dtype)
     data = _to(x, maths)
-    rotated = op.Slice(data, op.Constant(value_ints=[0]), op.Constant(value_ints=[rotary_dim]),
-                       op.Constant(value_ints=[-1]))
+    rotated = _last_dim(data, 0, rotary_dim)
     half = rotary_dim // 2
     if layout == "neox":  # rotate_half: [-x2, x1]
-        x1 = op.Slice(rotated, op.Constant(value_ints=[0]), op.Constant(value_ints=[half]), op.Constant(value_ints=[-1]))
-        x2 = op.Slice(rotated, op.Constant(value_ints=[half]), op.Constant(value_ints=[rotary_dim]),
-                      op.Constant(value_ints=[-1]))
-        partner = op.Concat(op.Neg(x2), x1, axis=-1)
+        partner = op.Concat(op.Neg(_last_dim(rotated, half, rotary_dim)), _last_dim(rotated, 0, half), axis=-1)
     else:  # pairs (x_2i, x_2i+1) -> (-x_2i+1, x_2i)
         pairs = op.Reshape(rotated, op.Concat(op.Shape(rotated, start=0, end=-1), op.Constant(value_ints=[half, 2]),
                                               axis=0))
-        even = op.Slice(pairs, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[-1]))
-        odd = op.Slice(pairs, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), op.Constant(value_ints=[-1]))
-        partner = op.Reshape(op.Concat(op.Neg(odd), even, axis=-1), op.Shape(rotated))
+        partner = op.Reshape(op.Concat(op.Neg(_last_dim(pairs, 1, 2)), _last_dim(pairs, 0, 1), axis=-1),
+                             op.Shape(rotated))
     tables = [_to(_table_for(t, format), maths) for t in (cos, sin)]
     out = op.Add(op.Mul(rotated, tables[0]), op.Mul(partner, tables[1]))
     if rotary_dim < head_dim:
-        rest = op.Slice(data, op.Constant(value_ints=[rotary_dim]), op.Constant(value_ints=[head_dim]),
-                        op.Constant(value_ints=[-1]))
-        out = op.Concat(out, rest, axis=-1)
+        out = op.Concat(out, _last_dim(data, rotary_dim, head_dim), axis=-1)
     return _to(out, x.dtype)
 
 
@@ -330,8 +328,7 @@ def _alibi(slopes, q_len, k_len, mode: str, head_offset: int, num_heads: Optiona
         raise ValueError(f'posenc.onnx: {op_name}: mode must be "causal" or "symmetric", got "{mode}"')
     total = _static(slopes, -1, op_name, "slope count")
     count = total - head_offset if num_heads is None else num_heads
-    m = op.Slice(_to(slopes, maths), op.Constant(value_ints=[head_offset]),
-                 op.Constant(value_ints=[head_offset + count]), op.Constant(value_ints=[-1]))
+    m = _last_dim(_to(slopes, maths), head_offset, head_offset + count)
     if _rank(slopes) == 1:
         m = op.Unsqueeze(m, op.Constant(value_ints=[0]))
     m = op.Unsqueeze(m, op.Constant(value_ints=[2, 3]))  # [1 or B, H, 1, 1]

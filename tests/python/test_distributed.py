@@ -254,6 +254,17 @@ def alibi_bias_sharded_over_heads_or_batch(mesh):
                  grad_wrt=(0,), out_placements=[Replicate()])
 
 
+# ---------------------------------------------------------------- ops without rules
+
+@check
+def ops_without_rules_raise_dtensors_error(mesh):
+    _, Replicate, Shard, distribute_tensor = _dt()
+    x = distribute_tensor(torch.randn(2, 4, 8), mesh, [Shard(0)])
+    inv_freq = distribute_tensor(posenc.frequencies.sinusoidal(8), mesh, [Replicate()])
+    with pytest.raises(Exception, match=r"posenc.add_sinusoidal.default does not have a sharding strategy"):
+        PF.add_sinusoidal(x, None, inv_freq)
+
+
 # ---------------------------------------------------------------- the documented example
 
 @check
