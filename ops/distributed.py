@@ -1,30 +1,24 @@
 """DTensor support: sharding rules that let posenc ops take ``torch.distributed.tensor.DTensor`` inputs.
 
-``import posenc.distributed`` registers them (``import posenc`` alone does not: the torch.distributed.tensor
-machinery costs about 0.5 s to import). A DTensor call is written as the unsharded call on global tensors;
-each rule lists the placements under which every rank's local call computes its part of that result, and
-DTensor redistributes inputs that arrive otherwise (e.g. gathers a tensor sharded along a dimension the op
-cannot split). Per mesh dimension:
+``import posenc.distributed`` registers them for every posenc op (``import posenc`` alone does not: the
+torch.distributed.tensor machinery costs about 0.5 s to import). A DTensor call is written as the unsharded call
+on global tensors; each rule lists the placements under which every rank's local call computes its part of that
+result, and DTensor redistributes inputs that arrive otherwise (e.g. gathers a tensor sharded along a dimension
+the op cannot split). docs/distributed.md has the table; in short, per mesh dimension:
 
-- Rotary (``rope``, ``rope_backward``, ``rope_qk``, ``rope_qk_backward``, ``rope_``, ``rope_cos_sin``,
-  ``rope_cos_sin_backward``): the rotated tensors sharded over heads, over batch (``[B, S]`` positions
-  sharded with them, ``[S]`` positions replicated), or over the sequence (tokens for ``"thd"``) when the
-  positions are explicit and sharded alongside (``[S]`` on dim 0, ``[B, S]`` on dim 1); ``rope_cos_sin``'s
-  tables are explicit, so its sequence sharding always applies. Without positions a shard would count from
-  0, so sequence-sharded inputs are gathered first. ``inv_freq`` and ``cu_seqlens`` are replicated; packed
-  sequences (``cu_seqlens``) shard over heads only.
-- ALiBi (``add_alibi``, ``add_alibi_``, ``alibi_backward``, ``alibi_bias``): scores sharded over batch
-  (``[B, H]`` slopes with them) or over heads, the slopes then sharded over their last dimension alongside.
+- Rotary ops: the rotated tensors sharded over heads, over batch (``[B, S]`` positions with them), or over the
+  sequence when the positions are explicit and sharded alongside (without positions a shard would count its
+  tokens from 0). ``rope_cos_sin``'s tables are explicit, so its sequence sharding always applies.
+- ALiBi: scores sharded over batch or heads, the slopes then sharded over their last dimension alongside.
   Every rank receives the same non-tensor arguments, so no rank can be handed its own ``head_offset``;
   instead each rank's slopes are its heads' slopes, and its local call
   ``add_alibi(local_scores, local_slopes, mode, 0)`` equals the manual tensor-parallel call
   ``add_alibi(local_scores, global_slopes, mode, head_offset=first_global_head)``. Head sharding therefore
   applies when the global call has ``head_offset=0`` and slopes for exactly the scores' heads (and, for
-  ``alibi_bias``, ``num_heads=None``); other calls run replicated. A batch-sharded ``alibi_backward`` of
-  ``[H]`` slopes returns a partial sum (``Partial()``), reduced when it is read.
-
-Plain tensors mixed with DTensors (e.g. a module's ``inv_freq``) must be DTensors too, or the call must
-run under ``torch.distributed.tensor.experimental.implicit_replication()``.
+  ``alibi_bias``, ``num_heads=None``); other calls run replicated.
+- Sinusoidal and learned: data sharded over batch, or over the sequence with explicit positions; learned
+  tables also over channels. T5: the table over heads. Gradients of tables from batch-sharded rows (and
+  ``alibi_backward`` of ``[H]`` slopes) are partial sums (``Partial()``), reduced when read.
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -127,7 +121,70 @@ def _alibi_bias_rule(a: Dict[str, Any]) -> List[_Strategy]:
     return strategies
 
 
+def _per_token_rule(data: str, lead: int, a: Dict[str, Any], tables: Sequence[str] = ()) -> List[_Strategy]:
+    """Ops that add a position's encoding or table row to every token: data's dims before ``lead`` are batch
+    dims, dim ``lead`` the sequence. ``tables`` ([rows, D] tables whose channels follow the output's) may be
+    sharded over channels with the data, when the op's channels are independent (learned rows)."""
+    positions = a["positions"]
+    strategies = [(Replicate(), {data: Replicate()})]
+    for dim in range(lead):
+        # Positions [S] are shared by the batch; positions with the data's leading shape go with their rows.
+        shared = positions is None or positions.ndim == 1
+        strategies.append((Shard(dim), {data: Shard(dim), "positions": Replicate() if shared else Shard(dim)}))
+    if positions is not None:
+        strategies.append((Shard(lead), {data: Shard(lead), "positions": Shard(positions.ndim - 1)}))
+    if tables:
+        channels = lead + 1
+        strategies.append((Shard(channels), {**({data: Shard(channels)} if data == "x" else {}),
+                                             **{table: Shard(1) for table in tables}}))
+    return strategies
+
+
+def _elementwise_rule(data: str, a: Dict[str, Any], skip_last: bool = False) -> List[_Strategy]:
+    """Ops computed per element (or per row of the last dimension: ``skip_last``)."""
+    dims = a[data].ndim - (1 if skip_last else 0)
+    return [(Replicate(), {data: Replicate()})] + [(Shard(d), {data: Shard(d)}) for d in range(dims)]
+
+
+def _learned_rule(a: Dict[str, Any]) -> List[_Strategy]:
+    """learned: positions [...] -> [..., D]; the table's channels may be sharded."""
+    strategies = _elementwise_rule("positions", a)
+    strategies.append((Shard(a["positions"].ndim), {"positions": Replicate(), "weight": Shard(1)}))
+    return strategies
+
+
+def _embedding_backward_rule(a: Dict[str, Any]) -> List[_Strategy]:
+    """embedding_backward: grad [..., D] into [num_rows, D] at indices (grad's leading shape or a suffix of
+    it). Rows sharded over the batch give each rank a partial sum; channels sharded give the table's."""
+    grad, indices = a["grad"], a["indices"]
+    missing = grad.ndim - 1 - indices.ndim  # leading dims of grad that indices leave out
+    strategies = [(Replicate(), {"grad": Replicate(), "indices": Replicate()}),
+                  (Shard(1), {"grad": Shard(grad.ndim - 1), "indices": Replicate()})]
+    for dim in range(grad.ndim - 1):
+        strategies.append((Partial(), {"grad": Shard(dim),
+                                       "indices": Shard(dim - missing) if dim >= missing else Replicate()}))
+    return strategies
+
+
+def _t5_rule(data: str) -> List[_Strategy]:
+    """t5_bias (weight [N, H] -> [1, H, Q, K]) and t5_bias_backward ([1, H, Q, K] -> [N, H]): each head reads
+    its own column of the table."""
+    return [(Replicate(), {data: Replicate()}), (Shard(1), {data: Shard(1)})]
+
+
 _RULES = {
+    "sinusoidal": lambda a: _elementwise_rule("positions", a),
+    "add_sinusoidal": lambda a: _per_token_rule("x", a["x"].ndim - 2, a),
+    "embed_sinusoidal": lambda a: _per_token_rule("tokens", a["tokens"].ndim - 1, a),
+    "embedding_backward": _embedding_backward_rule,
+    "learned": _learned_rule,
+    "add_learned": lambda a: _per_token_rule("x", a["x"].ndim - 2, a, ["weight"]),
+    "embed_learned": lambda a: _per_token_rule("tokens", a["tokens"].ndim - 1, a, ["token_weight", "pos_weight"]),
+    "make_positions": lambda a: _elementwise_rule("tokens", a, skip_last=True),
+    "positions_from_mask": lambda a: _elementwise_rule("attention_mask", a, skip_last=True),
+    "relative_position_bucket": lambda a: _elementwise_rule("relative_position", a),
+    "t5_bias": lambda a: _t5_rule("weight"),
+    "t5_bias_backward": lambda a: _t5_rule("grad"),
     "rope": lambda a: _rope_rule(["x"], a),
     "rope_backward": lambda a: _rope_rule(["grad"], a),
     "rope_": lambda a: _rope_rule(["x"], a),

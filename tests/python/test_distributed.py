@@ -254,15 +254,77 @@ def alibi_bias_sharded_over_heads_or_batch(mesh):
                  grad_wrt=(0,), out_placements=[Replicate()])
 
 
-# ---------------------------------------------------------------- ops without rules
+# ---------------------------------------------------------------- sinusoidal, learned, T5
 
 @check
-def ops_without_rules_raise_dtensors_error(mesh):
-    _, Replicate, Shard, distribute_tensor = _dt()
-    x = distribute_tensor(torch.randn(2, 4, 8), mesh, [Shard(0)])
-    inv_freq = distribute_tensor(posenc.frequencies.sinusoidal(8), mesh, [Replicate()])
-    with pytest.raises(Exception, match=r"posenc.add_sinusoidal.default does not have a sharding strategy"):
-        PF.add_sinusoidal(x, None, inv_freq)
+def sinusoidal_family_sharded_over_batch_sequence_and_positions(mesh):
+    _, Replicate, Shard, _ = _dt()
+    inv_freq = posenc.frequencies.sinusoidal(16, shift=1)
+    odd = posenc.frequencies.sinusoidal(17)
+    x, per_row, shared = torch.randn(4, 6, 16), torch.randint(0, 500, (4, 6)), torch.randint(0, 500, (6,))
+    add = lambda x, p, f: PF.add_sinusoidal(x, p, f, 2.0, "half", 3)  # noqa: E731
+    for x_p, p_p, positions in ((Shard(0), Shard(0), per_row), (Shard(0), Replicate(), shared),
+                                (Shard(1), Shard(1), per_row), (Shard(1), Shard(0), shared)):
+        _run_sharded(add, mesh, [x, positions, inv_freq], [x_p, p_p, Replicate()], grad_wrt=(0,),
+                     out_placements=[x_p])
+    _run_sharded(lambda x, f: PF.add_sinusoidal(x, None, f), mesh, [torch.randn(4, 6, 17), odd],
+                 [Shard(0), Replicate()], grad_wrt=(0,), out_placements=[Shard(0)])
+    _run_sharded(lambda p, f: PF.sinusoidal(p.float() / 7, f, "interleaved", None, 1), mesh, [per_row, inv_freq],
+                 [Shard(1), Replicate()], out_placements=[Shard(1)])
+    table = torch.randn(11, 16)
+    embed = lambda t, w, p, f: PF.embed_sinusoidal(t, w, p, f, 4.0, 1, "half")  # noqa: E731
+    tokens = torch.randint(0, 11, (4, 6))
+    # The token table's gradient comes back from each rank's rows as a partial sum.
+    _run_sharded(embed, mesh, [tokens, table, per_row, inv_freq], [Shard(0), Replicate(), Shard(0), Replicate()],
+                 grad_wrt=(1,), out_placements=[Shard(0)])
+    _run_sharded(embed, mesh, [tokens, table, shared, inv_freq], [Shard(1), Replicate(), Shard(0), Replicate()],
+                 grad_wrt=(1,), out_placements=[Shard(1)])
+
+
+@check
+def learned_family_sharded_over_batch_sequence_and_channels(mesh):
+    _, Replicate, Shard, _ = _dt()
+    wpe, wte = torch.randn(40, 8), torch.randn(11, 8)
+    x, tokens = torch.randn(4, 6, 8), torch.randint(0, 11, (4, 6))
+    per_row, shared = torch.randint(0, 30, (4, 6)), torch.randint(0, 30, (6,))
+    add = lambda x, w, p: PF.add_learned(x, w, p, 2)  # noqa: E731
+    for x_p, w_p, p_p, positions in ((Shard(0), Replicate(), Shard(0), per_row),
+                                     (Shard(1), Replicate(), Shard(0), shared),
+                                     (Shard(2), Shard(1), Replicate(), per_row)):  # channels: x with the table's
+        _run_sharded(add, mesh, [x, wpe, positions], [x_p, w_p, p_p], grad_wrt=(0, 1), out_placements=[x_p])
+    embed = lambda t, a, b, p: PF.embed_learned(t, a, b, p, 2.0, 1, 1)  # noqa: E731
+    for t_p, w_p, p_p, out_p in ((Shard(0), Replicate(), Shard(0), Shard(0)),
+                                 (Shard(1), Replicate(), Shard(1), Shard(1)),
+                                 (Replicate(), Shard(1), Replicate(), Shard(2))):
+        _run_sharded(embed, mesh, [tokens, wte, wpe, per_row], [t_p, w_p, w_p, p_p], grad_wrt=(1, 2),
+                     out_placements=[out_p])
+    _run_sharded(lambda w, p: PF.learned(w, p, 3), mesh, [wpe, per_row], [Replicate(), Shard(1)], grad_wrt=(0,),
+                 out_placements=[Shard(1)])
+    # Without positions the backward builds the table rows as a plain tensor, which DTensor accepts only under
+    # implicit replication (docs/distributed.md).
+    from torch.distributed.tensor.experimental import implicit_replication
+    with pytest.raises(RuntimeError, match=r"posenc.embedding_backward.default got mixed torch.Tensor and DTensor"):
+        _run_sharded(lambda x, w: PF.add_learned(x, w, None, 2), mesh, [x, wpe], [Shard(0), Replicate()],
+                     grad_wrt=(1,))
+    with implicit_replication():
+        _run_sharded(lambda x, w: PF.add_learned(x, w, None, 2), mesh, [x, wpe], [Shard(0), Replicate()],
+                     grad_wrt=(0, 1), out_placements=[Shard(0)])
+    mask = torch.randint(0, 2, (4, 6))
+    _run_sharded(lambda t: PF.make_positions(t, 1), mesh, [tokens], [Shard(0)], out_placements=[Shard(0)])
+    _run_sharded(lambda m: PF.positions_from_mask(m, -1), mesh, [mask], [Shard(0)], out_placements=[Shard(0)])
+    # The numbering runs along the sequence: a sequence shard is gathered.
+    _run_sharded(lambda m: PF.positions_from_mask(m, -1), mesh, [mask], [Shard(1)], out_placements=[Replicate()])
+
+
+@check
+def t5_sharded_over_heads(mesh):
+    _, Replicate, Shard, _ = _dt()
+    weight = torch.randn(32, 4)
+    for bidirectional in (True, False):
+        bias = lambda w: PF.t5_bias(w, 5, 9, bidirectional, 32, 128, 2)  # noqa: E731
+        _run_sharded(bias, mesh, [weight], [Shard(1)], grad_wrt=(0,), out_placements=[Shard(1)])
+    relative = torch.randint(-300, 300, (6, 8))
+    _run_sharded(PF.relative_position_bucket, mesh, [relative], [Shard(1)], out_placements=[Shard(1)])
 
 
 # ---------------------------------------------------------------- the documented example
@@ -327,3 +389,10 @@ def test_import_posenc_does_not_import_torch_distributed_tensor():
     code = "import sys, posenc; print('torch.distributed.tensor' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_every_posenc_op_has_a_rule():
+    import posenc.distributed
+
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("posenc::")}
+    assert registered == set(posenc.distributed.SUPPORTED_OPS)

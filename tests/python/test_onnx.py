@@ -4,7 +4,6 @@ sizes (dynamic shapes). Each export takes a second or two, so every model below 
 import re
 from pathlib import Path
 
-import numpy as np
 import onnxruntime
 import pytest
 import torch
