@@ -391,8 +391,12 @@ def test_import_posenc_does_not_import_torch_distributed_tensor():
                           check=True).stdout.strip() == "False"
 
 
-def test_every_posenc_op_has_a_rule():
+def test_every_posenc_op_with_tensor_arguments_has_a_rule():
     import posenc.distributed
 
+    def takes_tensors(name):
+        schema = getattr(torch.ops.posenc, name).default._schema
+        return any("Tensor" in str(argument.type) for argument in schema.arguments)
+
     registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("posenc::")}
-    assert registered == set(posenc.distributed.SUPPORTED_OPS)
+    assert {name for name in registered if takes_tensors(name)} == set(posenc.distributed.SUPPORTED_OPS)

@@ -116,4 +116,5 @@ def test_aoti_package_of_every_remaining_op(tmp_path):
     for s in (9, 21):
         tokens, mask = torch.randint(0, 50, (2, s)), torch.ones(2, s, dtype=torch.long)
         mask[0, :4] = 0
-        torch.testing.assert_close(compiled(tokens, mask), model(tokens, mask))
+        # rtol: Inductor's generated einsum sums its products in another order than eager's.
+        torch.testing.assert_close(compiled(tokens, mask), model(tokens, mask), rtol=1e-5, atol=1e-5)
