@@ -2,7 +2,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 import posenc  # noqa: F401  (loads libposenc.so: torch.ops.posenc.*)
 
@@ -10,6 +10,7 @@ import posenc  # noqa: F401  (loads libposenc.so: torch.ops.posenc.*)
 # CI is reproducible. "long" draws fresh random examples, many more of them. Pick one with the environment
 # variable POSENC_HYPOTHESIS_PROFILE=long or with hypothesis' own pytest option --hypothesis-profile=long.
 _HYPOTHESIS_COMMON = dict(deadline=None, database=None, print_blob=True,
+                          phases=[Phase.explicit, Phase.generate, Phase.shrink],
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.filter_too_much])
 settings.register_profile("ci", max_examples=25, derandomize=True, **_HYPOTHESIS_COMMON)
