@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
-# Reference libraries the tests compare with; pinned so that a new release cannot change the references.
-"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
+# Reference libraries the tests compare with, and hypothesis (property-based tests); pinned so that a new
+# release cannot change the references or the examples drawn.
+"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1 hypothesis==6.155.2
 
 echo "== C++ tests (ctest)"
 ctest --test-dir build --output-on-failure
