@@ -6,6 +6,9 @@ from hypothesis import HealthCheck, Phase, settings
 
 import posenc  # noqa: F401  (loads libposenc.so: torch.ops.posenc.*)
 
+# Outputs of more than 2^31 elements need up to 9 GiB of memory and minutes: collected on request only.
+collect_ignore = [] if os.environ.get("POSENC_BIG_TESTS") == "1" else ["test_64bit_outputs.py"]
+
 # Property-based tests (hypothesis). "ci", the default, is derandomized: every run draws the same examples, so
 # CI is reproducible. "long" draws fresh random examples, many more of them. Pick one with the environment
 # variable POSENC_HYPOTHESIS_PROFILE=long or with hypothesis' own pytest option --hypothesis-profile=long.

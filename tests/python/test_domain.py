@@ -122,14 +122,17 @@ def absolute(positions, offset, seq_len):
     return torch.tensor(values, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("case", EDGE_CASES)
-@pytest.mark.parametrize("op", POSITION_OPS)
+def applicable(cases):
+    """(op, case) pairs where the case fits the op: sinusoidal always takes positions; rotary positions are
+    token indices, so integers."""
+    return [(op, name) for op in POSITION_OPS for name, (positions, _, _) in cases.items()
+            if not (positions is None and op == "sinusoidal")
+            and not (positions is not None and positions.is_floating_point() and op not in SINUSOIDAL_OPS)]
+
+
+@pytest.mark.parametrize("op, case", applicable(EDGE_CASES))
 def test_positions_up_to_2_pow_53_are_accepted(op, case):
     positions, offset, seq_len = EDGE_CASES[case]
-    if positions is None and op == "sinusoidal":
-        pytest.skip("sinusoidal takes positions, never absent ones")
-    if positions is not None and positions.is_floating_point() and op not in SINUSOIDAL_OPS:
-        pytest.skip("rotary positions are token indices: integer")
     inv_freq = torch.tensor([1.0, 0.1, 2.0 ** -20], dtype=torch.float64)
     out = encoding(op, positions, inv_freq, offset, torch.float64, seq_len)
     reference = expected_encoding(op, absolute(positions, offset, seq_len), inv_freq)
@@ -163,14 +166,9 @@ OUTSIDE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", OUTSIDE_CASES)
-@pytest.mark.parametrize("op", POSITION_OPS)
+@pytest.mark.parametrize("op, case", applicable(OUTSIDE_CASES))
 def test_positions_outside_the_domain_are_an_error(op, case):
     positions, offset, seq_len = OUTSIDE_CASES[case]
-    if positions is None and op == "sinusoidal":
-        pytest.skip("sinusoidal takes positions, never absent ones")
-    if positions is not None and positions.is_floating_point() and op not in SINUSOIDAL_OPS:
-        pytest.skip("rotary positions are token indices: integer")
     inv_freq = torch.tensor([1.0, 0.01], dtype=torch.float64)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         with pytest.raises(RuntimeError) as error:
@@ -291,12 +289,10 @@ LEARNED_OUTSIDE = {
 }
 
 
-@pytest.mark.parametrize("case", LEARNED_OUTSIDE)
-@pytest.mark.parametrize("op", LEARNED_OPS)
+@pytest.mark.parametrize("op, case", [(op, name) for op in LEARNED_OPS for name, (positions, _) in
+                                      LEARNED_OUTSIDE.items() if not (positions is None and op == "learned")])
 def test_learned_rows_outside_the_table_are_an_error(op, case):
     positions, offset = LEARNED_OUTSIDE[case]
-    if positions is None and op == "learned":
-        pytest.skip("learned takes positions, never absent ones")
     with pytest.raises(RuntimeError) as error:
         learned_call(op, positions, offset)
     assert_names_op_and_position(error, op)
