@@ -260,17 +260,20 @@ def positions_beyond_domain(floating):
             values[draw(st.integers(0, seq - 1))] = draw(st.sampled_from([LIMIT + 1, -LIMIT - 1, INT64_MAX, INT64_MIN]))
             kw["positions"] = values
         elif how == "absent":
-            kw["offset"] = draw(st.sampled_from([LIMIT - seq + 2, -LIMIT - 1, INT64_MAX - seq + 2, INT64_MIN]))
+            kw["offset"] = draw(st.sampled_from([LIMIT - seq + 2, -LIMIT - 1, min(INT64_MAX, INT64_MAX - seq + 2),
+                                                 INT64_MIN]))
         elif how == "overflow":  # the int64 sum wraps, to -2, 5 or int64 min + 4
             position, offset = draw(st.sampled_from([(INT64_MAX, INT64_MAX), (INT64_MIN + 5, INT64_MIN),
                                                      (5, INT64_MAX)]))
             values = torch.zeros(seq, dtype=torch.long)
             values[draw(st.integers(0, seq - 1))] = position
             kw["positions"], kw["offset"] = values, offset
-        else:
-            values = torch.arange(seq, dtype=F64)
-            values[draw(st.integers(0, seq - 1))] = draw(st.sampled_from([LIMIT + 2.0, -LIMIT - 2.0, 1e300]))
-            kw["positions"] = values.to(draw(st.sampled_from([F64, torch.float32])))
+        else:  # finite floating positions past the edge, representable in their dtype (not inf: that is NaN)
+            dtype = draw(st.sampled_from([F64, torch.float32]))
+            beyond = [LIMIT + 2.0, -LIMIT - 2.0, 1e300] if dtype == F64 else [2.0 ** 54, -2.0 ** 54, 1e30]
+            values = torch.arange(seq, dtype=dtype)
+            values[draw(st.integers(0, seq - 1))] = draw(st.sampled_from(beyond))
+            kw["positions"] = values
     return mutate
 
 

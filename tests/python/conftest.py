@@ -26,6 +26,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+def tensor_ops():
+    """Every posenc op that takes a tensor: the ones the reliability tests (properties, bad input, determinism,
+    concurrency) must each cover. Ops without a tensor argument (cpu_capability) answer configuration
+    questions and have tests of their own."""
+    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::"))
+    return [name for name in names
+            if any("Tensor" in str(a.type) for a in getattr(torch.ops.posenc, name).default._schema.arguments)]
+
+
 def _flatten(result):
     if isinstance(result, (tuple, list)):
         return [t for item in result for t in _flatten(item)]
