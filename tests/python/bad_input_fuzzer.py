@@ -488,6 +488,8 @@ MUTATIONS = {
                        mode_unknown=unknown_string("mode", {"causal", "symmetric"}),
                        head_offset_negative=set_value("head_offset", st.integers(INT64_MIN, -1)),
                        num_heads_too_many=lambda draw, kw: kw.update(num_heads=kw["slopes"].shape[-1] + 1),
+                       head_offset_past_the_slopes=lambda draw, kw: kw.update(
+                           num_heads=1, head_offset=draw(st.sampled_from([kw["slopes"].shape[-1], INT64_MAX]))),
                        num_heads_negative=set_value("num_heads", st.integers(-5, -1)),
                        dtype_not_floating=set_value("dtype", st.sampled_from([torch.int64, torch.bool]))),
     "add_alibi": alibi_mutations("scores"),
