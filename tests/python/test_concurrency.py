@@ -203,3 +203,42 @@ def test_modules_shared_by_8_threads_for_inference_equal_the_serial_results(mode
     with context():
         expected = {name: flatten(call()) for name, call in calls.items()}
     assert run_concurrently(calls, expected, context) == []
+
+
+def test_inplace_ops_on_disjoint_views_of_one_tensor_from_8_threads():
+    """8 threads rotate (rope_) and bias (add_alibi_) their own strided slices of one shared buffer at once, as
+    workers filling one KV cache would: the buffer ends equal to the serial result, so no kernel writes outside
+    its view."""
+    t = shared_inputs()
+    cache = torch.randn(THREADS * 2, 128, 8, 64, generator=torch.Generator().manual_seed(3))
+    scores = torch.randn(THREADS, 8, 64, 128, generator=torch.Generator().manual_seed(4))
+
+    def work(buffer_q, buffer_s, index):
+        PF.rope_(buffer_q[index::THREADS], t["rope_positions"], t["rope_freq"], 1.0, "gptj", "bshd", index)
+        PF.add_alibi_(buffer_s[index].unsqueeze(0).transpose(2, 3), t["slopes"].detach(), "symmetric")
+
+    serial_q, serial_s = cache.clone(), scores.clone()
+    for index in range(THREADS):
+        work(serial_q, serial_s, index)
+    barrier = threading.Barrier(THREADS)
+    errors = []
+
+    def worker(index):
+        barrier.wait()
+        try:
+            for _ in range(ROUNDS):
+                work(cache, scores, index)
+        except Exception as error:  # noqa: BLE001
+            errors.append(f"thread {index}: {error}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Each thread applied its work ROUNDS times; serially, apply it ROUNDS - 1 more times to compare.
+    for _ in range(ROUNDS - 1):
+        for index in range(THREADS):
+            work(serial_q, serial_s, index)
+    assert errors == []
+    assert same_bits(cache, serial_q) and same_bits(scores, serial_s)
