@@ -32,7 +32,10 @@ built=$(date +%s)
 
 reports="$PWD/$BUILD/reports"
 rm -rf "$reports" && mkdir -p "$reports"
-asan_runtime=$(gcc -print-file-name=libasan.so)
+# The ASan runtime must be the first library a process loads; libstdc++ right after it, so that ASan finds the
+# real __cxa_throw when it starts (Python itself does not link libstdc++: without it, the first C++ exception,
+# i.e. the first error an op raises, aborts with "CHECK failed ... real___cxa_throw").
+asan_runtime="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)"
 # detect_leaks=0: CPython and libtorch keep allocations alive until exit by design, so leak reports would be
 # theirs. alloc_dealloc_mismatch=0: libtorch (not instrumented) pairs its own new/delete in ways ASan cannot
 # see. Each report goes to a file named after the process.
