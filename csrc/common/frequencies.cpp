@@ -83,7 +83,9 @@ double original_length(const std::string& type, const RopeScaling& s) {
 // yarn and longrope `factor`: the given one, else max_position_embeddings / original.
 double context_factor(const std::string& type, const RopeScaling& s, double original) {
   if (s.factor) return positive(kRope, type + " factor", *s.factor);
-  return required(type, "factor or max_position_embeddings", s.max_position_embeddings) / original;
+  TORCH_CHECK_VALUE(s.max_position_embeddings, kRope, ": rope_type \"", type,
+                    "\" needs factor or max_position_embeddings");
+  return positive(kRope, type + " max_position_embeddings", *s.max_position_embeddings) / original;
 }
 
 void check_extension_factors(const char* key, const std::vector<double>& factors, int64_t pairs) {
@@ -167,11 +169,11 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
 
 // 2i / r for the pairs i < r / 2.
 at::Tensor exponents(int64_t rotary_dim, at::TensorOptions options) {
-  return at::arange(0, rotary_dim, 2, options).div(rotary_dim);
+  return at::arange(0, rotary_dim, 2, options).div_(rotary_dim);
 }
 
 at::Tensor theta_powers(int64_t rotary_dim, double theta, at::TensorOptions options) {
-  return exponents(rotary_dim, options).mul(-std::log(theta)).exp();
+  return exponents(rotary_dim, options).mul_(-std::log(theta)).exp_();
 }
 
 at::Tensor yarn(const at::Tensor& inv_freq, const Plan& p, bool truncate) {
@@ -211,10 +213,10 @@ at::Tensor inv_freq_of(const Plan& p, const RopeScaling& s, const at::Tensor& le
   const double ntk_exponent = static_cast<double>(p.rotary_dim) / static_cast<double>(p.rotary_dim - 2);
   if (type == "dynamic") {
     // Hugging Face's runtime rule: base * (factor L / max - (factor - 1))^(r / (r - 2)), L at least max.
-    const auto clamped = length.defined() ? length.clamp_min(p.context) : at::scalar_tensor(p.context, options);
-    const auto scale = clamped.mul(p.factor).div(p.context).sub(p.factor - 1.0);
-    const auto theta = scale.pow(ntk_exponent).mul(p.theta);
-    return exponents(p.rotary_dim, options).mul(theta.log().neg()).exp();
+    // In place on 0-d temporaries: this runs on every call of a module.
+    auto theta = length.defined() ? length.clamp_min(p.context) : at::scalar_tensor(p.context, options);
+    theta.mul_(p.factor).div_(p.context).sub_(p.factor - 1.0).pow_(ntk_exponent).mul_(p.theta).log_().neg_();
+    return exponents(p.rotary_dim, options).mul_(theta).exp_();
   }
   if (type == "ntk") return theta_powers(p.rotary_dim, p.theta * std::pow(p.factor, ntk_exponent), options);
   const auto inv_freq = theta_powers(p.rotary_dim, p.theta, options);
@@ -223,9 +225,9 @@ at::Tensor inv_freq_of(const Plan& p, const RopeScaling& s, const at::Tensor& le
   if (type == "llama3") return llama3(inv_freq, p);
   if (type == "longrope") {
     // The long factors apply beyond the original context.
-    const auto short_freq = inv_freq.div(at::tensor(s.short_factor, options));
-    if (!length.defined()) return short_freq;
-    return at::where(length.gt(p.context), inv_freq.div(at::tensor(s.long_factor, options)), short_freq);
+    const auto short_factor = at::tensor(s.short_factor, options);
+    if (!length.defined()) return inv_freq.div_(short_factor);
+    return inv_freq.div_(at::where(length.gt(p.context), at::tensor(s.long_factor, options), short_factor));
   }
   return inv_freq;
 }

@@ -685,7 +685,10 @@ def test_compile_fullgraph_forward_and_backward(compiled_matches_eager):
     compiled_matches_eager(model, [torch.randn(2, 6, 16)], [model.qkv.weight])
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8}])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8},
+                                     {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                                      "long_factor": [3.0, 4.0, 5.0, 6.0], "original_max_position_embeddings": 8,
+                                      "max_position_embeddings": 32}])
 def test_compile_dynamic_no_recompilation_when_the_sequence_length_changes(scaling):
     import torch._dynamo.testing
     torch._dynamo.reset()
@@ -693,7 +696,7 @@ def test_compile_dynamic_no_recompilation_when_the_sequence_length_changes(scali
     module = posenc.nn.RotaryEmbedding(8, scaling=scaling)
     compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=counter)
     frames = None
-    for seq in [5, 9, 13, 30]:  # 30 > max_position_embeddings: the dynamic base changes, the graph does not
+    for seq in [5, 9, 13, 30]:  # beyond 8 the dynamic base (LongRoPE: the factors) changes, the graph does not
         q, k = torch.randn(3, seq, 4, 8), torch.randn(3, seq, 1, 8)
         with torch._dynamo.config.patch(error_on_recompile=frames is not None):
             out = compiled(q, k)
