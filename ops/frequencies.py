@@ -8,6 +8,7 @@ where the key is absent (or None), never to a zero. Modules keep the results out
 ``module.to(torch.bfloat16)`` and ``.half()``: see ``docs/frequencies.md``.
 """
 import numbers
+import operator
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -25,7 +26,7 @@ def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     fairseq / tensor2tensor / Whisper / diffusers convention (denominator dim/2 - 1). ``dim`` >= 2 (and
     dim // 2 > shift), ``base`` finite and positive, ``shift`` 0 or 1; otherwise ``ValueError``.
     """
-    return torch.ops.posenc.sinusoidal_inv_freq(dim, base, shift)
+    return torch.ops.posenc.sinusoidal_inv_freq(dim, float(base), shift)
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")
@@ -104,6 +105,8 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
     (``torch.ops.posenc.rope_inv_freq``); the attention scale multiplies cos and sin (pass it to the ops).
     """
     rope_type, keywords = rope_arguments(scaling)
-    inv_freq, attention_scale = torch.ops.posenc.rope_inv_freq(rotary_dim, base, rope_type, seq_len=seq_len,
+    if seq_len is not None:
+        seq_len = operator.index(seq_len)  # an int, numpy integer or 0-d integer tensor
+    inv_freq, attention_scale = torch.ops.posenc.rope_inv_freq(rotary_dim, float(base), rope_type, seq_len=seq_len,
                                                                **keywords)
     return inv_freq, attention_scale

@@ -359,7 +359,7 @@ class RotaryEmbedding(_ExactFrequencies):
                              f"({list(params)}); pass layer_type")
         params = dict(params)
         # A value given as 0 is used (and refused where invalid), never replaced by a default.
-        head_dim = get("head_dim", None)
+        head_dim = get("head_dim")
         if head_dim is None:
             head_dim = get("hidden_size") // get("num_attention_heads")
         partial = params.get("partial_rotary_factor")

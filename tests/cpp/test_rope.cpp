@@ -294,7 +294,8 @@ TEST(Frequencies, InvalidScalingValuesAreRefused) {
     return rope(64, 5e5, given).inv_freq;
   }()));
   llama3.factor = 0.0;
-  expect_value_error([&] { rope(64, 5e5, llama3); }, "posenc.frequencies.rope: llama3 factor must be positive, got 0.0");
+  expect_value_error([&] { rope(64, 5e5, llama3); },
+                     "posenc.frequencies.rope: llama3 factor must be positive, got 0.0");
   llama3.factor = 8.0;
   llama3.high_freq_factor = 0.5;
   expect_value_error([&] { rope(64, 5e5, llama3); }, "llama3 high_freq_factor 0.5 must exceed low_freq_factor 1.0");

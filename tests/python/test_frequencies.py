@@ -10,6 +10,10 @@ import posenc
 from posenc import frequencies as FQ
 from posenc import functional as PF
 
+# TorchScript is this project's C++ export path: its deprecation notices are expected here.
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.save` is deprecated:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")]
+
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(64)],
             "long_factor": [2.0 + 0.5 * i for i in range(64)], "original_max_position_embeddings": 1024,
             "max_position_embeddings": 8192}
@@ -155,7 +159,8 @@ def test_ops_without_tensors_run_in_torchscript():
 
     slopes, sinusoidal, (inv_freq, scale), zigzag = constants(8)
     assert slopes.tolist() == [2.0 ** -k for k in range(1, 9)]
-    assert_close(sinusoidal, torch.tensor([100.0 ** (-i / 3) for i in range(4)], dtype=torch.float64), rtol=1e-15, atol=0)
+    assert_close(sinusoidal, torch.tensor([100.0 ** (-i / 3) for i in range(4)], dtype=torch.float64),
+                 rtol=1e-15, atol=0)
     assert_close(inv_freq, torch.tensor([1e4 ** (-2 * i / 8) / 2 for i in range(4)], dtype=torch.float64),
                  rtol=1e-15, atol=0)
     assert scale == 1.0 and zigzag.tolist() == [2, 3, 4, 5]
