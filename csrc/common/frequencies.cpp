@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <string>
+#include <string_view>
 
 namespace posenc {
 
@@ -34,22 +36,32 @@ std::string repr(double value) {
   return text;
 }
 
-// `name` (e.g. "llama3 factor") holds a finite positive value.
-double positive(const char* op, const std::string& name, double value) {
-  TORCH_CHECK_VALUE(std::isfinite(value), op, ": ", name, " must be finite, got ", repr(value));
-  TORCH_CHECK_VALUE(value > 0, op, ": ", name, " must be positive, got ", repr(value));
+// The name of a scaling value in messages: "llama3 factor", "longrope short_factor[3]", "base". Built only when a
+// check fails: these checks run on every call of a module whose frequencies follow the length.
+std::string label(std::string_view type, std::string_view key, int64_t index = -1) {
+  std::string text(type);
+  if (!text.empty()) text += ' ';
+  text += key;
+  if (index >= 0) text += "[" + std::to_string(index) + "]";
+  return text;
+}
+
+// A value the formulas read must be finite and positive.
+double positive(const char* op, std::string_view type, std::string_view key, double value, int64_t index = -1) {
+  TORCH_CHECK_VALUE(std::isfinite(value), op, ": ", label(type, key, index), " must be finite, got ", repr(value));
+  TORCH_CHECK_VALUE(value > 0, op, ": ", label(type, key, index), " must be positive, got ", repr(value));
   return value;
 }
 
 // A key the scaling type cannot do without.
 double required(const std::string& type, const char* key, const std::optional<double>& value) {
   TORCH_CHECK_VALUE(value.has_value(), kRope, ": rope_type \"", type, "\" needs ", key);
-  return positive(kRope, type + " " + key, *value);
+  return positive(kRope, type, key, *value);
 }
 
 // A key with a default: the default applies only where the key is absent, never to a zero or negative value.
 double optional(const std::string& type, const char* key, const std::optional<double>& value, double fallback) {
-  return value ? positive(kRope, type + " " + key, *value) : fallback;
+  return value ? positive(kRope, type, key, *value) : fallback;
 }
 
 // YaRN's attention factor g(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
@@ -76,23 +88,23 @@ double original_length(const std::string& type, const RopeScaling& s) {
   TORCH_CHECK_VALUE(s.original_max_position_embeddings || s.max_position_embeddings, kRope, ": rope_type \"", type,
                     "\" needs original_max_position_embeddings");
   return s.original_max_position_embeddings
-             ? positive(kRope, type + " original_max_position_embeddings", *s.original_max_position_embeddings)
-             : positive(kRope, type + " max_position_embeddings", *s.max_position_embeddings);
+             ? positive(kRope, type, "original_max_position_embeddings", *s.original_max_position_embeddings)
+             : positive(kRope, type, "max_position_embeddings", *s.max_position_embeddings);
 }
 
 // yarn and longrope `factor`: the given one, else max_position_embeddings / original.
 double context_factor(const std::string& type, const RopeScaling& s, double original) {
-  if (s.factor) return positive(kRope, type + " factor", *s.factor);
+  if (s.factor) return positive(kRope, type, "factor", *s.factor);
   TORCH_CHECK_VALUE(s.max_position_embeddings, kRope, ": rope_type \"", type,
                     "\" needs factor or max_position_embeddings");
-  return positive(kRope, type + " max_position_embeddings", *s.max_position_embeddings) / original;
+  return positive(kRope, type, "max_position_embeddings", *s.max_position_embeddings) / original;
 }
 
 void check_extension_factors(const char* key, const std::vector<double>& factors, int64_t pairs) {
   TORCH_CHECK_VALUE(static_cast<int64_t>(factors.size()) == pairs, kRope, ": rope_type \"longrope\" needs ", key,
                     " of rotary_dim / 2 = ", pairs, " values, got ", factors.size());
   for (const auto i : c10::irange(factors.size())) {
-    positive(kRope, std::string("longrope ") + key + "[" + std::to_string(i) + "]", factors[i]);
+    positive(kRope, "longrope", key, factors[i], static_cast<int64_t>(i));
   }
 }
 
@@ -104,7 +116,7 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
   p.type = s.rope_type;
   if (p.type == "ntk_alpha" || (p.type == "dynamic" && s.alpha)) p.type = "ntk";  // HunYuan
   const std::string& type = p.type;
-  p.theta = positive(kRope, s.rope_theta ? "rope_theta" : "base", s.rope_theta.value_or(base));
+  p.theta = positive(kRope, "", s.rope_theta ? "rope_theta" : "base", s.rope_theta.value_or(base));
   // Dynamic and fixed NTK raise the base to the power r / (r - 2).
   const auto check_ntk_dim = [&] {
     TORCH_CHECK_VALUE(rotary_dim > 2, kRope, ": rope_type \"", type,
@@ -121,7 +133,7 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
   } else if (type == "ntk") {
     check_ntk_dim();
     TORCH_CHECK_VALUE(s.alpha || s.factor, kRope, ": rope_type \"ntk\" needs alpha (or factor)");
-    p.factor = s.alpha ? positive(kRope, "ntk alpha", *s.alpha) : positive(kRope, "ntk factor", *s.factor);
+    p.factor = s.alpha ? positive(kRope, type, "alpha", *s.alpha) : positive(kRope, type, "factor", *s.factor);
   } else if (type == "yarn") {
     p.context = original_length(type, s);
     p.factor = context_factor(type, s, p.context);
@@ -131,11 +143,11 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
                       " must not be below beta_slow ", repr(p.beta_slow));
     TORCH_CHECK_VALUE(p.theta > 1.0, kRope, ": yarn ", s.rope_theta ? "rope_theta" : "base",
                       " must exceed 1 (the ramp divides by its logarithm), got ", repr(p.theta));
-    const auto mscale = s.mscale ? std::optional(positive(kRope, "yarn mscale", *s.mscale)) : std::nullopt;
+    const auto mscale = s.mscale ? std::optional(positive(kRope, type, "mscale", *s.mscale)) : std::nullopt;
     const auto mscale_all_dim =
-        s.mscale_all_dim ? std::optional(positive(kRope, "yarn mscale_all_dim", *s.mscale_all_dim)) : std::nullopt;
+        s.mscale_all_dim ? std::optional(positive(kRope, type, "mscale_all_dim", *s.mscale_all_dim)) : std::nullopt;
     if (s.attention_factor) {
-      p.attention_scale = positive(kRope, "yarn attention_factor", *s.attention_factor);
+      p.attention_scale = positive(kRope, type, "attention_factor", *s.attention_factor);
     } else if (mscale && mscale_all_dim) {  // DeepSeek
       p.attention_scale = yarn_mscale(p.factor, *mscale) / yarn_mscale(p.factor, *mscale_all_dim);
     } else {
@@ -154,7 +166,7 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
     check_extension_factors("long_factor", s.long_factor, rotary_dim / 2);
     p.factor = context_factor(type, s, p.context);
     if (s.attention_factor) {
-      p.attention_scale = positive(kRope, "longrope attention_factor", *s.attention_factor);
+      p.attention_scale = positive(kRope, type, "attention_factor", *s.attention_factor);
     } else if (p.factor > 1.0) {
       TORCH_CHECK_VALUE(p.context > 1.0, kRope, ": longrope original_max_position_embeddings must exceed 1 to ",
                         "derive the attention factor sqrt(1 + ln(factor) / ln(original)), got ", repr(p.context));
@@ -246,7 +258,7 @@ void check_length(const at::Tensor& seq_len) {
 at::Tensor sinusoidal(int64_t dim, double base, int64_t shift) {
   constexpr const char* op = "posenc.frequencies.sinusoidal";
   TORCH_CHECK_VALUE(dim >= 2, op, ": dim must be at least 2, got ", dim);
-  positive(op, "base", base);
+  positive(op, "", "base", base);
   TORCH_CHECK_VALUE(shift == 0 || shift == 1, op, ": shift must be 0 or 1, got ", shift);
   const int64_t pairs = dim / 2;
   TORCH_CHECK_VALUE(pairs - shift > 0, op, ": dim ", dim, " has ", pairs, " frequency pairs, too few for shift ",
