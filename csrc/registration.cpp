@@ -4,6 +4,9 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(posenc, m) {
+  // The CPU capability the kernels run with: "default", "avx2" or "avx512".
+  m.def("cpu_capability() -> str");
+
   // Shared: deterministic scatter-add of row gradients into an embedding table.
   m.def("embedding_backward(Tensor grad, Tensor indices, SymInt num_rows, float scale=1.0, int? padding_idx=None) -> Tensor");
 

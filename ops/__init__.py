@@ -15,4 +15,13 @@ torch.ops.load_library(library_path)
 
 from . import frequencies, functional, nn  # noqa: E402
 
-__all__ = ["frequencies", "functional", "nn", "library_path"]
+
+def cpu_capability() -> str:
+    """The CPU capability posenc's kernels run with: ``"default"`` (x86-64 baseline), ``"avx2"`` (AVX2, FMA,
+    F16C) or ``"avx512"`` (AVX-512 F/BW/VL/DQ). The best the CPU supports is chosen when the library loads;
+    the environment variable ``POSENC_CPU_CAPABILITY`` (set before the first op call) asks for a lower one.
+    Every capability computes the same bits."""
+    return torch.ops.posenc.cpu_capability()
+
+
+__all__ = ["frequencies", "functional", "nn", "library_path", "cpu_capability"]

@@ -7,6 +7,11 @@ PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
 # Reference libraries the tests compare with; pinned so that a new release cannot change the references.
 "$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
+# qemu-user runs the library on emulated CPUs (one without AVX-512, one without AVX) in test_capabilities.py.
+if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ]; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq qemu-user
+fi
 
 echo "== C++ tests (ctest)"
 ctest --test-dir build --output-on-failure
@@ -21,3 +26,13 @@ build/consumer/posenc_run_model build/consumer/model/model.pt build/consumer/mod
 
 echo "== Python tests (pytest)"
 "$PYTHON" -m pytest tests/python -q -p no:cacheprovider
+
+# The tests above ran the best CPU capability; the kernel tests run again under every lower one this CPU has
+# (test_capabilities.py also compares every capability's bits, natively and on emulated CPUs).
+best=$("$PYTHON" -c 'import posenc; print(posenc.cpu_capability())')
+for capability in default avx2; do
+  [ "$capability" = "$best" ] && break
+  echo "== Kernel tests under POSENC_CPU_CAPABILITY=$capability"
+  POSENC_CPU_CAPABILITY=$capability "$PYTHON" -m pytest -q -p no:cacheprovider tests/python/test_sinusoidal.py \
+    tests/python/test_learned.py tests/python/test_rope.py tests/python/test_alibi.py tests/python/test_t5.py
+done

@@ -6,9 +6,7 @@
 
 namespace posenc {
 
-// "causal": -m * d, "symmetric": -m * |d|, with d = i + (k_len - q_len) - j (bottom-right aligned).
 // Causal agrees with symmetric wherever j <= i + (k_len - q_len); past it, it continues the same line.
-enum class AlibiMode { Causal, Symmetric };
 
 inline AlibiMode parse_alibi_mode(const char* op, std::string_view mode) {
   if (mode == "causal") return AlibiMode::Causal;

@@ -1,11 +1,16 @@
 #pragma once
 // Argument checks shared by every family. Each error names the op, the argument and the value
 // (SPEC section 5); every check reads metadata only, so CPU and Meta kernels run the same ones.
+#include "kernels/types.h"
+
 #include <ATen/core/Tensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 #include <string_view>
 
 namespace posenc {
@@ -55,11 +60,6 @@ inline void check_padding_idx(const char* op, std::optional<int64_t> padding_idx
               " is outside [0, ", num_rows, ")");
 }
 
-// Channel pairing of a fixed encoding: "interleaved" = [sin t0, cos t0, sin t1, ...],
-// "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)], "half_cos_first" = [cos .. || sin ..]
-// (diffusers' flip_sin_to_cos).
-enum class SinusoidalLayout { Interleaved, Half, HalfCosFirst };
-
 inline SinusoidalLayout parse_sinusoidal_layout(const char* op, std::string_view layout) {
   if (layout == "interleaved") return SinusoidalLayout::Interleaved;
   if (layout == "half") return SinusoidalLayout::Half;
@@ -80,6 +80,28 @@ inline bool check_row_positions(const char* op, const char* input_arg, c10::SymI
   TORCH_CHECK(pos_shape.equals(row_shape), "posenc.", op, ": positions has shape ", pos_shape,
               " but ", input_arg, " needs [", seq_len, "] or ", row_shape);
   return false;
+}
+
+// An in-place op writes every element once, so no two elements may share memory (an expanded tensor, an
+// as_strided view whose rows overlap). ATen's check finds expanded dimensions; other strides are sorted, and
+// each must step past everything the smaller ones span, which proves the elements distinct.
+inline void check_no_internal_overlap(const char* op, const char* arg, const at::Tensor& t, const char* advice) {
+  bool distinct = t.numel() <= 1 || at::has_internal_overlap(t) == at::MemOverlap::No;
+  if (!distinct && at::has_internal_overlap(t) != at::MemOverlap::Yes) {
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of every dimension of size > 1
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+    }
+    std::sort(dims.begin(), dims.end());
+    int64_t span = 0;  // largest offset reached by the dimensions of smaller stride
+    distinct = true;
+    for (const auto& [stride, size] : dims) {
+      distinct = distinct && stride > span;
+      span += (size - 1) * stride;
+    }
+  }
+  TORCH_CHECK(distinct, "posenc.", op, ": ", arg, " has elements that share memory (sizes ", t.sizes(), ", strides ",
+              t.strides(), "); ", advice);
 }
 
 }  // namespace posenc

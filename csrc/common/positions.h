@@ -1,82 +1,119 @@
 #pragma once
-// Position handling on real data: bounds checks and the float64 position vector every family reads.
+// The values the kernels index or form angles with, read from real tensors once per call: positions (offset
+// added, domain checked) and float64 frequencies. Every family reads them here.
 #include "common/checks.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/arange.h>
 
+#include <c10/util/safe_numerics.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
 #include <vector>
 
 namespace posenc {
 
-// Positions as a contiguous float64 tensor, offset included; absent positions are offset + arange(seq_len).
-inline at::Tensor positions_as_double(const std::optional<at::Tensor>& positions, int64_t seq_len, int64_t offset) {
-  if (!positions.has_value()) {
-    return at::arange(static_cast<double>(offset), static_cast<double>(offset + seq_len), 1.0,
-                      at::TensorOptions().dtype(at::kDouble));
-  }
-  auto values = positions->to(at::kDouble).contiguous();
-  return offset == 0 ? values : values.add(static_cast<double>(offset));
-}
+// Angles are formed in float64, which holds every integer up to 2^53 exactly.
+constexpr int64_t kMaxExactPosition = int64_t{1} << 53;
 
-// The same values without a tensor: absent positions are offset + s, computed where they are read (no
-// arange is allocated); given ones are read once into a vector. value(n) equals positions_as_double(...)[n].
-class PositionValues {
- public:
-  PositionValues(const std::optional<at::Tensor>& positions, int64_t seq_len, int64_t offset)
-      : offset_(static_cast<double>(offset)), size_(positions ? positions->numel() : seq_len), given_(positions) {
-    if (!given_) return;
-    values_.resize(size_);
-    const bool shift = offset != 0;
-    auto read = [&](auto tag) {
-      using value_t = decltype(tag);
-      const auto source = positions->contiguous();
-      const value_t* p = source.const_data_ptr<value_t>();
-      for (const auto n : c10::irange(size_)) {
-        const auto value = static_cast<double>(p[n]);
-        values_[n] = shift ? value + offset_ : value;
-      }
-    };
-    switch (positions->scalar_type()) {
-      case at::kLong: read(int64_t{}); break;
-      case at::kInt: read(int32_t{}); break;
-      case at::kFloat: read(float{}); break;
-      case at::kDouble: read(double{}); break;
-      default: {  // the other integer and floating dtypes: converted by ATen, as positions_as_double does
-        const auto converted = positions->to(at::kDouble).contiguous();
-        const double* p = converted.const_data_ptr<double>();
-        for (const auto n : c10::irange(size_)) values_[n] = shift ? p[n] + offset_ : p[n];
-      }
-    }
-  }
-
-  double operator[](int64_t n) const { return given_ ? values_[n] : offset_ + static_cast<double>(n); }
-  int64_t size() const { return size_; }
-
- private:
-  double offset_;
-  int64_t size_;
-  bool given_;
-  std::vector<double> values_;
+// The positions (offset included) a family accepts, inclusive bounds and how the error message names them.
+struct PositionDomain {
+  int64_t lo;
+  int64_t hi;
+  std::string description;
 };
 
-// A floating tensor's values as contiguous float64: the tensor's own data when it already is (no dispatcher
-// call, no copy), else a converted copy held here.
-class DoubleValues {
- public:
-  explicit DoubleValues(const at::Tensor& t) {
-    if (t.scalar_type() == at::kDouble && t.is_contiguous()) {
-      data_ = t.const_data_ptr<double>();
-    } else {
-      converted_ = t.to(at::kDouble).contiguous();
-      data_ = converted_.const_data_ptr<double>();
+inline PositionDomain angle_domain() {
+  return {-kMaxExactPosition, kMaxExactPosition, "[-2^53, 2^53], the integers float64 holds exactly"};
+}
+
+inline PositionDomain table_domain(int64_t rows, const char* table) {
+  return {0, rows - 1,
+          "[0, L_max) with L_max = " + std::to_string(rows) + " (the rows of " + std::string(table) + ")"};
+}
+
+// Positions plus offset, one per (shared) sequence index or per row. Absent positions are offset +
+// arange(count), restarting at each boundary of cu_seqlens when it is given (already checked); present ones
+// are read in their own dtype. A result outside `domain`, or an offset sum that overflows int64, raises an
+// error naming the op, the position, the domain and where the position came from, before any kernel reads
+// with it. T is int64_t (rows of a table: integer positions only) or double (angles: floating positions are
+// read too, and NaN or infinite ones pass, giving NaN encodings).
+template <typename T>
+std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
+                              int64_t offset, const PositionDomain& domain,
+                              const std::optional<at::Tensor>& cu_seqlens = std::nullopt) {
+  const auto fail = [&](int64_t n, const std::string& value, const std::string& result) {
+    const std::string source = positions ? "positions.flatten()[" : cu_seqlens ? "its index in its sequence, token [" : "arange(S)[";
+    TORCH_CHECK(false, "posenc.", op, ": position ", result, " is outside ", domain.description, "; it is ", source,
+                n, "] = ", value, " plus offset ", offset);
+  };
+  const auto add_offset = [&](int64_t value, int64_t n) {
+    int64_t result = 0;
+    if (c10::add_overflows(value, offset, &result)) fail(n, c10::str(value), "(overflow)");
+    if (result < domain.lo || result > domain.hi) fail(n, c10::str(value), c10::str(result));
+    return static_cast<T>(result);
+  };
+
+  std::vector<T> out;
+  if (!positions) {
+    out.resize(count);
+    if (!cu_seqlens) {
+      for (int64_t n = 0; n < count; ++n) out[n] = add_offset(n, n);
+      return out;
     }
+    const auto cu = cu_seqlens->to(at::kLong).contiguous();
+    const int64_t* bounds = cu.const_data_ptr<int64_t>();
+    for (int64_t j = 0; j + 1 < cu.numel(); ++j) {
+      for (int64_t t = bounds[j]; t < bounds[j + 1]; ++t) out[t] = add_offset(t - bounds[j], t);
+    }
+    return out;
   }
-  const double* data() const { return data_; }
+
+  const auto dtype = positions->scalar_type();
+  if (at::isFloatingType(dtype)) {
+    if constexpr (std::is_same_v<T, double>) {
+      if (std::abs(offset) > kMaxExactPosition) fail(0, "(any)", "offset " + c10::str(offset));
+      const auto values = positions->to(at::kDouble).contiguous();
+      const double* p = values.const_data_ptr<double>();
+      out.resize(values.numel());
+      for (int64_t n = 0; n < values.numel(); ++n) {
+        const double result = p[n] + static_cast<double>(offset);
+        if (std::abs(result) > static_cast<double>(kMaxExactPosition) && std::isfinite(result)) {
+          fail(n, c10::str(p[n]), c10::str(result));
+        }
+        out[n] = result;
+      }
+      return out;
+    }
+    TORCH_CHECK(false, "posenc.", op, ": positions must be an integer tensor, got ", dtype);
+  }
+  const auto values = (dtype == at::kInt ? *positions : positions->to(at::kLong)).contiguous();
+  out.resize(values.numel());
+  AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "posenc_read_positions", [&] {
+    const index_t* p = values.const_data_ptr<index_t>();
+    for (int64_t n = 0; n < values.numel(); ++n) out[n] = add_offset(static_cast<int64_t>(p[n]), n);
+  });
+  return out;
+}
+
+// inv_freq as contiguous float64 (the tensor's own data when it already is: no copy), and max |inv_freq|,
+// which decides the angle engine's path for each position.
+class Frequencies {
+ public:
+  explicit Frequencies(const at::Tensor& inv_freq)
+      : values_(inv_freq.scalar_type() == at::kDouble ? inv_freq.contiguous() : inv_freq.to(at::kDouble).contiguous()) {
+    // A NaN frequency is skipped here: it makes NaN angles on either path.
+    const double* w = data();
+    for (int64_t i = 0; i < size(); ++i) max_abs_ = std::max(max_abs_, std::abs(w[i]));
+  }
+  const double* data() const { return values_.const_data_ptr<double>(); }
+  int64_t size() const { return values_.numel(); }
+  double max_abs() const { return max_abs_; }
 
  private:
-  at::Tensor converted_;
-  const double* data_;
+  at::Tensor values_;
+  double max_abs_ = 0.0;
 };
 
 // Every index must lie in [0, limit): checked before any kernel reads with it.
@@ -85,7 +122,7 @@ inline void check_indices_in_range(const char* op, const char* arg, const at::Te
   const auto contiguous = indices.contiguous();
   AT_DISPATCH_INDEX_TYPES(contiguous.scalar_type(), "posenc_check_indices", [&] {
     const index_t* data = contiguous.const_data_ptr<index_t>();
-    for (const auto n : c10::irange(contiguous.numel())) {
+    for (int64_t n = 0; n < contiguous.numel(); ++n) {
       TORCH_CHECK(data[n] >= 0 && data[n] < limit, "posenc.", op, ": ", arg, " holds ", data[n], " at flat index ",
                   n, ", outside [0, ", limit, ") of ", limit_name, " ", limit);
     }

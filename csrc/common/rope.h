@@ -6,12 +6,6 @@
 
 namespace posenc {
 
-// Channel pairing: "neox" pairs (x_i, x_{i+r/2}) (HF rotate_half), "gptj" pairs (x_2i, x_2i+1).
-enum class RopeLayout { Neox, Gptj };
-
-// Where tokens and heads sit: bshd [B,S,H,D], bhsd [B,H,S,D], sbhd [S,B,H,D], thd [T,H,D] (packed).
-enum class RopeFormat { BSHD, BHSD, SBHD, THD };
-
 inline RopeLayout parse_rope_layout(const char* op, std::string_view layout) {
   if (layout == "neox") return RopeLayout::Neox;
   if (layout == "gptj") return RopeLayout::Gptj;

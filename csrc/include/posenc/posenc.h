@@ -10,11 +10,17 @@
 #include <posenc/t5.h>
 
 #include <cstdint>
+#include <string>
 
 namespace posenc {
 
 // Version as major * 10000 + minor * 100 + patch.
 int64_t version();
+
+// The CPU capability posenc's kernels run with: "default" (x86-64 baseline), "avx2" (AVX2, FMA, F16C) or
+// "avx512" (AVX-512 F/BW/VL/DQ); the best this CPU supports, unless the environment variable
+// POSENC_CPU_CAPABILITY asks for a lower one. Every capability computes the same bits.
+std::string cpu_capability();
 
 }  // namespace posenc
 

@@ -1,0 +1,52 @@
+#pragma once
+// Runtime CPU dispatch, as ATen's DispatchStub does it: every kernel file in cpu/kernels/ is compiled once
+// per capability (its functions in a namespace of that capability's name), each build registers its entry
+// points in the stubs declared here, and a call goes to the best build the CPU runs. No ATen in this
+// header: the kernel builds include it.
+#include <cstdint>
+#include <utility>
+
+namespace posenc::cpu {
+
+// In increasing order: x86-64 baseline (SSE2); AVX2 with FMA and F16C; AVX-512 (F, BW, VL, DQ).
+enum class Capability : int { Default = 0, AVX2 = 1, AVX512 = 2 };
+constexpr int kNumCapabilities = 3;
+
+// The capability the kernels run with: the best one this CPU supports, or the one the environment variable
+// POSENC_CPU_CAPABILITY (default, avx2, avx512) asks for if the CPU supports it (else the best supported one
+// below it). Chosen at the first call; an unknown value raises an error naming it.
+Capability capability();
+const char* capability_name(Capability capability);
+
+// One kernel entry point, one function per capability; a capability's build fills its own slot when the
+// library loads (default always exists), and a call runs the best filled slot up to capability().
+template <typename Fn>
+struct DispatchStub;
+
+template <typename R, typename... Args>
+struct DispatchStub<R(Args...)> {
+  R (*kernels[kNumCapabilities])(Args...) = {};
+
+  auto get() const {
+    for (int c = static_cast<int>(capability()); c > 0; --c) {
+      if (kernels[c] != nullptr) return kernels[c];
+    }
+    return kernels[0];
+  }
+
+  R operator()(Args... args) const { return get()(std::forward<Args>(args)...); }
+};
+
+// at::parallel_for for the kernel builds, which hold no ATen: f(begin, end) over [begin, end) in chunks of
+// at least `grain`, on the intra-op thread pool (or inline when already inside a parallel region).
+using RangeFn = void (*)(const void* context, int64_t begin, int64_t end);
+void parallel_for_range(int64_t begin, int64_t end, int64_t grain, RangeFn fn, const void* context);
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  parallel_for_range(
+      begin, end, grain, [](const void* context, int64_t b, int64_t e) { (*static_cast<const F*>(context))(b, e); },
+      &f);
+}
+
+}  // namespace posenc::cpu

@@ -1,0 +1,56 @@
+#pragma once
+// Kernel interface of the sinusoidal and learned families (the additive kernels): what the op layer
+// (cpu/sinusoidal.cpp, cpu/learned.cpp) hands the per-capability kernels (cpu/kernels/additive.cpp).
+#include "cpu/dispatch.h"
+#include "kernels/types.h"
+
+namespace posenc::cpu {
+
+// out[n] = in(n) * scale + PE(positions[n mod P]), rows = L * P: P positions shared by L leading indices
+// (or one per row: P = rows). PE has 2 * pairs channels in `layout`; channels past them (an odd width's last)
+// get none.
+template <typename scalar_t>
+struct SinusoidalProblem {
+  RowInput<scalar_t> in;
+  scalar_t* out;
+  int64_t rows;
+  int64_t width;
+  const double* positions;
+  int64_t num_positions;
+  const double* inv_freq;
+  int64_t pairs;
+  double max_abs_freq;
+  SinusoidalLayout layout;
+  double scale;
+};
+
+// out[n] = in(n) * scale + table[table_rows[n mod P]], rows = L * P (in absent: the table rows alone).
+template <typename scalar_t>
+struct LearnedProblem {
+  RowInput<scalar_t> in;
+  scalar_t* out;
+  int64_t rows;
+  int64_t width;
+  const scalar_t* table;
+  const int64_t* table_rows;
+  int64_t num_positions;
+  double scale;
+};
+
+// out[b, s] = first + (count of real entries in row b before s) for a real entry, pad otherwise.
+struct CountPositionsProblem {
+  const bool* real;
+  int64_t* out;
+  int64_t rows;
+  int64_t seq_len;
+  int64_t first;
+  int64_t pad;
+};
+
+template <typename scalar_t>
+inline DispatchStub<void(const SinusoidalProblem<scalar_t>&)> sinusoidal_stub;
+template <typename scalar_t>
+inline DispatchStub<void(const LearnedProblem<scalar_t>&)> learned_stub;
+inline DispatchStub<void(const CountPositionsProblem&)> count_positions_stub;
+
+}  // namespace posenc::cpu

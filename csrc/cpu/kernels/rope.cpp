@@ -1,0 +1,126 @@
+// Kernels of the rotary family, compiled once per CPU capability. Work is split over tokens; the
+// coefficients of a token are formed once and reused by all its heads (and by q and k in rope_qk).
+#include "cpu/kernels/capability.h"
+#include "cpu/kernels/rope.h"
+
+POSENC_KERNELS_BEGIN
+#include "kernels/angle.h"
+#include "kernels/rotary.h"
+#include "kernels/tiling.h"
+
+namespace posenc::cpu {
+inline namespace POSENC_CPU_CAPABILITY {
+namespace {
+
+using namespace posenc::kernels;
+
+// cos/sin of each pair of a position (the angle engine's row), times the attention scale; sin negated for
+// the inverse rotation.
+template <typename opmath_t>
+void angle_coeffs(double position, const double* inv_freq, int64_t pairs, double max_abs_freq, opmath_t scale,
+                  bool inverse, opmath_t* cos, opmath_t* sin) {
+  sincos_row(position, inv_freq, pairs, max_abs_freq, sin, cos);
+  const opmath_t sin_scale = inverse ? -scale : scale;
+  for (int64_t i = 0; i < pairs; ++i) {
+    cos[i] *= scale;
+    sin[i] *= sin_scale;
+  }
+}
+
+// Scratch of rotate_token's bf16 neox coefficient split.
+int64_t split_size(int64_t pairs) { return 8 * (pairs / 2); }
+
+template <typename scalar_t>
+void rope_kernel(const RopeProblem<scalar_t>& problem) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t pairs = problem.pairs;
+  const int64_t seq = problem.seq;
+  const auto scale = static_cast<opmath>(problem.attention_scale);
+  int64_t token_work = 0;
+  for (int64_t v = 0; v < problem.num_views; ++v) token_work += problem.views[v].heads * problem.views[v].head_dim;
+
+  // Positions shared by several batch rows: one table of [seq, 2 * pairs] coefficients for all of them.
+  const bool table = problem.shared_positions && problem.batch > 1;
+  std::vector<opmath> coeffs(table ? seq * 2 * pairs : 0);
+  if (table) {
+    // A sin/cos pair costs roughly as much as rotating 16 channels: weigh the grain accordingly.
+    parallel_for(0, seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        opmath* row = &coeffs[s * 2 * pairs];
+        angle_coeffs(problem.positions[s], problem.inv_freq, pairs, problem.max_abs_freq, scale, problem.inverse, row,
+                     row + pairs);
+      }
+    });
+  }
+  parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
+    std::vector<opmath> own(table ? 0 : 2 * pairs);
+    std::vector<float> split(split_size(pairs));
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / seq;
+      const int64_t s = n % seq;
+      const opmath* row = own.data();
+      if (table) {
+        row = &coeffs[s * 2 * pairs];
+      } else {
+        angle_coeffs(problem.positions[problem.shared_positions ? s : n], problem.inv_freq, pairs,
+                     problem.max_abs_freq, scale, problem.inverse, own.data(), own.data() + pairs);
+      }
+      const PairCoeffs<opmath> k{row, row + pairs, row, row + pairs};
+      for (int64_t v = 0; v < problem.num_views; ++v) {
+        rotate_token(problem.views[v], b, s, k, pairs, problem.layout, split.data());
+      }
+    }
+  });
+}
+
+// Per-channel coefficients gathered from the tables. The backward is the transpose:
+// g1' = g1 c1 + g2 s2, g2' = g2 c2 - g1 s1, i.e. the forward map with (c1, -s2, c2, -s1).
+template <typename scalar_t, typename opmath>
+void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
+  const auto& view = problem.view;
+  const int64_t seq = problem.seq;
+  const int64_t rotary_dim = problem.rotary_dim;
+  const int64_t pairs = rotary_dim / 2;
+  const int64_t first = problem.layout == RopeLayout::Neox ? 1 : 2;
+  const int64_t second = problem.layout == RopeLayout::Neox ? pairs : 1;
+  parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
+    std::vector<opmath> own(4 * pairs);
+    std::vector<float> split(split_size(pairs));
+    opmath* c1 = own.data();
+    opmath* s1 = c1 + pairs;
+    opmath* c2 = s1 + pairs;
+    opmath* s2 = c2 + pairs;
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / seq;
+      const int64_t s = n % seq;
+      const int64_t row = (problem.shared_rows ? s : n) * rotary_dim;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const int64_t a = row + first * i;
+        const int64_t z = a + second;
+        c1[i] = problem.cos[a];
+        c2[i] = problem.cos[z];
+        s1[i] = problem.transpose ? -problem.sin[z] : problem.sin[a];
+        s2[i] = problem.transpose ? -problem.sin[a] : problem.sin[z];
+      }
+      rotate_token(view, b, s, PairCoeffs<opmath>{c1, s1, c2, s2}, pairs, problem.layout, split.data());
+    }
+  });
+}
+
+}  // namespace
+}  // namespace POSENC_CPU_CAPABILITY
+}  // namespace posenc::cpu
+POSENC_KERNELS_END
+
+namespace posenc::cpu {
+inline namespace POSENC_CPU_CAPABILITY {
+POSENC_REGISTER_KERNEL(rope_stub<float>, &rope_kernel<float>);
+POSENC_REGISTER_KERNEL(rope_stub<double>, &rope_kernel<double>);
+POSENC_REGISTER_KERNEL(rope_stub<c10::Half>, &rope_kernel<c10::Half>);
+POSENC_REGISTER_KERNEL(rope_stub<c10::BFloat16>, &rope_kernel<c10::BFloat16>);
+POSENC_REGISTER_KERNEL((rope_tables_stub<float, float>), (&rope_tables_kernel<float, float>));
+POSENC_REGISTER_KERNEL((rope_tables_stub<double, double>), (&rope_tables_kernel<double, double>));
+POSENC_REGISTER_KERNEL((rope_tables_stub<c10::Half, float>), (&rope_tables_kernel<c10::Half, float>));
+POSENC_REGISTER_KERNEL((rope_tables_stub<c10::BFloat16, float>), (&rope_tables_kernel<c10::BFloat16, float>));
+}  // namespace POSENC_CPU_CAPABILITY
+}  // namespace posenc::cpu

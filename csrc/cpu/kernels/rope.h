@@ -1,0 +1,46 @@
+#pragma once
+// Kernel interface of the rotary family (cpu/rope.cpp -> cpu/kernels/rope.cpp).
+#include "cpu/dispatch.h"
+#include "kernels/types.h"
+
+namespace posenc::cpu {
+
+// Rotates every view's token (b, s) by angle(p, i) = p * inv_freq[i], p = positions[s] (shared by the batch)
+// or positions[b * seq + s], cos and sin times attention_scale; inverse: by -angle.
+template <typename scalar_t>
+struct RopeProblem {
+  const RotaryView<scalar_t>* views;  // x (rope), or q and k (rope_qk); none empty
+  int64_t num_views;
+  int64_t batch;
+  int64_t seq;
+  const double* positions;
+  bool shared_positions;
+  const double* inv_freq;
+  int64_t pairs;
+  double max_abs_freq;
+  double attention_scale;
+  bool inverse;
+  RopeLayout layout;
+};
+
+// Rotates token (b, s) by explicit tables cos/sin [rows, rotary_dim] in maths precision (row s when shared,
+// else b * seq + s), channel by channel: x * cos + rotate(x) * sin; transpose: the backward map.
+template <typename scalar_t, typename opmath_t>
+struct RopeTablesProblem {
+  RotaryView<scalar_t> view;
+  int64_t batch;
+  int64_t seq;
+  const opmath_t* cos;
+  const opmath_t* sin;
+  bool shared_rows;
+  int64_t rotary_dim;
+  RopeLayout layout;
+  bool transpose;
+};
+
+template <typename scalar_t>
+inline DispatchStub<void(const RopeProblem<scalar_t>&)> rope_stub;
+template <typename scalar_t, typename opmath_t>
+inline DispatchStub<void(const RopeTablesProblem<scalar_t, opmath_t>&)> rope_tables_stub;
+
+}  // namespace posenc::cpu

@@ -1,0 +1,119 @@
+// T5 relative-bias kernels, compiled once per CPU capability. The bias is constant along each diagonal
+// j - i, so both directions work on the Q + K - 1 diagonals.
+#include "cpu/kernels/capability.h"
+#include "cpu/kernels/t5.h"
+
+POSENC_KERNELS_BEGIN
+#include "kernels/convert.h"
+#include "kernels/t5.h"
+#include "kernels/tiling.h"
+
+namespace posenc::cpu {
+inline namespace POSENC_CPU_CAPABILITY {
+namespace {
+
+using namespace posenc::kernels;
+
+T5Buckets buckets_of(const T5BucketParams& params) {
+  return make_t5_buckets(params.bidirectional, params.num_buckets, params.max_distance);
+}
+
+// A bucket can cost a log: a smaller grain than for plain copies.
+constexpr int64_t kBucketGrain = 2048;
+
+template <typename index_t>
+void relative_bucket_kernel(const RelativeBucketProblem<index_t>& p) {
+  const auto t5 = buckets_of(p.params);
+  parallel_for(0, p.numel, kBucketGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) p.out[n] = t5_bucket(t5, static_cast<int64_t>(p.relative_position[n]));
+  });
+}
+
+// Bucket of diagonal r = j - i + (q_len - 1), whose relative position is r - (q_len - 1) - q_offset.
+std::vector<int64_t> diagonal_buckets(const T5BucketParams& params, int64_t q_len, int64_t k_len, int64_t q_offset) {
+  const auto t5 = buckets_of(params);
+  std::vector<int64_t> out(q_len + k_len - 1);
+  const int64_t first = -(q_len - 1) - q_offset;
+  parallel_for(0, static_cast<int64_t>(out.size()), kBucketGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) out[r] = t5_bucket(t5, first + r);
+  });
+  return out;
+}
+
+// Each head's Q + K - 1 diagonal values are gathered once; every output row is then a slice of them.
+template <typename scalar_t>
+void t5_bias_kernel(const T5BiasProblem<scalar_t>& p) {
+  const auto buckets = diagonal_buckets(p.params, p.q_len, p.k_len, p.q_offset);
+  const auto diagonals = static_cast<int64_t>(buckets.size());
+  std::vector<scalar_t> diag(p.heads * diagonals);
+  for (int64_t h = 0; h < p.heads; ++h) {
+    for (int64_t r = 0; r < diagonals; ++r) {
+      diag[h * diagonals + r] = p.weight[buckets[r] * p.weight_stride_bucket + h * p.weight_stride_head];
+    }
+  }
+  const int64_t q_len = p.q_len;
+  const int64_t k_len = p.k_len;
+  parallel_for(0, p.heads * q_len, rows_per_task(k_len), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t h = n / q_len;
+      const int64_t i = n % q_len;
+      std::copy_n(diag.data() + h * diagonals + (q_len - 1 - i), k_len, p.out + n * k_len);
+    }
+  });
+}
+
+// First every diagonal is summed over its rows in row order (threads split the diagonals, never the rows),
+// then each head adds its diagonals into their buckets in diagonal order: float64 sums in a fixed order, the
+// same bits for any thread count.
+template <typename scalar_t>
+void t5_bias_backward_kernel(const T5BiasBackwardProblem<scalar_t>& p) {
+  const auto buckets = diagonal_buckets(p.params, p.q_len, p.k_len, p.q_offset);
+  const auto diagonals = static_cast<int64_t>(buckets.size());
+  const int64_t q_len = p.q_len;
+  const int64_t k_len = p.k_len;
+  std::vector<double> diag_sum(p.heads * diagonals, 0.0);
+  const int64_t grain = std::max<int64_t>(64, kGrainSize / q_len);
+  parallel_for(0, p.heads * diagonals, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin / diagonals; h * diagonals < end; ++h) {
+      const int64_t r_begin = std::max(begin, h * diagonals) - h * diagonals;
+      const int64_t r_end = std::min(end, (h + 1) * diagonals) - h * diagonals;
+      double* sums = diag_sum.data() + h * diagonals;
+      // Row i covers diagonals [q_len - 1 - i, q_len - 1 - i + k_len): only rows meeting [r_begin, r_end).
+      const int64_t i_begin = std::max<int64_t>(0, q_len - r_end);
+      const int64_t i_end = std::min<int64_t>(q_len, q_len - 1 + k_len - r_begin);
+      for (int64_t i = i_begin; i < i_end; ++i) {
+        const int64_t first = q_len - 1 - i;
+        const scalar_t* row = p.grad + (h * q_len + i) * k_len;
+        const int64_t lo = std::max(r_begin, first);
+        const int64_t hi = std::min(r_end, first + k_len);
+        for (int64_t r = lo; r < hi; ++r) sums[r] += static_cast<double>(to_opmath(row[r - first]));
+      }
+    }
+  });
+  const int64_t num_buckets = p.params.num_buckets;
+  parallel_for(0, p.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t r = 0; r < diagonals; ++r) p.grad_weight[h * num_buckets + buckets[r]] += diag_sum[h * diagonals + r];
+    }
+  });
+}
+
+}  // namespace
+}  // namespace POSENC_CPU_CAPABILITY
+}  // namespace posenc::cpu
+POSENC_KERNELS_END
+
+namespace posenc::cpu {
+inline namespace POSENC_CPU_CAPABILITY {
+POSENC_REGISTER_KERNEL(relative_bucket_stub<int64_t>, &relative_bucket_kernel<int64_t>);
+POSENC_REGISTER_KERNEL(relative_bucket_stub<int32_t>, &relative_bucket_kernel<int32_t>);
+POSENC_REGISTER_KERNEL(t5_bias_stub<float>, &t5_bias_kernel<float>);
+POSENC_REGISTER_KERNEL(t5_bias_stub<double>, &t5_bias_kernel<double>);
+POSENC_REGISTER_KERNEL(t5_bias_stub<c10::Half>, &t5_bias_kernel<c10::Half>);
+POSENC_REGISTER_KERNEL(t5_bias_stub<c10::BFloat16>, &t5_bias_kernel<c10::BFloat16>);
+POSENC_REGISTER_KERNEL(t5_bias_backward_stub<float>, &t5_bias_backward_kernel<float>);
+POSENC_REGISTER_KERNEL(t5_bias_backward_stub<double>, &t5_bias_backward_kernel<double>);
+POSENC_REGISTER_KERNEL(t5_bias_backward_stub<c10::Half>, &t5_bias_backward_kernel<c10::Half>);
+POSENC_REGISTER_KERNEL(t5_bias_backward_stub<c10::BFloat16>, &t5_bias_backward_kernel<c10::BFloat16>);
+}  // namespace POSENC_CPU_CAPABILITY
+}  // namespace posenc::cpu

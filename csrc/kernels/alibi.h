@@ -1,0 +1,86 @@
+#pragma once
+// ALiBi's bias: row (b, h, i) of a [B, H, Q, K] bias holds -m * d_j (causal) or -m * |d_j| (symmetric),
+// d_j = i + (K - Q) - j (bottom-right aligned: the last query sits on the last key), m the head's slope.
+// Distances are formed in the maths type: exact for every key index below 2^24 (float32 maths).
+#include "kernels/convert.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace posenc::kernels {
+inline namespace POSENC_KERNEL_NAMESPACE {
+
+POSENC_INLINE int64_t alibi_batch(const AlibiRows& rows, int64_t n) { return n / (rows.heads * rows.q_len); }
+POSENC_INLINE int64_t alibi_head(const AlibiRows& rows, int64_t n) { return (n / rows.q_len) % rows.heads; }
+POSENC_INLINE int64_t alibi_query(const AlibiRows& rows, int64_t n) { return n % rows.q_len; }
+
+// Offset of row n's first element.
+POSENC_INLINE int64_t alibi_row_offset(const AlibiRows& rows, int64_t n) {
+  return alibi_batch(rows, n) * rows.stride_b + alibi_head(rows, n) * rows.stride_h +
+         alibi_query(rows, n) * rows.stride_i;
+}
+
+// d_0 of row n: d_j = d_0 - j.
+POSENC_INLINE int64_t alibi_distance0(const AlibiRows& rows, int64_t n) {
+  return alibi_query(rows, n) + rows.k_len - rows.q_len;
+}
+
+template <AlibiMode kMode, typename T>
+POSENC_INLINE T alibi_bias(T slope, T distance) {
+  return -slope * (kMode == AlibiMode::Symmetric ? std::abs(distance) : distance);
+}
+
+#if !defined(__CUDACC__)
+// dst[j] = src[j] + bias_j over one row (src null: the bias alone). key_pos[j] = j in the maths type, so the
+// loop is float arithmetic the compiler vectorizes; unit strides get their own loop. In place (add_alibi_)
+// src and dst are the same row, so neither pointer is __restrict__.
+template <AlibiMode kMode, typename scalar_t, typename opmath>
+void alibi_row(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t dst_stride, int64_t k_len,
+               opmath slope, opmath distance0, const opmath* key_pos) {
+  if (src == nullptr) {
+    if (dst_stride == 1) {
+      for (int64_t j = 0; j < k_len; ++j) dst[j] = from_opmath<scalar_t>(alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+    } else {
+      for (int64_t j = 0; j < k_len; ++j) {
+        dst[j * dst_stride] = from_opmath<scalar_t>(alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+      }
+    }
+  } else if (src_stride == 1 && dst_stride == 1) {
+    for (int64_t j = 0; j < k_len; ++j) {
+      dst[j] = from_opmath<scalar_t>(to_opmath(src[j]) + alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+    }
+  } else {
+    for (int64_t j = 0; j < k_len; ++j) {
+      dst[j * dst_stride] =
+          from_opmath<scalar_t>(to_opmath(src[j * src_stride]) + alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+    }
+  }
+}
+
+// sum_j row[j] * d_j (|d_j| symmetric) in float64. Unit-stride rows are summed in kLanes interleaved partial
+// sums (lane l takes j = l mod kLanes), added in lane order at the end: vector registers hold the lanes, and
+// the order is fixed by k_len alone, whatever thread or capability sums the row.
+template <AlibiMode kMode, typename scalar_t>
+double alibi_row_gradient(const scalar_t* row, int64_t stride, int64_t k_len, double distance0, const double* key_pos) {
+  constexpr int64_t kLanes = 16;
+  auto weight = [&](int64_t j) {
+    const double d = distance0 - key_pos[j];
+    return kMode == AlibiMode::Symmetric ? std::abs(d) : d;
+  };
+  double lanes[kLanes] = {};
+  int64_t j = 0;
+  if (stride == 1) {
+    for (; j + kLanes <= k_len; j += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(to_opmath(row[j + l])) * weight(j + l);
+    }
+  }
+  double tail = 0;
+  for (; j < k_len; ++j) tail += static_cast<double>(to_opmath(row[j * stride])) * weight(j);
+  double sum = 0;
+  for (const double lane : lanes) sum += lane;
+  return sum + tail;
+}
+#endif
+
+}  // namespace POSENC_KERNEL_NAMESPACE
+}  // namespace posenc::kernels

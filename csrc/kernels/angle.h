@@ -1,0 +1,78 @@
+#pragma once
+// The angle engine every family shares: angle(p, i) = p * inv_freq[i], formed in float64, then sin and cos
+// in the maths type (float32 for fp16/bf16/fp32 data, float64 for float64 data).
+//
+// The float32 result is sin/cos of the float64 angle fl(p * w), rounded to float32, to within 2e-7, for
+// every angle: a row whose angles all lie within kFastAngle is reduced by quarter turns in float64 with
+// plain arithmetic (no libm call, so the loop vectorizes); any other row calls std::sin/std::cos per angle,
+// whose reduction is exact for any argument. The reduction must be float64: at p = 2^20 a float32 product
+// p * w alone is off by up to 0.06 rad.
+#include "kernels/macros.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace posenc::kernels {
+
+// pi/2 in four parts (round to nearest, 26 bits at a time): the first three have at most 26 significant
+// bits, so q * part is exact for every quarter-turn count |q| < 2^27, and the reduction is as exact as the
+// float64 angle itself without fma (a libm call, not a vector instruction, where the CPU lacks FMA).
+constexpr double kHalfPi1 = 0x1.921fb58p+0;
+constexpr double kHalfPi2 = -0x1.dde974p-27;
+constexpr double kHalfPi3 = 0x1.1a6263p-54;
+constexpr double kHalfPi4 = 0x1.8a2e03707344ap-81;
+constexpr double kTwoOverPi = 0x1.45f306dc9c883p-1;
+constexpr double kRoundMagic = 0x1.8p+52;  // 1.5 * 2^52: x + magic - magic rounds x to an integer
+// Angles up to 2^26 rad (quarter turns below 2^26) take the fast reduction: positions up to 6.7e7 at
+// inv_freq 1, which covers every context length in use.
+constexpr double kFastAngle = 0x1p+26;
+
+inline namespace POSENC_KERNEL_NAMESPACE {
+
+// sin and cos of an angle with |angle| <= kFastAngle: reduced to [-pi/4, pi/4] by the nearest quarter turn,
+// then the minimax polynomials of Cephes' sinf/cosf (error < 2e-7); NaN or infinite angles give NaN.
+POSENC_INLINE void sincos_reduced(double angle, float& sin_out, float& cos_out) {
+  const double shifted = angle * kTwoOverPi + kRoundMagic;
+  const double q = shifted - kRoundMagic;
+  const float x =
+      static_cast<float>((((angle - q * kHalfPi1) - q * kHalfPi2) - q * kHalfPi3) - q * kHalfPi4);
+  int64_t bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));  // the low bits of the shifted value are those of q
+  const float z = x * x;
+  const float s = ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) * z * x + x;
+  const float c =
+      ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z + 4.166664568298827e-2f) * z * z - 0.5f * z + 1.0f;
+  const bool odd = bits & 1;  // quarter turns 1 and 3 swap sin and cos
+  const float sin_value = odd ? c : s;
+  const float cos_value = odd ? s : c;
+  sin_out = (bits & 2) ? -sin_value : sin_value;
+  cos_out = ((bits + 1) & 2) ? -cos_value : cos_value;
+}
+
+#if !defined(__CUDACC__)
+// sin and cos of position * inv_freq[i] for i < n; max_abs_freq = max_i |inv_freq[i]| picks the path.
+inline void sincos_row(double position, const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out,
+                       float* cos_out) {
+  if (std::abs(position) * max_abs_freq <= kFastAngle) {
+    for (int64_t i = 0; i < n; ++i) sincos_reduced(position * inv_freq[i], sin_out[i], cos_out[i]);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {  // far positions, or NaN / infinite ones
+    const double angle = position * inv_freq[i];
+    sin_out[i] = static_cast<float>(std::sin(angle));
+    cos_out[i] = static_cast<float>(std::cos(angle));
+  }
+}
+
+inline void sincos_row(double position, const double* inv_freq, int64_t n, double /*max_abs_freq*/,
+                       double* sin_out, double* cos_out) {
+  for (int64_t i = 0; i < n; ++i) {
+    sin_out[i] = std::sin(position * inv_freq[i]);
+    cos_out[i] = std::cos(position * inv_freq[i]);
+  }
+}
+#endif
+
+}  // namespace POSENC_KERNEL_NAMESPACE
+}  // namespace posenc::kernels

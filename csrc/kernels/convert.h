@@ -1,0 +1,116 @@
+#pragma once
+// Conversions between storage precision (fp16, bf16, float32, float64) and maths precision (float32 for the
+// first three, float64 for float64). c10's Half/BFloat16 conversions branch on NaN and denormals, which stops
+// the compiler vectorizing a loop; these compute the same bits with selects and bit operations only:
+// - bf16: round to nearest even, every NaN to 0x7FC0 (c10's rule);
+// - fp16: round to nearest even, NaNs quieted with their payload kept (what F16C's vcvtps2ph does, and so
+//   what torch's vectorized Tensor.half() gives), so the CPU capabilities with F16C and those without agree.
+#include "kernels/macros.h"
+#include "kernels/types.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
+
+namespace posenc::kernels {
+
+inline namespace POSENC_KERNEL_NAMESPACE {
+
+POSENC_INLINE float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+POSENC_INLINE uint32_t float_to_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+template <typename T>
+POSENC_INLINE opmath_t<T> to_opmath(T value) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bits_to_float(uint32_t(value.x) << 16);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    // c10::detail::fp16_ieee_to_fp32_value with its branch turned into a mask.
+    const uint32_t w = uint32_t(value.x) << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t is_denormal = 0u - uint32_t(two_w < (1u << 27));
+    const uint32_t magnitude = (float_to_bits(denormalized) & is_denormal) | (float_to_bits(normalized) & ~is_denormal);
+    return bits_to_float(sign | magnitude);
+  } else {
+    return value;
+  }
+}
+
+template <typename T>
+POSENC_INLINE T from_opmath(opmath_t<T> value) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint32_t bits = float_to_bits(value);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t is_nan = 0u - uint32_t(value != value);
+    return c10::BFloat16(uint16_t((0x7FC0u & is_nan) | (rounded & ~is_nan)), c10::BFloat16::from_bits());
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    // c10::detail::fp16_ieee_from_fp32_value with its branches turned into max and a mask; a NaN keeps the
+    // top ten bits of its payload and is quieted, as vcvtps2ph does.
+    const uint32_t w = float_to_bits(value);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t exponent = shl1_w & 0xFF000000u;
+    const uint32_t bias = exponent > 0x71000000u ? exponent : 0x71000000u;
+    const float base = bits_to_float((bias >> 1) + 0x07800000u) +
+                       bits_to_float(w & 0x7FFFFFFFu) * 0x1.0p+112f * 0x1.0p-110f;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    const uint32_t nan = 0x7E00u | ((w >> 13) & 0x03FFu);
+    const uint32_t is_nan = 0u - uint32_t(shl1_w > 0xFF000000u);
+    return c10::Half(uint16_t((sign >> 16) | (nan & is_nan) | (nonsign & ~is_nan)), c10::Half::from_bits());
+  } else {
+    return value;
+  }
+}
+
+#if !defined(__CUDACC__)
+// n values widened to (narrowed from) maths precision. fp16 goes eight at a time through F16C where the
+// capability has it: the same bits as to_opmath / from_opmath, several times faster than their integer form.
+template <typename T>
+inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = to_opmath(src[i]);
+}
+
+template <typename T>
+inline void narrow(const opmath_t<T>* src, T* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    for (; i + 8 <= n; i += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = from_opmath<T>(src[i]);
+}
+#endif
+
+}  // namespace POSENC_KERNEL_NAMESPACE
+}  // namespace posenc::kernels

@@ -1,0 +1,67 @@
+#pragma once
+// The enums and plain structs that the op layer, the CPU kernels of every capability and (later) the CUDA
+// kernels share. No code here.
+#include <cstdint>
+
+namespace posenc {
+
+// The type the maths runs in for data of type T (ATen's opmath_type without ATen): float32 for fp16, bf16 and
+// float32 data, float64 for float64 data.
+template <typename T>
+struct OpMath {
+  using type = float;
+};
+template <>
+struct OpMath<double> {
+  using type = double;
+};
+template <typename T>
+using opmath_t = typename OpMath<T>::type;
+
+// Channel pairing of a fixed (sinusoidal) encoding: "interleaved" = [sin t0, cos t0, sin t1, ...],
+// "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)], "half_cos_first" = [cos .. || sin ..]
+// (diffusers' flip_sin_to_cos).
+enum class SinusoidalLayout { Interleaved, Half, HalfCosFirst };
+
+// Channel pairing of a rotation: "neox" pairs (x_i, x_{i+r/2}) (Hugging Face rotate_half), "gptj" pairs
+// (x_2i, x_2i+1).
+enum class RopeLayout { Neox, Gptj };
+
+// Where tokens and heads sit: bshd [B,S,H,D], bhsd [B,H,S,D], sbhd [S,B,H,D], thd [T,H,D] (packed).
+enum class RopeFormat { BSHD, BHSD, SBHD, THD };
+
+// One tensor to rotate: input and output read through their strides as [batch, seq, heads, head_dim]
+// (out == in: in place).
+template <typename scalar_t>
+struct RotaryView {
+  const scalar_t* in;
+  scalar_t* out;
+  int64_t heads;
+  int64_t head_dim;
+  int64_t in_stride[4];
+  int64_t out_stride[4];
+};
+
+// "causal": -m * d, "symmetric": -m * |d|, with d = i + (k_len - q_len) - j (bottom-right aligned).
+enum class AlibiMode { Causal, Symmetric };
+
+// A [B, H, Q, K] scores tensor (or bias, or gradient) walked row by row, row n = (b * H + h) * Q + i, any strides.
+struct AlibiRows {
+  int64_t heads;
+  int64_t q_len;
+  int64_t k_len;
+  int64_t stride_b;
+  int64_t stride_h;
+  int64_t stride_i;
+  int64_t stride_j;
+};
+
+// Where row n of an additive kernel's input comes from: contiguous rows (`data + n * width`), rows of a table
+// gathered by id (`data + ids[n] * width`), or nothing (data == nullptr: the output is the encoding alone).
+template <typename scalar_t>
+struct RowInput {
+  const scalar_t* data = nullptr;
+  const int64_t* ids = nullptr;
+};
+
+}  // namespace posenc

@@ -1,0 +1,107 @@
+"""Runs every posenc op, forward and backward, on fixed inputs and saves the outputs: the same file is written
+under each CPU capability (POSENC_CPU_CAPABILITY, or an emulated CPU) and test_capabilities.py compares the
+bits.
+
+Usage: python tests/python/capability_outputs.py OUT.pt
+Inputs include every class of value: random bit patterns of fp16/bf16 (NaN payloads, infinities,
+denormals, -0), float32 specials, positions whose angles take the slow path, odd widths, strided views.
+"""
+import sys
+
+import torch
+
+import posenc
+from posenc import functional as PF
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def data(shape, dtype, seed):
+    """Random values; for fp16/bf16 every bit pattern is as likely (NaN payloads, infinities, denormals)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.randint(-2 ** 15, 2 ** 15, shape, generator=g, dtype=torch.int16).view(dtype)
+    # Integers scaled by a power of two: exact, so the inputs are the same bits on every CPU (torch.randn's
+    # own kernels differ between CPU capabilities).
+    x = (torch.randint(-2 ** 22, 2 ** 22, shape, generator=g, dtype=torch.int64).double() * 2.0 ** -20).to(dtype)
+    flat = x.view(-1)
+    specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 65504.0, 1e30]
+    flat[: len(specials)] = torch.tensor(specials, dtype=torch.float64).to(dtype)
+    return x
+
+
+def outputs():
+    out = {}
+    positions = torch.tensor([0, 1, 7, 4095, 2 ** 20, 2 ** 26 + 3, 2 ** 40 + 1, -(2 ** 53)])
+    float_positions = torch.tensor([0.0, 0.5, -3.25, 1e6 + 0.125, float("nan"), float("inf")], dtype=torch.float64)
+    inv_freq = posenc.frequencies.sinusoidal(130)  # 65 pairs: vector bodies and odd tails
+    for dtype in DTYPES:
+        d = str(dtype).split(".")[1]
+        for layout in ("interleaved", "half", "half_cos_first"):
+            out[f"sinusoidal/{d}/{layout}"] = PF.sinusoidal(positions, inv_freq, layout, dtype)
+            out[f"sinusoidal_float/{d}/{layout}"] = PF.sinusoidal(float_positions, inv_freq, layout, dtype)
+            x = data((3, 8, 131), dtype, 1)
+            out[f"add_sinusoidal/{d}/{layout}"] = PF.add_sinusoidal(x, positions, inv_freq, 0.75, layout, 5)
+            out[f"add_sinusoidal_rows/{d}/{layout}"] = PF.add_sinusoidal(x, positions.expand(3, 8), inv_freq, 1.0,
+                                                                         layout)
+        weight = data((50, 130), dtype, 2)
+        tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(3))
+        out[f"embed_sinusoidal/{d}"] = PF.embed_sinusoidal(tokens, weight, positions, inv_freq, 2.5)
+        grad = data((3, 8, 130), dtype, 4)
+        out[f"embedding_backward/{d}"] = PF.embedding_backward(grad, tokens, 50, 0.5, 3)
+
+        table = data((70, 130), dtype, 5)
+        rows = torch.tensor([0, 69, 3, 3, 17, 60, 1, 2])
+        x = data((3, 8, 130), dtype, 6)
+        out[f"learned/{d}"] = PF.learned(table, rows, 0)
+        out[f"add_learned/{d}"] = PF.add_learned(x, table, None, 40)
+        out[f"embed_learned/{d}"] = PF.embed_learned(tokens, weight, table, rows, 0.5, 1, 0, 2)
+
+        for layout in ("neox", "gptj"):
+            for fmt, shape in (("bshd", (2, 8, 3, 134)), ("bhsd", (2, 3, 8, 134)), ("sbhd", (8, 2, 3, 134)),
+                               ("thd", (8, 3, 134))):
+                freq = posenc.frequencies.rope(130, 500.0)[0]  # partial rotary, 65 pairs (odd)
+                q, k = data(shape, dtype, 7), data(shape, dtype, 8)
+                key = f"{d}/{layout}/{fmt}"
+                pos = positions if fmt == "thd" else positions.expand(2, 8)
+                out[f"rope/{key}"] = PF.rope(q, pos, freq, 0.9, layout, fmt)
+                out[f"rope_backward/{key}"] = PF.rope_backward(q, None, freq, 1.0, layout, fmt, 3)
+                qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
+                out[f"rope_qk/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                strided = data(shape[:-1] + (2 * shape[-1],), dtype, 9)[..., ::2]
+                out[f"rope_strided/{key}"] = PF.rope(strided, None, freq, 1.0, layout, fmt)
+                inplace = q.clone()
+                PF.rope_(inplace, positions, freq, 1.0, layout, fmt)
+                out[f"rope_/{key}"] = inplace
+                angle = positions[:8, None].double() * freq
+                cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+                out[f"rope_cos_sin/{key}"] = PF.rope_cos_sin(q, cos, sin, layout, fmt)
+                out[f"rope_cos_sin_backward/{key}"] = PF.rope_cos_sin_backward(q, cos, sin, layout, fmt)
+
+        slopes = PF.alibi_slopes(12)
+        scores = data((2, 4, 5, 67), dtype, 10)
+        for mode in ("causal", "symmetric"):
+            out[f"alibi_bias/{d}/{mode}"] = PF.alibi_bias(slopes, 5, 67, mode, 2, 4, dtype)
+            out[f"add_alibi/{d}/{mode}"] = PF.add_alibi(scores, slopes, mode, 3)
+            inplace = scores.clone()
+            PF.add_alibi_(inplace, slopes, mode, 3)
+            out[f"add_alibi_/{d}/{mode}"] = inplace
+            out[f"alibi_backward/{d}/{mode}"] = PF.alibi_backward(scores.nan_to_num(0, 0, 0), slopes, mode, 3)
+
+        t5_weight = data((32, 4), dtype, 11)
+        out[f"t5_bias/{d}"] = PF.t5_bias(t5_weight, 5, 70, True, 32, 128, 3)
+        out[f"t5_bias_backward/{d}"] = PF.t5_bias_backward(data((1, 4, 5, 70), dtype, 12).nan_to_num(0, 0, 0), False,
+                                                           32, 20, 2)
+
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]])
+    out["make_positions"] = PF.make_positions(mask * 5, 0)
+    out["positions_from_mask"] = PF.positions_from_mask(mask, -1)
+    out["relative_position_bucket"] = PF.relative_position_bucket(torch.arange(-300, 300), False, 32, 128)
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    results = outputs()
+    results["capability"] = posenc.cpu_capability()
+    torch.save(results, sys.argv[1])

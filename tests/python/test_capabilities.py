@@ -1,0 +1,134 @@
+"""Runtime CPU dispatch: every capability this CPU runs computes the same bits as the others (NaNs are NaN), an emulated CPU
+without AVX-512 (qemu-x86_64 -cpu max) picks AVX2 and computes those bits too, one without AVX picks the
+baseline, and no code outside the capability builds uses instructions beyond the x86-64 baseline."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import posenc
+
+HERE = Path(__file__).resolve().parent
+RUNNER = HERE / "capability_outputs.py"
+CAPABILITIES = ["default", "avx2", "avx512"]
+
+
+def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900):
+    out = tmp_path / f"{name}.pt"
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path)
+    env.pop("POSENC_CPU_CAPABILITY", None)
+    if capability is not None:
+        env["POSENC_CPU_CAPABILITY"] = capability
+    command = [sys.executable, str(RUNNER), str(out)]
+    if emulate is not None:
+        command = ["qemu-x86_64", "-cpu", emulate] + command
+    subprocess.run(command, env=env, check=True, timeout=timeout)
+    return torch.load(out)
+
+
+def same_bits(a, b):
+    """Equal bits, except that a NaN may be any NaN: which operand's payload and sign an operation on two NaNs
+    passes on depends on the order the compiler picked, and IEEE 754 leaves it open."""
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    a_nan, b_nan = a.isnan(), b.isnan()
+    int_type = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return torch.equal(a_nan, b_nan) and torch.equal(a.contiguous().view(int_type)[~a_nan],
+                                                     b.contiguous().view(int_type)[~b_nan])
+
+
+def from_libm(key):
+    """float64 outputs whose sin/cos come from libm: glibc picks its sin/cos for the CPU it runs on (FMA or
+    not), and those can differ in the last bit between CPUs, though not between capabilities on one CPU."""
+    family = key.split("/")[0]
+    return "float64" in key and (family.endswith("sinusoidal") or family in ("rope", "rope_backward", "rope_qk",
+                                                                              "rope_strided", "rope_"))
+
+
+def assert_same_bits(actual, expected, what, skip=lambda key: False):
+    assert actual.keys() == expected.keys()
+    different = [k for k in expected if k != "capability" and not skip(k) and not same_bits(actual[k], expected[k])]
+    assert not different, f"{what}: outputs differ in {different}"
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """Outputs under every capability this CPU supports, keyed by capability."""
+    tmp_path = tmp_path_factory.mktemp("capabilities")
+    results = {}
+    for capability in CAPABILITIES:
+        result = run_outputs(tmp_path, capability, capability)
+        if result["capability"] == capability:  # else the CPU lacks it and a lower one ran
+            results[capability] = result
+    return results
+
+
+def test_the_best_capability_is_chosen_by_default():
+    expected = "default"
+    for capability, flags in (("avx2", ["avx2", "fma", "f16c"]), ("avx512", ["avx512f", "avx512bw", "avx512vl",
+                                                                               "avx512dq"])):
+        cpu_flags = Path("/proc/cpuinfo").read_text().split()
+        if all(flag in cpu_flags for flag in flags):
+            expected = capability
+    if "POSENC_CPU_CAPABILITY" not in os.environ:
+        assert posenc.cpu_capability() == expected
+
+
+def test_an_unknown_capability_is_an_error():
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_CPU_CAPABILITY="sse9")
+    result = subprocess.run([sys.executable, "-c", "import posenc; posenc.cpu_capability()"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert 'POSENC_CPU_CAPABILITY must be "default", "avx2" or "avx512", got "sse9"' in result.stderr
+
+
+def test_every_capability_computes_the_same_bits(native):
+    assert "default" in native
+    for capability, result in native.items():
+        assert_same_bits(result, native["default"], f"{capability} against default")
+
+
+qemu = pytest.mark.skipif(shutil.which("qemu-x86_64") is None or os.uname().machine != "x86_64",
+                          reason="qemu-x86_64 (Debian's qemu-user) is not installed")
+
+
+@qemu
+def test_an_emulated_cpu_without_avx512_runs_avx2_with_the_same_bits(native, tmp_path):
+    result = run_outputs(tmp_path, "qemu-max", emulate="max")
+    assert result["capability"] == "avx2"
+    assert_same_bits(result, native["default"], "qemu -cpu max (AVX2, no AVX-512)")
+
+
+@qemu
+def test_an_emulated_cpu_without_avx_runs_the_baseline_with_the_same_bits(native, tmp_path):
+    result = run_outputs(tmp_path, "qemu-nehalem", emulate="Nehalem")
+    assert result["capability"] == "default"
+    assert_same_bits(result, native["default"], "qemu -cpu Nehalem (no AVX)", skip=from_libm)
+
+
+def test_only_the_capability_builds_use_wide_instructions():
+    """Functions outside posenc::cpu::AVX2 / AVX512 must be x86-64 baseline code: the library is loaded, and
+    its registrations run, on every CPU, and the linker keeps one copy of each inline function for all callers."""
+    if os.uname().machine != "x86_64" or shutil.which("objdump") is None:
+        pytest.skip("needs objdump on x86-64")
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", posenc.library_path], check=True,
+                             capture_output=True, text=True).stdout
+    offenders, wide_functions = [], 0
+    for function in re.split(r"\n(?=[0-9a-f]+ <)", listing):
+        header, _, body = function.partition("\n")
+        name = header.partition("<")[2]
+        # ymm/zmm registers, AVX-512 masks, or any VEX/EVEX-encoded instruction (their mnemonics start with v)
+        wide = re.search(r"%[yz]mm|\{%k[0-7]\}|^\s*[0-9a-f]+:\s+v[a-z0-9]+\s", body, re.MULTILINE)
+        if not wide:
+            continue
+        wide_functions += 1
+        if "::AVX512::" in name or ("::AVX2::" in name and "zmm" not in body):
+            continue
+        offenders.append(name[:200])
+    assert wide_functions > 0, "no capability build found in the library"
+    assert not offenders, f"baseline functions with wide instructions: {offenders[:10]}"
