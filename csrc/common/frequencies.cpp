@@ -1,7 +1,6 @@
 // The frequency formulas of every family, written once: the C++ API (posenc::frequencies), the ops
 // registered in frequencies_ops.cpp and, through those ops, Python's posenc.frequencies all compute here.
 #include <posenc/frequencies.h>
-#include <posenc/posenc.h>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -17,9 +16,6 @@
 #include <string_view>
 
 namespace posenc {
-
-int64_t version() { return 100; }
-
 namespace frequencies {
 
 namespace {
