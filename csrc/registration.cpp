@@ -1,5 +1,6 @@
 // The single schema table of posenc. Kernels live in one file per op family and dispatch key
-// (cpu/, meta/, autograd/) and are attached there with TORCH_LIBRARY_IMPL.
+// (cpu/, meta/, autograd/) and are attached there with TORCH_LIBRARY_IMPL; the ops that compute a
+// configuration's constants (frequencies, slopes, context-parallel positions) have theirs in frequencies_ops.cpp.
 #include <torch/library.h>
 
 TORCH_LIBRARY(posenc, m) {
@@ -10,6 +11,8 @@ TORCH_LIBRARY(posenc, m) {
   m.def("embedding_backward(Tensor grad, Tensor indices, SymInt num_rows, float scale=1.0, int? padding_idx=None) -> Tensor");
 
   // Sinusoidal (SPEC 4.1).
+  // float64 frequencies base^(-i / (dim // 2 - shift)), i < dim // 2.
+  m.def("sinusoidal_inv_freq(int dim, float base=10000.0, int shift=0) -> Tensor");
   m.def("sinusoidal(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor");
   m.def("add_sinusoidal(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor");
   m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
@@ -29,8 +32,17 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope_(Tensor(a!) x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> ()");
   m.def("rope_cos_sin(Tensor x, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
   m.def("rope_cos_sin_backward(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
+  // Frequencies and attention scale of a scaling type; the keywords are the keys of Hugging Face's rope_parameters
+  // (absent: the type's default). seq_len selects the dynamic NTK base and LongRoPE's short or long factors.
+  m.def("rope_inv_freq(int rotary_dim, float base=10000.0, str rope_type=\"default\", *, float? rope_theta=None, float? factor=None, float? alpha=None, float? original_max_position_embeddings=None, float? max_position_embeddings=None, float? attention_factor=None, float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, float[]? short_factor=None, float[]? long_factor=None, int? seq_len=None) -> (Tensor inv_freq, float attention_scale)");
+  // The same frequencies for the length held by a 0-d tensor, on its device and without reading it (per call).
+  m.def("rope_inv_freq_for_length(Tensor seq_len, int rotary_dim, float base=10000.0, str rope_type=\"default\", *, float? rope_theta=None, float? factor=None, float? alpha=None, float? original_max_position_embeddings=None, float? max_position_embeddings=None, float? attention_factor=None, float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, float[]? short_factor=None, float[]? long_factor=None) -> Tensor");
+  // Context parallelism, dual-chunk (zigzag) split: this rank's positions (and, packed, its token indices).
+  m.def("zigzag_positions(int seq_len, int cp_size, int cp_rank, Device? device=None) -> Tensor");
+  m.def("zigzag_positions_varlen(Tensor cu_seqlens, int cp_size, int cp_rank) -> (Tensor positions, Tensor indices, Tensor local_cu_seqlens)");
 
   // ALiBi (SPEC 4.4).
+  m.def("alibi_slopes(int num_heads, ScalarType dtype=float32) -> Tensor");
   m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");
   m.def("add_alibi(Tensor scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
   // `alibi_mode`, not `mode`: torch.compile's auto_functionalized passes a mutable op's arguments as keywords

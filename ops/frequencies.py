@@ -1,15 +1,20 @@
-"""Frequencies (inv_freq, float64) of every family; twins of C++ posenc::frequencies.
+"""Frequencies (inv_freq, float64) of every family.
 
-They are formulas of the configuration, computed in float64 on the CPU; modules keep them out of reach of
-``module.to(torch.bfloat16)`` and ``.half()``.
+The formulas live once, in C++ (``posenc::frequencies``): these functions turn their arguments (for RoPE, a
+Hugging Face ``rope_scaling`` / ``rope_parameters`` dict) into the typed arguments of the ops
+``torch.ops.posenc.sinusoidal_inv_freq``, ``rope_inv_freq`` and ``rope_inv_freq_for_length``, which compute in
+float64 on the CPU. Invalid values raise ``ValueError`` naming the key and the value; a key's default applies only
+where the key is absent (or None), never to a zero. Modules keep the results out of reach of
+``module.to(torch.bfloat16)`` and ``.half()``: see ``docs/frequencies.md``.
 """
-import math
+import numbers
+import operator
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["sinusoidal", "rope", "ROPE_TYPES"]
+__all__ = ["sinusoidal", "rope", "rope_arguments", "ROPE_TYPES"]
 
 
 def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
@@ -18,43 +23,54 @@ def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     An odd dim has dim // 2 whole pairs (its last channel is the zero column), as in fairseq and diffusers.
 
     ``shift=0`` is "Attention Is All You Need" (omega_i = base ** (-2i / dim)); ``shift=1`` is the
-    fairseq / tensor2tensor / Whisper / diffusers convention (denominator dim/2 - 1).
+    fairseq / tensor2tensor / Whisper / diffusers convention (denominator dim/2 - 1). ``dim`` >= 2 (and
+    dim // 2 > shift), ``base`` finite and positive, ``shift`` 0 or 1; otherwise ``ValueError``.
     """
-    if dim < 2:
-        raise ValueError(f"posenc.frequencies.sinusoidal: dim must be at least 2, got {dim}")
-    if base <= 0:
-        raise ValueError(f"posenc.frequencies.sinusoidal: base must be positive, got {base}")
-    if shift not in (0, 1):
-        raise ValueError(f"posenc.frequencies.sinusoidal: shift must be 0 or 1, got {shift}")
-    pairs = dim // 2
-    if pairs - shift <= 0:
-        raise ValueError(
-            f"posenc.frequencies.sinusoidal: dim {dim} has {pairs} frequency pairs, too few for shift {shift}")
-    i = torch.arange(pairs, dtype=torch.float64)
-    return torch.exp(i * (-math.log(base) / (pairs - shift)))
+    return torch.ops.posenc.sinusoidal_inv_freq(dim, float(base), shift)
 
 
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")
 _ROPE = "posenc.frequencies.rope"
+# The keys of a scaling dict that the ops read, by the type of their value; all others are ignored.
+_NUMBER_KEYS = ("rope_theta", "factor", "alpha", "original_max_position_embeddings", "max_position_embeddings",
+                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "low_freq_factor",
+                "high_freq_factor")
+_LIST_KEYS = ("short_factor", "long_factor")
 
 
-def _theta_powers(rotary_dim: int, theta: float) -> Tensor:
-    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    return torch.exp(exponent * -math.log(theta))
-
-
-def _require(params: Dict[str, Any], key: str, rope_type: str, fallback: Optional[str] = None) -> float:
-    value = params.get(key)
-    if value is None and fallback is not None:
-        value = params.get(fallback)
-    if value is None:
-        needs = key if fallback is None else f"{key} (or {fallback})"
-        raise ValueError(f'{_ROPE}: rope_type "{rope_type}" needs {needs}')
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{_ROPE}: {key} must be a number, got {value!r}")
     return float(value)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+def rope_arguments(scaling: Optional[Dict[str, Any]]) -> Tuple[str, Dict[str, Any]]:
+    """``(rope_type, keywords)``: a Hugging Face scaling dict as the typed arguments of ``rope_inv_freq``.
+
+    ``rope_type`` is the dict's ``rope_type`` (else its older ``type``, else ``"default"``); the keywords are the
+    keys the ops read, converted to float (lists of floats for ``short_factor`` / ``long_factor``, a bool for
+    ``truncate``). Absent and None keys are left out, so that the op applies its default; other keys are ignored.
+    The values themselves are checked by the op.
+    """
+    params = dict(scaling or {})
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type is None:
+        rope_type = "default"
+    if not isinstance(rope_type, str):
+        raise ValueError(f"{_ROPE}: rope_type must be a string, got {rope_type!r}")
+    keywords: Dict[str, Any] = {}
+    for key in _NUMBER_KEYS:
+        if params.get(key) is not None:
+            keywords[key] = _number(key, params[key])
+    for key in _LIST_KEYS:
+        values = params.get(key)
+        if values is not None:
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+                raise ValueError(f"{_ROPE}: {key} must be a list of numbers, got {values!r}")
+            keywords[key] = [_number(f"{key}[{i}]", v) for i, v in enumerate(values)]
+    if params.get("truncate") is not None:
+        keywords["truncate"] = bool(params["truncate"])
+    return rope_type, keywords
 
 
 def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None,
@@ -63,118 +79,34 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
 
     Without scaling, inv_freq_i = base ** (-2i / rotary_dim). ``scaling`` is a Hugging Face style dict
     (``config.rope_scaling`` / ``config.rope_parameters``): ``rope_type`` (or ``type``) is one of
-    ``ROPE_TYPES``, with the keys of that type:
+    ``ROPE_TYPES``, with the keys of that type (defaults in brackets, used only where a key is absent):
 
     - ``linear``: ``factor`` (position interpolation: inv_freq / factor);
     - ``dynamic``: ``factor``, ``max_position_embeddings``; Hugging Face's runtime rule: the original
       frequencies up to max_position_embeddings, beyond it base * (factor * L / max - (factor - 1)) **
       (r / (r - 2)) with L = ``seq_len``;
     - ``ntk`` (fixed NTK): ``alpha`` (else ``factor``): base * alpha ** (r / (r - 2)). A ``dynamic`` dict with
-      ``alpha`` (HunYuan checkpoints) and ``ntk_alpha`` mean this too;
-    - ``yarn``: ``factor``, ``original_max_position_embeddings``, optional ``beta_fast`` (32), ``beta_slow`` (1),
-      ``attention_factor``, ``mscale`` and ``mscale_all_dim`` (DeepSeek), ``truncate`` (True);
-    - ``llama3``: ``factor`` (8), ``low_freq_factor`` (1), ``high_freq_factor`` (4),
-      ``original_max_position_embeddings`` (8192);
-    - ``longrope``: ``short_factor``, ``long_factor`` (rotary_dim // 2 values each),
-      ``original_max_position_embeddings``, optional ``factor`` / ``attention_factor``; the long factors
-      apply when ``seq_len`` > original_max_position_embeddings.
+      an ``alpha`` (HunYuan checkpoints) and the type ``ntk_alpha`` mean this too;
+    - ``yarn``: ``factor`` [max_position_embeddings / original_max_position_embeddings],
+      ``original_max_position_embeddings`` [max_position_embeddings], ``beta_fast`` [32] >= ``beta_slow`` [1],
+      ``attention_factor`` [0.1 ln(factor) + 1, or DeepSeek's ratio when both ``mscale`` and ``mscale_all_dim``
+      are given], ``truncate`` [True];
+    - ``llama3``: ``factor`` [8], ``low_freq_factor`` [1] < ``high_freq_factor`` [4],
+      ``original_max_position_embeddings`` [8192];
+    - ``longrope``: ``short_factor``, ``long_factor`` (rotary_dim // 2 positive values each),
+      ``original_max_position_embeddings`` [max_position_embeddings], ``factor`` (as yarn's),
+      ``attention_factor`` [sqrt(1 + ln(factor) / ln(original))]; the long factors apply when ``seq_len`` >
+      original_max_position_embeddings.
 
-    ``factor`` of yarn and longrope defaults to max_position_embeddings / original_max_position_embeddings.
-    A ``rope_theta`` key replaces ``base``; keys of no use to the type (``partial_rotary_factor``, ...) are
-    ignored. ``seq_len`` is the current sequence length (max position + 1). Computed in float64; the attention
-    scale multiplies cos and sin (pass it to the ops).
+    Every number the type reads must be finite and positive; anything else raises ``ValueError`` naming the key
+    and the value (``posenc.frequencies.rope: llama3 factor must be positive, got 0.0``). A ``rope_theta`` key
+    replaces ``base``; keys of no use to the type (``partial_rotary_factor``, ...) are ignored. ``seq_len`` is
+    the current sequence length (max position + 1). Computed in float64 by the C++ implementation
+    (``torch.ops.posenc.rope_inv_freq``); the attention scale multiplies cos and sin (pass it to the ops).
     """
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"{_ROPE}: rotary_dim must be even and at least 2, got {rotary_dim}")
-    params: Dict[str, Any] = dict(scaling or {})
-    theta = float(params.get("rope_theta") or base)
-    if theta <= 0:
-        raise ValueError(f"{_ROPE}: base (rope_theta) must be positive, got {theta}")
-    rope_type = params.get("rope_type", params.get("type")) or "default"
-    if rope_type == "ntk_alpha" or (rope_type == "dynamic" and params.get("alpha")):
-        rope_type = "ntk"
-    inv_freq = _theta_powers(rotary_dim, theta)
-    pairs = rotary_dim // 2
-
-    def ntk_exponent(what: str) -> float:
-        if rotary_dim <= 2:
-            raise ValueError(f'{_ROPE}: rope_type "{rope_type}" rescales the base by {what}^(r / (r - 2)), '
-                             f"undefined for rotary_dim 2")
-        return rotary_dim / (rotary_dim - 2)
-
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / _require(params, "factor", rope_type), 1.0
-    if rope_type == "dynamic":
-        factor = _require(params, "factor", rope_type)
-        limit = _require(params, "max_position_embeddings", rope_type)
-        length = max(float(seq_len) if seq_len is not None else limit, limit)
-        scale = factor * length / limit - (factor - 1)
-        return _theta_powers(rotary_dim, theta * scale ** ntk_exponent("the scale")), 1.0
-    if rope_type == "ntk":
-        alpha = _require(params, "alpha", rope_type, fallback="factor")
-        return _theta_powers(rotary_dim, theta * alpha ** ntk_exponent("alpha")), 1.0
-    if rope_type == "yarn":
-        return _yarn(inv_freq, rotary_dim, theta, params)
-    if rope_type == "llama3":
-        return _llama3(inv_freq, params), 1.0
-    if rope_type == "longrope":
-        original = _require(params, "original_max_position_embeddings", rope_type, fallback="max_position_embeddings")
-        for key in ("short_factor", "long_factor"):
-            if len(params.get(key) or ()) != pairs:
-                raise ValueError(f'{_ROPE}: rope_type "longrope" needs {key} of rotary_dim / 2 = {pairs} values, '
-                                 f"got {len(params.get(key) or ())}")
-        factor = _context_factor(params, original, rope_type)
-        attention = params.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-        ext = params["long_factor"] if seq_len is not None and seq_len > original else params["short_factor"]
-        return inv_freq / torch.tensor(ext, dtype=torch.float64), float(attention)
-    raise ValueError(f'{_ROPE}: unknown rope_type "{rope_type}"; expected one of {", ".join(ROPE_TYPES)}')
-
-
-def _context_factor(params: Dict[str, Any], original: float, rope_type: str) -> float:
-    if params.get("factor") is not None:
-        return float(params["factor"])
-    return _require(params, "max_position_embeddings", rope_type) / original
-
-
-def _yarn(inv_freq: Tensor, rotary_dim: int, theta: float, params: Dict[str, Any]) -> Tuple[Tensor, float]:
-    original = _require(params, "original_max_position_embeddings", "yarn", fallback="max_position_embeddings")
-    factor = _context_factor(params, original, "yarn")
-    attention = params.get("attention_factor")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if attention is None:
-        if mscale and mscale_all_dim:  # DeepSeek
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention = _yarn_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction(rotations: float) -> float:
-        # The pair index whose wavelength fits `rotations` times into the original context.
-        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction(beta_fast), correction(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    if low == high:
-        high += 0.001  # as Hugging Face: avoids a zero-width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
-
-
-def _llama3(inv_freq: Tensor, params: Dict[str, Any]) -> Tensor:
-    factor = float(params.get("factor") or 8.0)
-    low = float(params.get("low_freq_factor") or 1.0)
-    high = float(params.get("high_freq_factor") or 4.0)
-    original = float(params.get("original_max_position_embeddings") or 8192)
-    wavelength = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelength - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(medium, smoothed, scaled)
+    rope_type, keywords = rope_arguments(scaling)
+    if seq_len is not None:
+        seq_len = operator.index(seq_len)  # an int, numpy integer or 0-d integer tensor
+    inv_freq, attention_scale = torch.ops.posenc.rope_inv_freq(rotary_dim, float(base), rope_type, seq_len=seq_len,
+                                                               **keywords)
+    return inv_freq, attention_scale

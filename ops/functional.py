@@ -110,17 +110,11 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """The ALiBi slopes ``[num_heads]`` of the paper and BLOOM, for any head count.
 
     With n = 2 ** floor(log2(num_heads)): m_k = 2 ** (-8k / n) for k = 1..n, then, past n heads,
-    2 ** (-4(2j - 1) / n) for j = 1..num_heads - n (every other slope of the 2n-head series). A plain
-    function of the configuration (float64 maths, returned as ``dtype``), twin of C++ ``posenc::alibi_slopes``.
+    2 ** (-4(2j - 1) / n) for j = 1..num_heads - n (every other slope of the 2n-head series). Computed in
+    float64 by the C++ implementation (``torch.ops.posenc.alibi_slopes``, C++ ``posenc::alibi_slopes``) and
+    returned as ``dtype``. ``ValueError`` unless num_heads is positive and dtype floating.
     """
-    if num_heads <= 0:
-        raise ValueError(f"posenc.alibi_slopes: num_heads must be positive, got {num_heads}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"posenc.alibi_slopes: dtype must be floating, got {dtype}")
-    power = 1 << (num_heads.bit_length() - 1)  # integer floor(log2): a float log2 can round up near 2 ** k
-    slopes = [2.0 ** (-8.0 * k / power) for k in range(1, power + 1)]
-    slopes += [2.0 ** (-4.0 * (2 * j - 1) / power) for j in range(1, num_heads - power + 1)]
-    return torch.tensor(slopes, dtype=torch.float64).to(dtype)
+    return torch.ops.posenc.alibi_slopes(num_heads, dtype)
 
 
 def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", head_offset: int = 0,
@@ -262,29 +256,16 @@ def rope_cos_sin_backward(grad: Tensor, cos: Tensor, sin: Tensor, layout: str = 
     return torch.ops.posenc.rope_cos_sin_backward(grad, cos, sin, layout, format)
 
 
-def _check_cp(op: str, cp_size: int, cp_rank: int) -> None:
-    if cp_size < 1:
-        raise ValueError(f"posenc.{op}: cp_size must be at least 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"posenc.{op}: cp_rank {cp_rank} is outside [0, {cp_size})")
-
-
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int,
                      device: Optional[torch.device] = None) -> Tensor:
-    """Positions of this rank's tokens under the dual-chunk (zigzag) context-parallel split.
+    """Positions of this rank's tokens under the dual-chunk (zigzag) context-parallel split, int64.
 
     The sequence is cut into 2 * cp_size chunks; rank r holds chunks r and 2 * cp_size - 1 - r, which
     balances causal attention work. The positions are also the tokens' indices in the full sequence:
-    ``rope(x.index_select(seq_dim, p), p)`` equals ``rope(x)`` at those tokens.
+    ``rope(x.index_select(seq_dim, p), p)`` equals ``rope(x)`` at those tokens. ``seq_len`` must be a multiple
+    of 2 * cp_size and ``0 <= cp_rank < cp_size`` (else ``ValueError``). C++: ``posenc::zigzag_positions``.
     """
-    _check_cp("zigzag_positions", cp_size, cp_rank)
-    if seq_len < 0 or seq_len % (2 * cp_size):
-        raise ValueError(f"posenc.zigzag_positions: seq_len {seq_len} must be a multiple of 2 * cp_size = "
-                         f"{2 * cp_size}")
-    chunk = seq_len // (2 * cp_size)
-    mirror = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
-                      torch.arange(mirror * chunk, (mirror + 1) * chunk, device=device)])
+    return torch.ops.posenc.zigzag_positions(seq_len, cp_size, cp_rank, device)
 
 
 def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -292,28 +273,10 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
 
     ``positions`` are within each sequence (pass them to ``rope(..., format="thd")``), ``indices`` select this
     rank's tokens from the packed [T, H, D] input, ``local_cu_seqlens`` = cu_seqlens // cp_size. Every sequence
-    length must be a multiple of 2 * cp_size (as in TransformerEngine's THD context parallelism).
+    length must be a multiple of 2 * cp_size (as in TransformerEngine's THD context parallelism); else
+    ``ValueError``. C++: ``posenc::zigzag_positions_varlen``.
     """
-    op = "zigzag_positions_varlen"
-    _check_cp(op, cp_size, cp_rank)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"posenc.{op}: cu_seqlens must be a 1-D int32 or int64 tensor, got {cu_seqlens.dtype} "
-                         f"of shape {list(cu_seqlens.shape)}")
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or bool((lengths < 0).any()):
-        raise ValueError(f"posenc.{op}: cu_seqlens must start at 0 and never decrease, got {cu_seqlens.tolist()}")
-    if bool((lengths % (2 * cp_size) != 0).any()):
-        raise ValueError(f"posenc.{op}: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size}, "
-                         f"got cu_seqlens {cu_seqlens.tolist()}")
-    chunk = lengths // (2 * cp_size)
-    local_cu = cu // cp_size
-    sequence = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), chunk * 2)
-    local = torch.arange(int(local_cu[-1]), device=cu.device) - local_cu[sequence]
-    c = chunk[sequence]
-    # The first half of a sequence's local tokens is chunk cp_rank, the second its mirror 2 cp_size - 1 - cp_rank.
-    positions = torch.where(local < c, c * cp_rank + local, c * (2 * cp_size - 1 - cp_rank) + (local - c))
-    return positions, cu[sequence] + positions, local_cu.to(cu_seqlens.dtype)
+    return torch.ops.posenc.zigzag_positions_varlen(cu_seqlens, cp_size, cp_rank)
 
 
 __all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",

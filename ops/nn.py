@@ -1,6 +1,6 @@
 """Scriptable modules built on the posenc ops."""
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -11,15 +11,28 @@ __all__ = ["SinusoidalPositionalEncoding", "SinusoidalEmbedding"]
 
 
 class _ExactFrequencies(torch.nn.Module):
-    """Keeps the float64 ``inv_freq`` buffer exact: ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` would
-    round it, so after any conversion it is recomputed from the configuration (on the buffer's device)."""
+    """Keeps float64 frequencies (and ALiBi's fixed slopes) exact: they are plain tensor attributes, not buffers.
 
-    def _make_inv_freq(self) -> Tensor:
+    ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` convert parameters and buffers only, in eager mode, in
+    TorchScript and in C++ (``torch::jit::Module::to``), so plain attributes are never rounded, and they stay out
+    of the state dict. Device moves: in eager mode ``_apply`` recomputes them from the configuration on the
+    module's new device (``.to(device)``, ``.cuda()``, ``to_empty``); a scripted module's ``.to`` runs no Python,
+    so ``forward`` moves them to its input's device where that differs (once: the moved copy is kept).
+    """
+
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        """The exact tensors of the module's plain attributes, by attribute name, on the CPU."""
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.inv_freq = self._make_inv_freq().to(self.inv_freq.device)
+        exact = self._make_frequencies()
+        if exact:
+            # Where fn sends a tensor of ours: the target of a move, the same device for a dtype conversion.
+            current = getattr(self, next(iter(exact)))
+            device = fn(torch.empty(0, dtype=torch.float64, device=current.device)).device
+            for name, value in exact.items():
+                setattr(self, name, value.to(device))
         return self
 
 
@@ -35,12 +48,14 @@ class SinusoidalPositionalEncoding(_ExactFrequencies):
         self.dim, self.base, self.shift = dim, base, shift
         self.layout = layout
         self.x_scale = x_scale
-        self.register_buffer("inv_freq", self._make_inv_freq(), persistent=False)
+        self.inv_freq = frequencies.sinusoidal(dim, base, shift)
 
-    def _make_inv_freq(self) -> Tensor:
-        return frequencies.sinusoidal(self.dim, self.base, self.shift)
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {"inv_freq": frequencies.sinusoidal(self.dim, self.base, self.shift)}
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
         return torch.ops.posenc.add_sinusoidal(x, positions, self.inv_freq, self.x_scale, self.layout, offset)
 
     def extra_repr(self) -> str:
@@ -65,11 +80,11 @@ class SinusoidalEmbedding(_ExactFrequencies):
         self.token_scale = math.sqrt(dim) if token_scale is None else token_scale
         self.layout = layout
         self.weight = torch.nn.Parameter(torch.empty(num_embeddings, dim))
-        self.register_buffer("inv_freq", self._make_inv_freq(), persistent=False)
+        self.inv_freq = frequencies.sinusoidal(dim, base, shift)
         self.reset_parameters()
 
-    def _make_inv_freq(self) -> Tensor:
-        return frequencies.sinusoidal(self.dim, self.base, self.shift)
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {"inv_freq": frequencies.sinusoidal(self.dim, self.base, self.shift)}
 
     def reset_parameters(self) -> None:
         torch.nn.init.normal_(self.weight, std=self.dim ** -0.5)
@@ -78,6 +93,8 @@ class SinusoidalEmbedding(_ExactFrequencies):
                 self.weight[self.padding_idx].zero_()
 
     def forward(self, tokens: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
+        if self.inv_freq.device != tokens.device:
+            self.inv_freq = self.inv_freq.to(tokens.device)
         return torch.ops.posenc.embed_sinusoidal(tokens, self.weight, positions, self.inv_freq, self.token_scale,
                                                  self.padding_idx, self.layout, offset)
 
@@ -178,14 +195,15 @@ from .functional import alibi_slopes  # noqa: E402
 __all__ += ["ALiBi", "T5RelativeBias"]
 
 
-class ALiBi(torch.nn.Module):
+class ALiBi(_ExactFrequencies):
     """Adds ALiBi to attention scores ``[B, num_local_heads, Q, K]`` (SPEC 4.4); scriptable.
 
     The slopes cover all ``num_heads`` heads of the model; this module's heads are ``head_offset ..
     head_offset + num_local_heads - 1`` (a tensor-parallel shard; by default every head from ``head_offset``
-    on). Fixed slopes are a float32 buffer kept exact through ``.half()`` / ``.to(dtype)`` (rounded slopes
-    shift the bias by up to 5e-4 * m * distance) and stay out of the state dict; ``learnable=True`` makes
-    them a parameter ``slopes`` (all heads, so a checkpoint is the same on every shard).
+    on). Fixed slopes are a plain float32 tensor attribute, so ``.half()`` / ``.to(dtype)`` never round them, in
+    eager mode or TorchScript (rounded slopes shift the bias by up to 5e-4 * m * distance), and they stay out of
+    the state dict; ``learnable=True`` makes them a parameter ``slopes`` (all heads, so a checkpoint is the same on
+    every shard).
     """
 
     def __init__(self, num_heads: int, mode: str = "causal", learnable: bool = False, head_offset: int = 0,
@@ -202,18 +220,17 @@ class ALiBi(torch.nn.Module):
         if learnable:
             self.slopes = torch.nn.Parameter(alibi_slopes(num_heads))
         else:
-            self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+            self.slopes = alibi_slopes(num_heads)
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if not self.learnable:
-            self.slopes = alibi_slopes(self.num_heads).to(self.slopes.device)
-        return self
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {} if self.learnable else {"slopes": alibi_slopes(self.num_heads)}
 
     def forward(self, scores: Tensor) -> Tensor:
         if scores.dim() != 4 or scores.size(1) != self.num_local_heads:
             raise ValueError("posenc.nn.ALiBi: scores must be [B, " + str(self.num_local_heads) + ", Q, K], got shape "
                              + str(list(scores.shape)))
+        if not self.learnable and self.slopes.device != scores.device:
+            self.slopes = self.slopes.to(scores.device)
         return torch.ops.posenc.add_alibi(scores, self.slopes, self.mode, self.head_offset)
 
     @torch.jit.export
@@ -261,15 +278,17 @@ _SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0, "thd": 0}
 class RotaryEmbedding(_ExactFrequencies):
     """Rotates q and k (``rope_qk``): ``forward(q, k, positions=None, offset=0, cu_seqlens=None) -> (q, k)``.
 
-    ``scaling`` is a Hugging Face style dict (see :func:`posenc.frequencies.rope`). The float64 frequencies
-    survive ``.to(torch.bfloat16)`` / ``.half()``. "dynamic" and "longrope" choose their frequencies per call
-    from the sequence length L = max position + 1 (positions + offset; offset + S without positions; the
-    longest packed sequence + offset with cu_seqlens): dynamic NTK rescales the base beyond
-    max_position_embeddings, LongRoPE takes its long factors beyond original_max_position_embeddings. Both
-    are tensor computations, so torch.compile traces them without a graph break.
+    ``scaling`` is a Hugging Face style dict (see :func:`posenc.frequencies.rope`); invalid values raise
+    ``ValueError`` here, at construction. The float64 frequencies ``inv_freq`` (and ``long_inv_freq``, LongRoPE's
+    beyond the original context) are plain tensor attributes that survive ``.to(torch.bfloat16)`` / ``.half()``,
+    scripted or not. "dynamic" and "longrope" choose their frequencies per call from the sequence length L = max
+    position + 1 (positions + offset; offset + S without positions; the longest packed sequence + offset with
+    cu_seqlens): dynamic NTK rescales the base beyond max_position_embeddings, LongRoPE takes its long factors
+    beyond original_max_position_embeddings. L stays a tensor and the frequencies come from the op
+    ``rope_inv_freq_for_length``, so torch.compile traces one graph for every sequence length.
     """
 
-    __jit_ignored_attributes__ = ["scaling"]
+    __jit_ignored_attributes__ = ["scaling", "_keywords"]
 
     def __init__(self, head_dim: int, rotary_dim: Optional[int] = None, base: float = 10000.0,
                  layout: str = "neox", scaling: Optional[Dict[str, Any]] = None, format: str = "bshd"):
@@ -281,34 +300,42 @@ class RotaryEmbedding(_ExactFrequencies):
             raise ValueError(f'posenc.nn.RotaryEmbedding: layout must be "neox" or "gptj", got "{layout}"')
         if format not in _SEQ_DIM:
             raise ValueError(f"posenc.nn.RotaryEmbedding: format must be one of {list(_SEQ_DIM)}, got \"{format}\"")
-        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, float(base)
         self.layout, self.format = layout, format
         self.seq_dim = _SEQ_DIM[format]
         self.scaling = dict(scaling or {})
+        self.rope_type, keywords = frequencies.rope_arguments(self.scaling)
+        self._keywords = keywords
+        # The keywords of rope_inv_freq_for_length, one attribute each so that a scripted forward can pass them.
+        self.rope_theta: Optional[float] = keywords.get("rope_theta")
+        self.factor: Optional[float] = keywords.get("factor")
+        self.alpha: Optional[float] = keywords.get("alpha")
+        self.original_max_position_embeddings: Optional[float] = keywords.get("original_max_position_embeddings")
+        self.max_position_embeddings: Optional[float] = keywords.get("max_position_embeddings")
+        self.attention_factor: Optional[float] = keywords.get("attention_factor")
+        self.beta_fast: Optional[float] = keywords.get("beta_fast")
+        self.beta_slow: Optional[float] = keywords.get("beta_slow")
+        self.mscale: Optional[float] = keywords.get("mscale")
+        self.mscale_all_dim: Optional[float] = keywords.get("mscale_all_dim")
+        self.truncate: bool = keywords.get("truncate", True)
+        self.low_freq_factor: Optional[float] = keywords.get("low_freq_factor")
+        self.high_freq_factor: Optional[float] = keywords.get("high_freq_factor")
+        self.short_factor: Optional[List[float]] = keywords.get("short_factor")
+        self.long_factor: Optional[List[float]] = keywords.get("long_factor")
+        # The types whose frequencies may depend on the length (the op decides: "dynamic" with an alpha is fixed).
+        self.length_dependent = self.rope_type in ("dynamic", "longrope")
         inv_freq, self.attention_scale = frequencies.rope(rotary_dim, base, self.scaling)
-        params = self.scaling
-        rope_type = params.get("rope_type", params.get("type")) or "default"
-        # The types whose frequencies depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
-        per_call = rope_type in ("dynamic", "longrope") and not params.get("alpha")
-        self.per_call_scaling: str = rope_type if per_call else "none"
-        self.factor = float(params.get("factor") or 1.0)
-        self.max_position_embeddings = float(params.get("max_position_embeddings") or 0)
-        self.original_max_position_embeddings = float(
-            params.get("original_max_position_embeddings") or params.get("max_position_embeddings") or 0)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("long_inv_freq", self._make_long_inv_freq(), persistent=False)
+        self.inv_freq = inv_freq
+        self.long_inv_freq = self._long_inv_freq()
 
-    def _make_inv_freq(self) -> Tensor:
-        return frequencies.rope(self.rotary_dim, self.base, self.scaling)[0]
-
-    def _make_long_inv_freq(self) -> Tensor:
-        seq_len = None if self.per_call_scaling != "longrope" else int(self.original_max_position_embeddings) + 1
+    def _long_inv_freq(self) -> Tensor:
+        # The frequencies of the longest sequence: LongRoPE's long factors, else inv_freq.
+        seq_len = torch.iinfo(torch.int64).max if self.rope_type == "longrope" else None
         return frequencies.rope(self.rotary_dim, self.base, self.scaling, seq_len)[0]
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self.long_inv_freq = self._make_long_inv_freq().to(self.long_inv_freq.device)
-        return self
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {"inv_freq": frequencies.rope(self.rotary_dim, self.base, self.scaling)[0],
+                "long_inv_freq": self._long_inv_freq()}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "bshd",
@@ -332,10 +359,17 @@ class RotaryEmbedding(_ExactFrequencies):
             raise ValueError(f"posenc.nn.RotaryEmbedding.from_hf_config: rope parameters are per layer type "
                              f"({list(params)}); pass layer_type")
         params = dict(params)
-        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
-        partial = params.get("partial_rotary_factor") or get("partial_rotary_factor", 1.0)
-        base = params.get("rope_theta") or get("rope_theta", 10000.0)
-        rope_type = params.get("rope_type", params.get("type")) or "default"
+        # A value given as 0 is used (and refused where invalid), never replaced by a default.
+        head_dim = get("head_dim")
+        if head_dim is None:
+            head_dim = get("hidden_size") // get("num_attention_heads")
+        partial = params.get("partial_rotary_factor")
+        if partial is None:
+            partial = get("partial_rotary_factor", 1.0)
+        base = params.get("rope_theta")
+        if base is None:
+            base = get("rope_theta", 10000.0)
+        rope_type, _ = frequencies.rope_arguments(params)
         if get("max_position_embeddings") is not None:
             params.setdefault("max_position_embeddings", get("max_position_embeddings"))
         if rope_type in ("llama3", "yarn", "longrope"):
@@ -356,18 +390,28 @@ class RotaryEmbedding(_ExactFrequencies):
         return torch.full((), length, dtype=torch.float64, device=q.device)
 
     def inv_freq_for(self, q: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
-                    cu_seqlens: Optional[Tensor] = None) -> Tensor:
-        """The frequencies this call uses (those of ``frequencies.rope(..., seq_len=L)``)."""
-        if self.per_call_scaling == "none":
+                     cu_seqlens: Optional[Tensor] = None) -> Tensor:
+        """The frequencies this call uses (those of ``frequencies.rope(..., seq_len=L)``), on q's device."""
+        if not self.length_dependent:
+            if self.inv_freq.device != q.device:
+                self.inv_freq = self.inv_freq.to(q.device)
             return self.inv_freq
-        seq_len = self._seq_len(q, positions, offset, cu_seqlens).to(self.inv_freq.device)
-        if self.per_call_scaling == "longrope":
-            return torch.where(seq_len > self.original_max_position_embeddings, self.long_inv_freq, self.inv_freq)
-        # Dynamic NTK: base' = base * s^(r / (r - 2)), so inv_freq' = inv_freq * s^(-2i / (r - 2)).
-        limit = self.max_position_embeddings
-        scale = self.factor * seq_len.clamp(min=limit) / limit - (self.factor - 1)
-        exponent = torch.arange(self.rotary_dim // 2, dtype=torch.float64, device=self.inv_freq.device)
-        return self.inv_freq * scale.pow(exponent * (-2.0 / (self.rotary_dim - 2)))
+        seq_len = self._seq_len(q, positions, offset, cu_seqlens).to(q.device)
+        if not torch.jit.is_scripting():
+            return self._inv_freq_for_length(seq_len)
+        return torch.ops.posenc.rope_inv_freq_for_length(
+            seq_len, self.rotary_dim, self.base, self.rope_type, rope_theta=self.rope_theta, factor=self.factor,
+            alpha=self.alpha, original_max_position_embeddings=self.original_max_position_embeddings,
+            max_position_embeddings=self.max_position_embeddings, attention_factor=self.attention_factor,
+            beta_fast=self.beta_fast, beta_slow=self.beta_slow, mscale=self.mscale,
+            mscale_all_dim=self.mscale_all_dim, truncate=self.truncate, low_freq_factor=self.low_freq_factor,
+            high_freq_factor=self.high_freq_factor, short_factor=self.short_factor, long_factor=self.long_factor)
+
+    @torch.jit.unused
+    def _inv_freq_for_length(self, seq_len: Tensor) -> Tensor:
+        # Eager: only the keys given, since Python parses every keyword of every call (about 18 us for all 15).
+        return torch.ops.posenc.rope_inv_freq_for_length.default(seq_len, self.rotary_dim, self.base, self.rope_type,
+                                                                 **self._keywords)
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
                 cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:

@@ -82,12 +82,33 @@ class RopeFixture(torch.nn.Module):
         return q, k, packed
 
 
+class ScaledRopeFixture(torch.nn.Module):
+    """Rotary embeddings whose frequencies follow each call's length (the op rope_inv_freq_for_length inside the
+    scripted forward): dynamic NTK (head_dim 16, factor 2, max_position_embeddings 8) on bshd q/k, and LongRoPE
+    (head_dim 8, short factors 1, 1.5, 2, 2.5, long factors 3, 4, 5, 6, original length 8, max 32) on a second
+    pair, both without positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.dynamic = posenc.nn.RotaryEmbedding(16, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                              "max_position_embeddings": 8})
+        self.longrope = posenc.nn.RotaryEmbedding(8, scaling={"rope_type": "longrope",
+                                                              "short_factor": [1.0, 1.5, 2.0, 2.5],
+                                                              "long_factor": [3.0, 4.0, 5.0, 6.0],
+                                                              "original_max_position_embeddings": 8,
+                                                              "max_position_embeddings": 32})
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor):
+        return self.dynamic(q, k) + self.longrope(q8, k8)
+
+
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
     "learned": LearnedFixture,
     "alibi": AlibiFixture,
     "t5": T5Fixture,
     "rope": RopeFixture,
+    "scaled_rope": ScaledRopeFixture,
 }
 
 

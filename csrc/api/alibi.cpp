@@ -9,8 +9,8 @@
 namespace posenc {
 
 at::Tensor alibi_slopes(int64_t num_heads, at::ScalarType dtype) {
-  TORCH_CHECK(num_heads > 0, "posenc.alibi_slopes: num_heads must be positive, got ", num_heads);
-  TORCH_CHECK(at::isFloatingType(dtype), "posenc.alibi_slopes: dtype must be floating, got ", dtype);
+  TORCH_CHECK_VALUE(num_heads > 0, "posenc.alibi_slopes: num_heads must be positive, got ", num_heads);
+  TORCH_CHECK_VALUE(at::isFloatingType(dtype), "posenc.alibi_slopes: dtype must be floating, got ", dtype);
   int64_t power = 1;  // the largest power of two <= num_heads, in integers (log2 of a double can round up)
   while (power <= num_heads / 2) power *= 2;
   auto slopes = at::empty({num_heads}, at::kDouble);

@@ -79,9 +79,9 @@ at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, 
 namespace {
 
 void check_cp(const char* op, int64_t cp_size, int64_t cp_rank) {
-  TORCH_CHECK(cp_size >= 1, "posenc.", op, ": cp_size must be at least 1, got ", cp_size);
-  TORCH_CHECK(cp_rank >= 0 && cp_rank < cp_size, "posenc.", op, ": cp_rank ", cp_rank, " is outside [0, ", cp_size,
-              ")");
+  TORCH_CHECK_VALUE(cp_size >= 1, "posenc.", op, ": cp_size must be at least 1, got ", cp_size);
+  TORCH_CHECK_VALUE(cp_rank >= 0 && cp_rank < cp_size, "posenc.", op, ": cp_rank ", cp_rank, " is outside [0, ",
+                    cp_size, ")");
 }
 
 }  // namespace
@@ -89,8 +89,8 @@ void check_cp(const char* op, int64_t cp_size, int64_t cp_rank) {
 at::Tensor zigzag_positions(int64_t seq_len, int64_t cp_size, int64_t cp_rank, at::TensorOptions options) {
   constexpr const char* op = "zigzag_positions";
   check_cp(op, cp_size, cp_rank);
-  TORCH_CHECK(seq_len >= 0 && seq_len % (2 * cp_size) == 0, "posenc.", op, ": seq_len ", seq_len,
-              " must be a multiple of 2 * cp_size = ", 2 * cp_size);
+  TORCH_CHECK_VALUE(seq_len >= 0 && seq_len % (2 * cp_size) == 0, "posenc.", op, ": seq_len ", seq_len,
+                    " must be a multiple of 2 * cp_size = ", 2 * cp_size);
   const int64_t chunk = seq_len / (2 * cp_size);
   const int64_t mirror = 2 * cp_size - 1 - cp_rank;
   return at::cat({at::arange(cp_rank * chunk, (cp_rank + 1) * chunk, options),
@@ -106,11 +106,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen(const at:
               ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens.sizes());
   const auto cu = cu_seqlens.to(at::kLong);
   const auto lengths = cu.slice(0, 1).sub(cu.slice(0, 0, -1));
-  TORCH_CHECK(cu[0].item<int64_t>() == 0 && lengths.ge(0).all().item<bool>(), "posenc.", op,
-              ": cu_seqlens must start at 0 and never decrease, got ", cu_seqlens);
-  TORCH_CHECK(lengths.remainder(2 * cp_size).eq(0).all().item<bool>(), "posenc.", op,
-              ": every sequence length must be a multiple of 2 * cp_size = ", 2 * cp_size, ", got cu_seqlens ",
-              cu_seqlens);
+  TORCH_CHECK_VALUE(cu[0].item<int64_t>() == 0 && lengths.ge(0).all().item<bool>(), "posenc.", op,
+                    ": cu_seqlens must start at 0 and never decrease, got ", cu_seqlens);
+  TORCH_CHECK_VALUE(lengths.remainder(2 * cp_size).eq(0).all().item<bool>(), "posenc.", op,
+                    ": every sequence length must be a multiple of 2 * cp_size = ", 2 * cp_size, ", got cu_seqlens ",
+                    cu_seqlens);
   const auto chunk = lengths.div(2 * cp_size, "floor");
   const auto local_cu = cu.div(cp_size, "floor");
   const auto sequence = at::repeat_interleave(at::arange(lengths.size(0), cu.options()), chunk.mul(2));
@@ -142,10 +142,11 @@ RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t
   attention_scale_ = freqs.attention_scale;
 }
 
-// dynamic NTK and LongRoPE depend on each call's length; HunYuan's "dynamic" with an alpha is fixed NTK.
+// The types whose frequencies may depend on each call's length (frequencies::rope decides whether they do:
+// HunYuan's "dynamic" with an alpha is fixed NTK).
 bool RotaryEmbeddingImpl::per_call_scaling() const {
   const auto& type = scaling_.rope_type;
-  return (type == "dynamic" && scaling_.alpha.value_or(0.0) == 0.0) || type == "longrope";
+  return type == "dynamic" || type == "longrope";
 }
 
 at::Tensor RotaryEmbeddingImpl::inv_freq(std::optional<int64_t> seq_len) const {

@@ -95,6 +95,12 @@ void register_policy(torch::Library& m) {
   for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket"}) {
     same_dtypes_as_given(op);
   }
+  // Configuration constants (frequencies, slopes, context-parallel positions): float64 or int64 whatever the
+  // autocast state, as the constants a model holds are; cpu_capability returns a string.
+  for (const char* op : {"sinusoidal_inv_freq", "rope_inv_freq", "rope_inv_freq_for_length", "alibi_slopes",
+                         "zigzag_positions", "zigzag_positions_varlen", "cpu_capability"}) {
+    same_dtypes_as_given(op);
+  }
   // ALiBi ~ scores + a bias of constant slopes (in scores' dtype); T5 ~ embedding(weight).
   for (const char* op : {"alibi_bias", "add_alibi", "add_alibi_", "alibi_backward", "t5_bias", "t5_bias_backward"}) {
     same_dtypes_as_given(op);

@@ -45,7 +45,10 @@ inline void check_same_device(const char* op, const char* arg, const at::Tensor&
 }
 
 inline void check_inv_freq(const char* op, const at::Tensor& inv_freq) {
-  check_floating(op, "inv_freq", inv_freq);
+  check_defined(op, "inv_freq", inv_freq);
+  TORCH_CHECK(inv_freq.scalar_type() == at::kDouble || inv_freq.scalar_type() == at::kFloat, "posenc.", op,
+              ": inv_freq must be float64 (or float32), got ", inv_freq.scalar_type(),
+              " (rounded frequencies shift every angle)");
   TORCH_CHECK(inv_freq.dim() == 1, "posenc.", op, ": inv_freq must be 1-D, got shape ", inv_freq.sym_sizes());
   TORCH_CHECK(inv_freq.sym_size(0) > 0, "posenc.", op, ": inv_freq is empty; at least one frequency is needed");
 }

@@ -217,8 +217,10 @@ class RotaryPositions(torch.nn.Module):
         self.config = original.config
         self.modeling = modeling
         self.rotary = RotaryEmbedding.from_hf_config(original.config)
-        self.dynamic = self.rotary.per_call_scaling == "dynamic"
-        self.original_max_seq_len = int(self.rotary.max_position_embeddings)
+        # A "dynamic" dict with an alpha (HunYuan) is fixed NTK: frequencies.rope then ignores the length, so the
+        # state kept below changes nothing for it.
+        self.dynamic = self.rotary.rope_type == "dynamic"
+        self.original_max_seq_len = int(self.rotary.max_position_embeddings or 0)
         # Hugging Face's dynamic state, taken over from the module this one replaces.
         self.max_seq_len_cached = int(getattr(original, "max_seq_len_cached", self.original_max_seq_len))
         self._dynamic_inv_freq: Optional[Tuple[int, Tensor]] = None

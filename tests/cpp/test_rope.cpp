@@ -270,4 +270,89 @@ TEST(Rope, BadInputIsAnErrorNamingTheArgument) {
   expect_error([&] { posenc::frequencies::rope(8, 10000.0, unknown); }, "unknown rope_type \"su\"");
 }
 
+// Scaling values are refused with a c10::ValueError naming the type, the key and the value; a default applies
+// only to an unset key, never to a zero.
+TEST(Frequencies, InvalidScalingValuesAreRefused) {
+  using posenc::frequencies::rope;
+  const auto expect_value_error = [](const std::function<void()>& call, const std::string& fragment) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one mentioning: " << fragment;
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(fragment), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  };
+  RopeScaling llama3;
+  llama3.rope_type = "llama3";
+  EXPECT_TRUE(torch::equal(rope(64, 5e5, llama3).inv_freq, [&] {
+    RopeScaling given = llama3;
+    given.factor = 8.0;
+    given.low_freq_factor = 1.0;
+    given.high_freq_factor = 4.0;
+    given.original_max_position_embeddings = 8192;
+    return rope(64, 5e5, given).inv_freq;
+  }()));
+  llama3.factor = 0.0;
+  expect_value_error([&] { rope(64, 5e5, llama3); },
+                     "posenc.frequencies.rope: llama3 factor must be positive, got 0.0");
+  llama3.factor = 8.0;
+  llama3.high_freq_factor = 0.5;
+  expect_value_error([&] { rope(64, 5e5, llama3); }, "llama3 high_freq_factor 0.5 must exceed low_freq_factor 1.0");
+
+  RopeScaling linear;
+  linear.rope_type = "linear";
+  linear.factor = -2.0;
+  expect_value_error([&] { rope(8, 1e4, linear); }, "linear factor must be positive, got -2.0");
+  linear.factor = std::nan("");
+  expect_value_error([&] { rope(8, 1e4, linear); }, "linear factor must be finite, got nan");
+  expect_value_error([&] { rope(8, -1e4); }, "base must be positive, got -10000.0");
+  expect_value_error([&] { rope(8, 1e4, {}, -3); }, "seq_len must be non-negative, got -3");
+
+  RopeScaling yarn;
+  yarn.rope_type = "yarn";
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 64;
+  yarn.beta_fast = 0.0;
+  expect_value_error([&] { rope(8, 1e4, yarn); }, "yarn beta_fast must be positive, got 0.0");
+
+  RopeScaling longrope;
+  longrope.rope_type = "longrope";
+  longrope.original_max_position_embeddings = 64;
+  longrope.factor = 2.0;
+  longrope.short_factor = {1.0, 1.0, 1.0, 1.0};
+  longrope.long_factor = {1.0, -1.0, 1.0, 1.0};
+  expect_value_error([&] { rope(8, 1e4, longrope); }, "longrope long_factor[1] must be positive, got -1.0");
+  expect_value_error([] { posenc::frequencies::sinusoidal(8, 0.0); },
+                     "posenc.frequencies.sinusoidal: base must be positive, got 0.0");
+  expect_value_error([] { posenc::alibi_slopes(0); }, "posenc.alibi_slopes: num_heads must be positive, got 0");
+}
+
+// rope_for_length reads its length from a tensor (no copy to the host) and gives rope's bits for that length.
+TEST(Frequencies, ForLengthEqualsRopeBitForBit) {
+  using posenc::frequencies::rope;
+  using posenc::frequencies::rope_for_length;
+  RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 3.0;
+  dynamic.max_position_embeddings = 100;
+  RopeScaling longrope;
+  longrope.rope_type = "longrope";
+  longrope.original_max_position_embeddings = 100;
+  longrope.max_position_embeddings = 400;
+  longrope.short_factor = {1.0, 1.5, 2.0, 2.5};
+  longrope.long_factor = {3.0, 4.0, 5.0, 6.0};
+  for (const auto& scaling : {dynamic, longrope}) {
+    for (const int64_t length : {0, 50, 100, 101, 4000}) {
+      const auto expected = rope(8, 1e4, scaling, length).inv_freq;
+      EXPECT_TRUE(torch::equal(rope_for_length(8, 1e4, scaling, torch::tensor(length)), expected));
+      EXPECT_TRUE(torch::equal(rope_for_length(8, 1e4, scaling, torch::tensor(static_cast<double>(length))), expected));
+    }
+  }
+  const double grown = 1e4 * std::pow(3.0 * 4000 / 100 - 2.0, 8.0 / 6.0);
+  EXPECT_TRUE(torch::allclose(rope_for_length(8, 1e4, dynamic, torch::tensor(4000)),
+                              torch::pow(grown, -torch::arange(0, 8, 2, torch::kDouble) / 8), 1e-13, 0));
+  EXPECT_THROW(rope_for_length(8, 1e4, dynamic, torch::tensor({4000})), c10::Error);
+}
+
 }  // namespace

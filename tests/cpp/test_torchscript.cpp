@@ -203,3 +203,36 @@ TEST(TorchScript, RopeForwardAndBackward) {
         << e.what();
   }
 }
+
+// Per-call frequencies inside a scripted module, and C++'s Module::to(dtype): it converts parameters and buffers,
+// so the float64 frequencies, plain attributes of the modules, stay exact.
+TEST(TorchScript, ScaledRopeFollowsTheLengthAndKeepsFloat64Frequencies) {
+  auto module = load_fixture("scaled_rope");
+  module.to(torch::kBFloat16);
+  for (const char* name : {"dynamic", "longrope"}) {
+    const auto rotary = module.attr(name).toModule();
+    EXPECT_EQ(rotary.attr("inv_freq").toTensor().scalar_type(), torch::kDouble) << name;
+    EXPECT_EQ(rotary.attr("long_inv_freq").toTensor().scalar_type(), torch::kDouble) << name;
+  }
+  const auto pairs = [](int64_t rotary_dim) { return torch::arange(0, rotary_dim, 2, torch::kDouble) / rotary_dim; };
+  for (const int64_t length : {6, 20}) {
+    const auto q = torch::randn({1, length, 2, 16}).to(torch::kBFloat16);
+    const auto k = torch::randn({1, length, 1, 16}).to(torch::kBFloat16);
+    const auto q8 = torch::randn({1, length, 2, 8});
+    const auto k8 = torch::randn({1, length, 1, 8});
+    const auto outputs = module.forward({q, k, q8, k8}).toTuple()->elements();
+    const auto positions = torch::arange(length);
+    // Dynamic NTK: the base grows to 1e4 * (2 L / 8 - 1)^(16 / 14) beyond 8 tokens.
+    const double scale = std::max(2.0 * length / 8.0 - 1.0, 1.0);
+    const auto dynamic = torch::pow(1e4 * std::pow(scale, 16.0 / 14.0), -pairs(16));
+    EXPECT_EQ(outputs[0].toTensor().scalar_type(), torch::kBFloat16);
+    EXPECT_LT(max_abs_diff(outputs[0].toTensor(), reference_rope(q, positions, dynamic, "neox")), 3e-2) << length;
+    EXPECT_LT(max_abs_diff(outputs[1].toTensor(), reference_rope(k, positions, dynamic, "neox")), 3e-2) << length;
+    // LongRoPE: the long factors beyond 8 tokens, attention scale sqrt(1 + ln 4 / ln 8).
+    const auto factors = length > 8 ? torch::tensor({3.0, 4.0, 5.0, 6.0}) : torch::tensor({1.0, 1.5, 2.0, 2.5});
+    const auto longrope = torch::pow(1e4, -pairs(8)) / factors.to(torch::kDouble);
+    const double attention = std::sqrt(1.0 + std::log(4.0) / std::log(8.0));
+    EXPECT_LT(max_abs_diff(outputs[2].toTensor(), reference_rope(q8, positions, longrope, "neox", attention)), 2e-6);
+    EXPECT_LT(max_abs_diff(outputs[3].toTensor(), reference_rope(k8, positions, longrope, "neox", attention)), 2e-6);
+  }
+}

@@ -145,7 +145,7 @@ def test_frequencies_longrope_picks_factors_by_sequence_length():
 @pytest.mark.parametrize("args, message", [
     ((7,), "rotary_dim must be even and at least 2, got 7"),
     ((0,), "rotary_dim must be even and at least 2, got 0"),
-    ((8, -1.0), "base .* must be positive"),
+    ((8, -1.0), "base must be positive, got -1.0"),
     ((8, 1e4, {"rope_type": "su"}), 'unknown rope_type "su"'),
     ((8, 1e4, {"rope_type": "linear"}), 'rope_type "linear" needs factor'),
     ((8, 1e4, {"rope_type": "dynamic", "factor": 2.0}), "needs max_position_embeddings"),
@@ -685,7 +685,10 @@ def test_compile_fullgraph_forward_and_backward(compiled_matches_eager):
     compiled_matches_eager(model, [torch.randn(2, 6, 16)], [model.qkv.weight])
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8}])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 8},
+                                     {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                                      "long_factor": [3.0, 4.0, 5.0, 6.0], "original_max_position_embeddings": 8,
+                                      "max_position_embeddings": 32}])
 def test_compile_dynamic_no_recompilation_when_the_sequence_length_changes(scaling):
     import torch._dynamo.testing
     torch._dynamo.reset()
@@ -693,7 +696,7 @@ def test_compile_dynamic_no_recompilation_when_the_sequence_length_changes(scali
     module = posenc.nn.RotaryEmbedding(8, scaling=scaling)
     compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=counter)
     frames = None
-    for seq in [5, 9, 13, 30]:  # 30 > max_position_embeddings: the dynamic base changes, the graph does not
+    for seq in [5, 9, 13, 30]:  # beyond 8 the dynamic base (LongRoPE: the factors) changes, the graph does not
         q, k = torch.randn(3, seq, 4, 8), torch.randn(3, seq, 1, 8)
         with torch._dynamo.config.patch(error_on_recompile=frames is not None):
             out = compiled(q, k)
@@ -740,7 +743,7 @@ INV = FQ.rope(8)[0]
     (lambda: PF.rope(X, torch.zeros(3, 4, dtype=torch.long), INV), r"positions has shape \[3, 4\]"),
     (lambda: PF.rope(X[0], torch.zeros(1, 4, dtype=torch.long), INV, format="thd"), r"positions has shape \[1, 4\]"),
     (lambda: PF.rope(X.long(), None, INV), "posenc.rope: x must be a floating tensor, got Long"),
-    (lambda: PF.rope(X, None, torch.arange(4)), "posenc.rope: inv_freq must be a floating tensor"),
+    (lambda: PF.rope(X, None, torch.arange(4)), r"posenc.rope: inv_freq must be float64 \(or float32\), got Long"),
     (lambda: PF.rope(X[0], None, INV), r"posenc.rope: x must be 4-D for its format, got shape \[4, 3, 8\]"),
     (lambda: PF.rope(X, None, INV, layout="half"), 'posenc.rope: layout must be "neox" or "gptj", got "half"'),
     (lambda: PF.rope(X, None, INV, format="bsd"), 'posenc.rope: format must be .* got "bsd"'),

@@ -428,7 +428,7 @@ def test_bad_width_for_pairs():
     (lambda: PF.add_sinusoidal(torch.ones(2, 4, dtype=torch.int64), None, posenc.frequencies.sinusoidal(4)),
      "posenc.add_sinusoidal: x must be a floating tensor, got Long"),
     (lambda: PF.add_sinusoidal(torch.ones(2, 4), None, torch.arange(2)),
-     "posenc.add_sinusoidal: inv_freq must be a floating tensor, got Long"),
+     r"posenc.add_sinusoidal: inv_freq must be float64 \(or float32\), got Long"),
     (lambda: PF.add_sinusoidal(torch.ones(2, 4), torch.ones(2, dtype=torch.bool), posenc.frequencies.sinusoidal(4)),
      "posenc.add_sinusoidal: positions must be an integer or floating tensor, got Bool"),
     (lambda: PF.add_sinusoidal(torch.ones(3, 2, 4), torch.arange(3), posenc.frequencies.sinusoidal(4)),

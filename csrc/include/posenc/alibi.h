@@ -12,7 +12,8 @@ namespace posenc {
 
 // The slopes of the ALiBi paper and BLOOM for any head count: with n = 2^floor(log2 num_heads),
 // m_k = 2^(-8k/n) for k = 1..n, then 2^(-4(2j-1)/n) for j = 1..num_heads-n (every other slope of the
-// 2n-head series). A plain function (computed in float64, returned as `dtype`), not an op.
+// 2n-head series). Computed in float64, returned as `dtype`; the op posenc::alibi_slopes (Python's
+// posenc.functional.alibi_slopes) calls this function.
 at::Tensor alibi_slopes(int64_t num_heads, at::ScalarType dtype = at::kFloat);
 
 // The bias [B or 1, num_heads, q_len, k_len] of slopes [H] or [B, H] (heads head_offset + h), bottom-right

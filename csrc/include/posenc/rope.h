@@ -58,6 +58,7 @@ at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, 
 // Context parallelism, dual-chunk (zigzag) split: the sequence is cut into 2 * cp_size chunks and rank r
 // holds chunks r and 2 * cp_size - 1 - r. Returns the positions of its tokens, which are also their
 // indices in the full sequence: rope(x.index_select(seq_dim, p), p) equals rope(x) at those tokens.
+// The ops posenc::zigzag_positions and posenc::zigzag_positions_varlen call these two functions.
 at::Tensor zigzag_positions(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
                             at::TensorOptions options = at::TensorOptions().dtype(at::kLong));
 

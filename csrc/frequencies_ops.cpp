@@ -1,0 +1,115 @@
+// Kernels of the ops that compute a configuration's constants: frequencies, ALiBi slopes and context-parallel
+// positions. Each kernel unpacks the op's arguments and calls the C++ API, which holds the only implementation of
+// every formula; Python's posenc.frequencies and posenc.functional call these ops, so both languages compute the
+// same values with the same code.
+//
+// Ops without a tensor argument dispatch on no key: the dispatcher then runs the kernel registered at
+// CompositeExplicitAutograd. rope_inv_freq_for_length reads its tensor's metadata only (the length stays on its
+// device), and its Meta kernel lets torch.compile and torch.export trace it as one node whatever the length.
+#include <posenc/alibi.h>
+#include <posenc/frequencies.h>
+#include <posenc/rope.h>
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace posenc {
+namespace {
+
+using frequencies::RopeScaling;
+
+// The scaling keywords shared by rope_inv_freq and rope_inv_freq_for_length, in schema order.
+RopeScaling make_scaling(c10::string_view rope_type, std::optional<double> rope_theta, std::optional<double> factor,
+                         std::optional<double> alpha, std::optional<double> original_max_position_embeddings,
+                         std::optional<double> max_position_embeddings, std::optional<double> attention_factor,
+                         std::optional<double> beta_fast, std::optional<double> beta_slow,
+                         std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
+                         std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
+                         std::optional<c10::ArrayRef<double>> short_factor,
+                         std::optional<c10::ArrayRef<double>> long_factor) {
+  RopeScaling scaling;
+  scaling.rope_type = std::string(rope_type);
+  scaling.rope_theta = rope_theta;
+  scaling.factor = factor;
+  scaling.alpha = alpha;
+  scaling.original_max_position_embeddings = original_max_position_embeddings;
+  scaling.max_position_embeddings = max_position_embeddings;
+  scaling.attention_factor = attention_factor;
+  scaling.beta_fast = beta_fast;
+  scaling.beta_slow = beta_slow;
+  scaling.mscale = mscale;
+  scaling.mscale_all_dim = mscale_all_dim;
+  scaling.truncate = truncate;
+  scaling.low_freq_factor = low_freq_factor;
+  scaling.high_freq_factor = high_freq_factor;
+  if (short_factor) scaling.short_factor = short_factor->vec();
+  if (long_factor) scaling.long_factor = long_factor->vec();
+  return scaling;
+}
+
+std::tuple<at::Tensor, double> rope_inv_freq_composite(
+    int64_t rotary_dim, double base, c10::string_view rope_type, std::optional<double> rope_theta,
+    std::optional<double> factor, std::optional<double> alpha, std::optional<double> original_max_position_embeddings,
+    std::optional<double> max_position_embeddings, std::optional<double> attention_factor,
+    std::optional<double> beta_fast, std::optional<double> beta_slow, std::optional<double> mscale,
+    std::optional<double> mscale_all_dim, bool truncate, std::optional<double> low_freq_factor,
+    std::optional<double> high_freq_factor, std::optional<c10::ArrayRef<double>> short_factor,
+    std::optional<c10::ArrayRef<double>> long_factor, std::optional<int64_t> seq_len) {
+  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
+                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
+                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
+                                    long_factor);
+  auto freqs = frequencies::rope(rotary_dim, base, scaling, seq_len);
+  return {std::move(freqs.inv_freq), freqs.attention_scale};
+}
+
+// kMeta: the same checks, an empty result of the real one's shape, dtype and device.
+template <bool kMeta>
+at::Tensor rope_inv_freq_for_length_kernel(
+    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
+    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
+    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
+    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
+    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
+    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
+    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
+  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
+                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
+                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
+                                    long_factor);
+  if constexpr (kMeta) {
+    frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);
+    return at::empty({rotary_dim / 2}, seq_len.options().dtype(at::kDouble));
+  } else {
+    return frequencies::rope_for_length(rotary_dim, base, scaling, seq_len);
+  }
+}
+
+at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift) {
+  return frequencies::sinusoidal(dim, base, shift);
+}
+
+at::Tensor alibi_slopes_composite(int64_t num_heads, at::ScalarType dtype) { return alibi_slopes(num_heads, dtype); }
+
+at::Tensor zigzag_positions_composite(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
+                                      std::optional<at::Device> device) {
+  return zigzag_positions(seq_len, cp_size, cp_rank, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  m.impl("sinusoidal_inv_freq", TORCH_FN(sinusoidal_inv_freq_composite));
+  m.impl("rope_inv_freq", TORCH_FN(rope_inv_freq_composite));
+  m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_kernel<false>));
+  m.impl("alibi_slopes", TORCH_FN(alibi_slopes_composite));
+  m.impl("zigzag_positions", TORCH_FN(zigzag_positions_composite));
+  // The output size depends on cu_seqlens' values: no Meta kernel can know it.
+  m.impl("zigzag_positions_varlen", TORCH_FN(zigzag_positions_varlen));
+}
+
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_kernel<true>));
+}
+
+}  // namespace posenc
