@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
 # Reference libraries the tests compare with; pinned so that a new release cannot change the references.
-"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
+# diffusers (Flux's rotary) requires no torch of its own, so it cannot change the installed one.
+"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1 diffusers==0.42.1
 # qemu-user runs the library on emulated CPUs (one without AVX-512, one without AVX) in test_capabilities.py.
 if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ]; then
   SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
@@ -34,5 +35,6 @@ for capability in default avx2; do
   [ "$capability" = "$best" ] && break
   echo "== Kernel tests under POSENC_CPU_CAPABILITY=$capability"
   POSENC_CPU_CAPABILITY=$capability "$PYTHON" -m pytest -q -p no:cacheprovider tests/python/test_sinusoidal.py \
-    tests/python/test_learned.py tests/python/test_rope.py tests/python/test_alibi.py tests/python/test_t5.py
+    tests/python/test_learned.py tests/python/test_rope.py tests/python/test_alibi.py tests/python/test_t5.py \
+    tests/python/test_multiaxis.py
 done
