@@ -53,8 +53,8 @@ TEST(Multiaxis, FrequencyBuilders) {
             (std::vector<int64_t>{0, 1, 2, 0, 1, 2, 0, 0}));
   const auto flux = posenc::frequencies::multiaxis({4, 6}, {10.0, 20.0});
   EXPECT_EQ(values(flux.pair_axis), (std::vector<int64_t>{0, 0, 1, 1, 1}));
-  const auto expected = torch::tensor({1.0, 0.1, 1.0, std::pow(20.0, -1.0 / 3), std::pow(20.0, -2.0 / 3)},
-                                      torch::kDouble);
+  const auto expected = torch::tensor(
+      {1.0, std::pow(10.0, -0.5), 1.0, std::pow(20.0, -1.0 / 3), std::pow(20.0, -2.0 / 3)}, torch::kDouble);
   EXPECT_LT(max_abs_diff(flux.inv_freq, expected), 1e-15);
   EXPECT_EQ(flux.inv_freq.scalar_type(), at::kDouble);
   const auto axial = posenc::frequencies::axial(16, 2, 100.0);
