@@ -21,8 +21,9 @@ TORCH_LIBRARY(posenc, m) {
   m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
   m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
-  // Rotary (SPEC 4.3). pair_axis [pairs]: multi-axis positions ([n_axes, S], [n_axes, B, S] or [n_axes, T]; images,
-  // video, multimodal text), frequency pair i rotating by the position of axis pair_axis[i].
+  // Rotary (SPEC 4.3).
+  // pair_axis [pairs]: multi-axis positions ([n_axes, S], [n_axes, B, S] or [n_axes, T]; images, video, multimodal
+  // text), frequency pair i rotating by the position of axis pair_axis[i].
   m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor");
   m.def("rope_backward(Tensor grad, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor");
   m.def("rope_qk(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> (Tensor, Tensor)");
