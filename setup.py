@@ -51,7 +51,7 @@ setup(
     name="posenc",
     version="0.1.0",
     description="Positional-encoding operators for PyTorch and LibTorch",
-    packages=["posenc"],
+    packages=["posenc", "posenc.integrations"],
     package_dir={"posenc": "ops"},
     ext_modules=[CMakeLibrary("posenc._library")],
     cmdclass={"build_ext": CMakeBuild},
