@@ -94,8 +94,10 @@ void register_policy(torch::Library& m) {
   same_dtypes_as_given("learned");
   m.impl("add_learned", TORCH_FN(add_learned_autocast<kAutocast>));
   m.impl("embed_learned", TORCH_FN(embed_learned_autocast<kAutocast>));
+  // No tensor at all.
+  same_dtypes_as_given("cpu_capability");
   // Integer positions and buckets.
-  for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket"}) {
+  for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket", "mrope_positions"}) {
     same_dtypes_as_given(op);
   }
   // ALiBi ~ scores + a bias of constant slopes (in scores' dtype); T5 ~ embedding(weight).
