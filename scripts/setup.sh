@@ -11,6 +11,8 @@ SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   "$PYTHON" -m pip install torch==2.13.0
 fi
+# setuptools 70.1 and later build wheels by themselves; a venv's own copy may be older (Python 3.11's has 65).
+"$PYTHON" -c "import setuptools.command.bdist_wheel" 2>/dev/null || "$PYTHON" -m pip install -q "setuptools>=70.1"
 missing=()
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
 command -v cmake >/dev/null || missing+=(cmake)

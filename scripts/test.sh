@@ -5,9 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup.sh
-# Reference libraries the tests compare with; pinned so that a new release cannot change the references.
-# diffusers (Flux's rotary) requires no torch of its own, so it cannot change the installed one.
-"$PYTHON" -m pip install -q pytest transformers==5.24.0 rotary-embedding-torch==0.9.1 diffusers==0.42.1
+# pytest and the reference libraries the tests compare with (pinned in tests/requirements.txt).
+"$PYTHON" -m pip install -q -r tests/requirements.txt
 # qemu-user runs the library on emulated CPUs (one without AVX-512, one without AVX) in test_capabilities.py.
 if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ]; then
   SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)

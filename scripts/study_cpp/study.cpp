@@ -118,11 +118,9 @@ int main(int argc, char** argv) {
   if (held_out.numel() % check.chunk) throw std::runtime_error("posenc_study: heldout.bin is not whole chunks");
   const auto chunks = held_out.view({-1, check.chunk});
 
-  const int64_t version = posenc::version();
-  std::printf("posenc %lld.%lld.%lld | %s model from %s/model.pt | %lld held-out chunks of %lld predictions\n",
-              static_cast<long long>(version / 10000), static_cast<long long>(version / 100 % 100),
-              static_cast<long long>(version % 100), check.encoding.c_str(), dir.c_str(),
-              static_cast<long long>(chunks.size(0)), static_cast<long long>(check.chunk - 1));
+  std::printf("posenc %s | %s model from %s/model.pt | %lld held-out chunks of %lld predictions\n",
+              posenc::version(), check.encoding.c_str(), dir.c_str(), static_cast<long long>(chunks.size(0)),
+              static_cast<long long>(check.chunk - 1));
   std::printf("%8s %16s %16s %12s\n", "length", "C++ bpb", "Python bpb", "difference");
   bool agree = true;
   for (const auto& [length, expected] : check.bits_per_byte) {
