@@ -25,11 +25,13 @@ TORCH_LIBRARY(posenc, m) {
   m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
   // Rotary (SPEC 4.3).
-  m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> Tensor");
-  m.def("rope_backward(Tensor grad, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> Tensor");
-  m.def("rope_qk(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
-  m.def("rope_qk_backward(Tensor grad_q, Tensor grad_k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
-  m.def("rope_(Tensor(a!) x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None) -> ()");
+  // pair_axis [pairs]: multi-axis positions ([n_axes, S], [n_axes, B, S] or [n_axes, T]; images, video, multimodal
+  // text), frequency pair i rotating by the position of axis pair_axis[i].
+  m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor");
+  m.def("rope_backward(Tensor grad, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor");
+  m.def("rope_qk(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> (Tensor, Tensor)");
+  m.def("rope_qk_backward(Tensor grad_q, Tensor grad_k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> (Tensor, Tensor)");
+  m.def("rope_(Tensor(a!) x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> ()");
   m.def("rope_cos_sin(Tensor x, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
   m.def("rope_cos_sin_backward(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
   // Frequencies and attention scale of a scaling type; the keywords are the keys of Hugging Face's rope_parameters
@@ -40,6 +42,8 @@ TORCH_LIBRARY(posenc, m) {
   // Context parallelism, dual-chunk (zigzag) split: this rank's positions (and, packed, its token indices).
   m.def("zigzag_positions(int seq_len, int cp_size, int cp_rank, Device? device=None) -> Tensor");
   m.def("zigzag_positions_varlen(Tensor cu_seqlens, int cp_size, int cp_rank) -> (Tensor positions, Tensor indices, Tensor local_cu_seqlens)");
+  // Qwen2-VL's M-RoPE positions [3, B, S] (and rope_deltas [B, 1]) of text and vision tokens.
+  m.def("mrope_positions(Tensor token_types, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, Tensor? attention_mask=None, int spatial_merge_size=2, float? tokens_per_second=None, Tensor? second_per_grid_ts=None, bool split_video_frames=False) -> (Tensor, Tensor)");
 
   // ALiBi (SPEC 4.4).
   m.def("alibi_slopes(int num_heads, ScalarType dtype=float32) -> Tensor");

@@ -193,7 +193,7 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
 
 def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
          layout: str = "neox", format: str = "bshd", offset: int = 0,
-         cu_seqlens: Optional[Tensor] = None) -> Tensor:
+         cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tensor:
     """x rotated by angle(p, i) = p * inv_freq[i], cos and sin scaled by ``attention_scale``.
 
     ``layout``: ``"neox"`` pairs (x_i, x_{i+r/2}) (Hugging Face ``rotate_half``), ``"gptj"`` pairs
@@ -203,40 +203,50 @@ def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_sca
     (``offset + arange``), [S] (or [T]) or [B, S], int64 or int32; ``offset`` is added to given positions too.
     Any strides (e.g. a view of a fused qkv projection); the result is fresh and contiguous in x's format.
     Differentiable w.r.t. x: the gradient is the rotation by -angle.
+
+    Multi-axis positions (images, video, multimodal text; see ``docs/multiaxis-rope.md``): ``pair_axis``
+    [len(inv_freq)] (int64 or int32) names the axis whose position drives each frequency pair, and positions
+    lead with an axis dimension, ``[n_axes, S]`` (shared by the batch), ``[n_axes, B, S]`` (Hugging Face
+    Qwen2-VL's ``[3, batch, seq]``) or ``[n_axes, T]`` for thd: angle(i) = positions[pair_axis[i], ...] *
+    inv_freq[i]. :mod:`posenc.frequencies` builds (inv_freq, pair_axis) for M-RoPE and axial schemes.
     """
-    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                 pair_axis)
 
 
 def rope_backward(grad: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
                   layout: str = "neox", format: str = "bshd", offset: int = 0,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tensor:
     """The gradient of :func:`rope`: ``grad`` rotated by -angle (times attention_scale)."""
     return torch.ops.posenc.rope_backward(grad, positions, inv_freq, attention_scale, layout, format, offset,
-                                          cu_seqlens)
+                                          cu_seqlens, pair_axis)
 
 
 def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
             layout: str = "neox", format: str = "bshd", offset: int = 0,
-            cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+            cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """:func:`rope` of q and k in one pass (each angle formed once for both). q and k share the format,
     batch and sequence sizes and dtype; their head counts (GQA/MQA) and head dims may differ."""
-    return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+    return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                    pair_axis)
 
 
 def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
                      attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
-                     cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     cu_seqlens: Optional[Tensor] = None,
+                     pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The gradient of :func:`rope_qk`."""
     return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                                             offset, cu_seqlens)
+                                             offset, cu_seqlens, pair_axis)
 
 
 def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
-          layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+          layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+          pair_axis: Optional[Tensor] = None) -> Tensor:
     """:func:`rope` in place (x keeps its strides), for inference paths; returns x.
 
     Under autograd x must not be a leaf that requires grad; a non-leaf x is rebased onto the rotation."""
-    torch.ops.posenc.rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+    torch.ops.posenc.rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
     return x
 
 
@@ -281,3 +291,57 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
 
 __all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
             "zigzag_positions", "zigzag_positions_varlen"]
+
+
+# Multi-axis positions: the grids of images and videos, and Qwen2-VL's M-RoPE positions of text and vision.
+
+def image_positions(height: int, width: int, device: Optional[torch.device] = None) -> Tensor:
+    """Positions of an image's patches in row-major order, int64 ``[2, height * width]``: (row, column).
+
+    Pass them to :func:`rope` / :func:`rope_qk` with the ``pair_axis`` of :func:`posenc.frequencies.axial`.
+    """
+    if height < 0 or width < 0:
+        raise ValueError(f"posenc.image_positions: height {height} and width {width} must not be negative")
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    columns = torch.arange(width, device=device).repeat(height)
+    return torch.stack([rows, columns])
+
+
+def video_positions(frames: int, height: int, width: int, time_interval: float = 1.0,
+                    device: Optional[torch.device] = None) -> Tensor:
+    """Positions of a video's patches, frame by frame in row-major order, int64 ``[3, frames * height * width]``:
+    (time, row, column) with time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second times the
+    seconds of a temporal patch)."""
+    if frames < 0 or height < 0 or width < 0:
+        raise ValueError(f"posenc.video_positions: frames {frames}, height {height} and width {width} must not be "
+                         f"negative")
+    if time_interval < 0:
+        raise ValueError(f"posenc.video_positions: time_interval must not be negative, got {time_interval}")
+    time = (torch.arange(frames, device=device, dtype=torch.float64) * time_interval).trunc().long()
+    grid = image_positions(height, width, device)
+    return torch.cat([time.repeat_interleave(height * width)[None], grid.repeat(1, frames)])
+
+
+def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
+                    video_grid_thw: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                    spatial_merge_size: int = 2, tokens_per_second: Optional[float] = None,
+                    second_per_grid_ts: Optional[Tensor] = None,
+                    split_video_frames: bool = False) -> Tuple[Tensor, Tensor]:
+    """Qwen2-VL's M-RoPE positions of a batch of text and vision tokens (transformers 5.24's ``get_rope_index``).
+
+    ``token_types`` [B, S]: 0 text, 1 image, 2 video (the processor's ``mm_token_type_ids``). Text tokens take
+    one running position on all three axes; each run of image (video) tokens is the next grid (t, h, w) of
+    ``image_grid_thw`` (``video_grid_thw``) [N, 3], ``spatial_merge_size ** 2`` patches a token: its tokens
+    take (start + trunc(frame * interval), start + row, start + column), and the text after it continues at
+    start + max(h, w) // spatial_merge_size. A video's interval is ``tokens_per_second * second_per_grid_ts[v]``
+    (Qwen2.5-VL; 1 when ``tokens_per_second`` is None: Qwen2-VL); ``split_video_frames`` makes each frame its
+    own grid (Qwen3-VL). Tokens outside ``attention_mask`` get 0. Returns ``(positions [3, B, S] int64,
+    rope_deltas [B, 1])``: decoding continues at ``cache_length + rope_deltas`` on every axis. A run whose
+    length does not match its grid raises an error naming the row and the grid.
+    """
+    return torch.ops.posenc.mrope_positions(token_types, image_grid_thw, video_grid_thw, attention_mask,
+                                            spatial_merge_size, tokens_per_second, second_per_grid_ts,
+                                            split_video_frames)
+
+
+__all__ += ["image_positions", "video_positions", "mrope_positions"]

@@ -425,3 +425,196 @@ class RotaryEmbedding(_ExactFrequencies):
 
 
 __all__ += ["RotaryEmbedding"]
+
+
+# ---------------------------------------------------------------- Multi-axis rotary (images, video, multimodal text)
+
+__all__ += ["MultimodalRotaryEmbedding", "AxialRotaryEmbedding"]
+
+
+def _config_get(config: Any, key: str, default: Any = None) -> Any:
+    value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+    return default if value is None else value
+
+
+class _AxisFrequencies(torch.nn.Module):
+    """Holds the float64 ``inv_freq`` and int64 ``pair_axis`` of a multi-axis rotation as plain tensor attributes,
+    not buffers: ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` convert parameters and buffers only (in eager
+    mode, TorchScript and C++), so the frequencies stay exact and out of the state dict. Device moves: eager
+    ``.to(device)`` moves them here; a scripted module's forward moves them to its input's device."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        device = fn(torch.empty(0, dtype=torch.float64, device=self.inv_freq.device)).device
+        self.inv_freq = self.inv_freq.to(device)
+        self.pair_axis = self.pair_axis.to(device)
+        return self
+
+
+class MultimodalRotaryEmbedding(_AxisFrequencies):
+    """M-RoPE of multimodal text (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rotates q and k (``rope_qk``) by three position
+    axes (time, height, width), each driving the frequency pairs of its section.
+
+    ``forward(q, k, positions=None, offset=0, cu_seqlens=None) -> (q, k)``: positions ``[3, S]``, ``[3, B, S]``
+    (Hugging Face's position_ids of these models) or ``[3, T]`` (thd), e.g. from
+    :func:`posenc.functional.mrope_positions`; any positions of two or more dimensions lead with their axis. For
+    text alone, positions ``[S]`` (``[T]``) or None put every axis at the same position, which is the one-axis
+    rotation. ``mrope_section`` holds the pairs per axis (summing to head_dim // 2), consecutive or
+    ``interleaved`` (Qwen3-VL), see :func:`posenc.frequencies.mrope_pair_axis`; ``scaling`` is a Hugging Face
+    rope dict of a fixed type (types that pick frequencies per call, dynamic and longrope, are refused).
+    """
+
+    __jit_ignored_attributes__ = ["scaling"]
+
+    def __init__(self, head_dim: int, mrope_section: List[int], base: float = 10000.0, interleaved: bool = False,
+                 layout: str = "neox", scaling: Optional[Dict[str, Any]] = None, format: str = "bshd"):
+        super().__init__()
+        op = "posenc.nn.MultimodalRotaryEmbedding"
+        if layout not in ("neox", "gptj"):
+            raise ValueError(f'{op}: layout must be "neox" or "gptj", got "{layout}"')
+        if format not in _SEQ_DIM:
+            raise ValueError(f'{op}: format must be one of {list(_SEQ_DIM)}, got "{format}"')
+        self.scaling = dict(scaling or {})
+        rope_type = self.scaling.get("rope_type", self.scaling.get("type")) or "default"
+        if rope_type in ("dynamic", "longrope") and not self.scaling.get("alpha"):
+            raise ValueError(f'{op}: rope_type "{rope_type}" picks its frequencies per call, which M-RoPE does not do; '
+                             f"use a fixed scaling type")
+        pair_axis = frequencies.mrope_pair_axis(mrope_section, interleaved)
+        if 2 * pair_axis.numel() != head_dim:
+            raise ValueError(f"{op}: mrope_section {list(mrope_section)} holds {pair_axis.numel()} frequency pairs but "
+                             f"head_dim {head_dim} has {head_dim // 2}")
+        self.head_dim, self.base, self.interleaved = head_dim, float(base), interleaved
+        self.mrope_section: List[int] = [int(s) for s in mrope_section]
+        self.layout, self.format = layout, format
+        inv_freq, attention_scale = frequencies.rope(head_dim, base, self.scaling)
+        self.inv_freq = inv_freq
+        self.pair_axis = pair_axis
+        self.attention_scale = float(attention_scale)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "bshd") -> "MultimodalRotaryEmbedding":
+        """The text rotary embedding of a Hugging Face Qwen2-VL, Qwen2.5-VL or Qwen3-VL config (the model's config,
+        its ``text_config``, or a dict of either).
+
+        Reads head_dim (else hidden_size // num_attention_heads), rope_theta and ``rope_parameters`` (or
+        ``rope_scaling``): ``mrope_section`` (transformers' defaults when absent: [16, 24, 24] for Qwen2-VL and
+        Qwen2.5-VL, [24, 20, 20] for Qwen3-VL), ``mrope_interleaved`` (Qwen3-VL interleaves always, as
+        transformers does), and the scaling type (``"mrope"`` means the default frequencies).
+        """
+        text = _config_get(config, "text_config")
+        if text is not None:
+            config = text
+        model_type = str(_config_get(config, "model_type", ""))
+        params = dict(_config_get(config, "rope_parameters") or _config_get(config, "rope_scaling") or {})
+        qwen3 = model_type.startswith("qwen3_vl")
+        section = params.pop("mrope_section", None)
+        if section is None:
+            if not (qwen3 or model_type.startswith(("qwen2_vl", "qwen2_5_vl"))):
+                raise ValueError(f"posenc.nn.MultimodalRotaryEmbedding.from_hf_config: the rope parameters of model "
+                                 f'type "{model_type}" hold no mrope_section')
+            section = [24, 20, 20] if qwen3 else [16, 24, 24]
+        interleaved = bool(params.pop("mrope_interleaved", False)) or qwen3
+        if params.get("rope_type", params.get("type")) == "mrope":
+            params["rope_type"] = "default"
+            params.pop("type", None)
+        head_dim = _config_get(config, "head_dim")
+        if head_dim is None:
+            head_dim = _config_get(config, "hidden_size") // _config_get(config, "num_attention_heads")
+        base = params.get("rope_theta")
+        if base is None:
+            base = _config_get(config, "rope_theta", 10000.0)
+        if _config_get(config, "max_position_embeddings") is not None:
+            params.setdefault("max_position_embeddings", _config_get(config, "max_position_embeddings"))
+        if params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings", params.get("max_position_embeddings"))
+        return cls(int(head_dim), list(section), float(base), interleaved, layout, params, format)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
+                cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        if self.inv_freq.device != q.device:
+            self.inv_freq = self.inv_freq.to(q.device)
+            self.pair_axis = self.pair_axis.to(q.device)
+        pair_axis: Optional[Tensor] = None
+        if positions is not None and positions.dim() >= 2:
+            pair_axis = self.pair_axis
+        return torch.ops.posenc.rope_qk(q, k, positions, self.inv_freq, self.attention_scale, self.layout,
+                                        self.format, offset, cu_seqlens, pair_axis)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, mrope_section={self.mrope_section}, base={self.base}, "
+                f"interleaved={self.interleaved}, layout={self.layout!r}, format={self.format!r}, "
+                f"scaling={self.scaling}")
+
+
+class AxialRotaryEmbedding(_AxisFrequencies):
+    """Rotary embedding over several position axes: the axial RoPE of vision transformers and Flux's axes.
+
+    ``forward(q, k, positions, offset=0, cu_seqlens=None) -> (q, k)`` with positions ``[n_axes, S]``,
+    ``[n_axes, B, S]`` or ``[n_axes, T]`` (thd), e.g. :func:`posenc.functional.image_positions` (row, column) or
+    :func:`posenc.functional.video_positions`. Without ``axes_dim`` the head's channels are split evenly among
+    ``n_axes`` axes (:func:`posenc.frequencies.axial`); with it, axis a rotates ``axes_dim[a]`` channels with
+    its own frequencies (:func:`posenc.frequencies.multiaxis`; their sum may stay below head_dim, the rest
+    passes through). Flux: ``AxialRotaryEmbedding(128, axes_dim=[16, 56, 56], layout="gptj", format="bhsd")``
+    with positions ``img_ids.T.long()``.
+    """
+
+    def __init__(self, head_dim: int, n_axes: int = 2, base: float = 10000.0, layout: str = "neox",
+                 format: str = "bshd", axes_dim: Optional[List[int]] = None):
+        super().__init__()
+        op = "posenc.nn.AxialRotaryEmbedding"
+        if layout not in ("neox", "gptj"):
+            raise ValueError(f'{op}: layout must be "neox" or "gptj", got "{layout}"')
+        if format not in _SEQ_DIM:
+            raise ValueError(f'{op}: format must be one of {list(_SEQ_DIM)}, got "{format}"')
+        if axes_dim is None:
+            inv_freq, pair_axis = frequencies.axial(head_dim, n_axes, base)
+        else:
+            inv_freq, pair_axis = frequencies.multiaxis(axes_dim, base)
+            if 2 * inv_freq.numel() > head_dim:
+                raise ValueError(f"{op}: axes_dim {list(axes_dim)} rotate {2 * inv_freq.numel()} channels, more than "
+                                 f"head_dim {head_dim}")
+            n_axes = len(axes_dim)
+        self.head_dim, self.n_axes, self.base = head_dim, n_axes, float(base)
+        self.axes_dim: List[int] = [int(d) for d in axes_dim] if axes_dim is not None else [head_dim // n_axes] * n_axes
+        self.layout, self.format = layout, format
+        self.inv_freq = inv_freq
+        self.pair_axis = pair_axis
+
+    @classmethod
+    def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "thd") -> "AxialRotaryEmbedding":
+        """The 2-D axial rotary embedding of a Hugging Face vision config whose rope type is ``"axial"`` (the
+        vision tower of Qwen2-VL, Qwen2.5-VL, ...: the model's config, its ``vision_config``, or a dict of either).
+
+        Reads head_dim (else embed_dim, else hidden_size, over num_heads) and ``rope_parameters``' rope_theta.
+        Those towers rotate packed patches ([T, H, D]) by positions ``[2, T]`` (row, column): the default format is
+        ``"thd"``.
+        """
+        vision = _config_get(config, "vision_config")
+        if vision is not None:
+            config = vision
+        params = dict(_config_get(config, "rope_parameters") or _config_get(config, "rope_scaling") or {})
+        rope_type = params.get("rope_type", params.get("type")) or "axial"
+        if rope_type != "axial":
+            raise ValueError(f'posenc.nn.AxialRotaryEmbedding.from_hf_config: rope_type must be "axial", got '
+                             f'"{rope_type}"')
+        heads = _config_get(config, "num_heads") or _config_get(config, "num_attention_heads")
+        head_dim = _config_get(config, "head_dim")
+        if head_dim is None:
+            width = _config_get(config, "embed_dim") or _config_get(config, "hidden_size")
+            head_dim = width // heads
+        base = params.get("rope_theta")
+        if base is None:
+            base = _config_get(config, "rope_theta", 10000.0)
+        return cls(int(head_dim), 2, float(base), layout, format)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Tensor, offset: int = 0,
+                cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        if self.inv_freq.device != q.device:
+            self.inv_freq = self.inv_freq.to(q.device)
+            self.pair_axis = self.pair_axis.to(q.device)
+        return torch.ops.posenc.rope_qk(q, k, positions, self.inv_freq, 1.0, self.layout, self.format, offset,
+                                        cu_seqlens, self.pair_axis)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, axes_dim={self.axes_dim}, base={self.base}, layout={self.layout!r}, "
+                f"format={self.format!r}")

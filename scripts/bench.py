@@ -411,6 +411,91 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def rope_rows(table: Table, shape: str, dtype: torch.dtype, q: torch.Tensor, k: torch.Tensor,
+              ours: Callable[[torch.Tensor, torch.Tensor], object],
+              baselines: Dict[str, Callable[[torch.Tensor, torch.Tensor], object]],
+              inplace: Callable[[torch.Tensor], object]) -> None:
+    """fwd, fwd+bwd and in-place rows of a rotation of q and k: ours against the baselines and the copy bounds."""
+    both = torch.cat([q.flatten(), k.flatten()])
+    table.add(shape, dtype, "fwd", lambda: ours(q, k),
+              {name: (lambda fn=fn: fn(q, k)) for name, fn in baselines.items()}, both, copies=1)
+    qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    def train(fn):
+        return fwd_grads(lambda: fn(qg, kg), [qg, kg], [grad_q, grad_k])
+    table.add(shape, dtype, "fwd+bwd", train(ours), {name: train(fn) for name, fn in baselines.items()}, both,
+              copies=2, saved_bytes=saved_bytes(lambda: ours(qg, kg)))
+    buffer = torch.cat([q, k], dim=0)  # rope_ of q and k stacked: the kernel alone against the copy
+    table.add(shape, dtype, "fwd in place", lambda: inplace(buffer), {}, both, copies=1, fresh=False)
+
+
+def bench_mrope(repeat: int, quick: bool) -> List[dict]:
+    """M-RoPE (Qwen2-VL) on q and k of a prompt holding an image: Hugging Face's Qwen2VLRotaryEmbedding tables
+    (built once per forward for all layers) + apply_rotary_pos_emb, eager and compiled, and the copy bound."""
+    from transformers import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+    table = Table("rope_qk mrope", repeat)
+    seq, heads, head_dim, section = (1024, 16, 128, [16, 24, 24]) if quick else (4096, 16, 128, [16, 24, 24])
+    # 96 text tokens, an image of 48 x 80 merged patches (a 1344 x 2240 image at 14-pixel patches), text.
+    image = (16, 48) if quick else (48, 80)
+    types = torch.tensor([[0] * 96 + [1] * (image[0] * image[1]) + [0] * (seq - 96 - image[0] * image[1])])
+    positions, _ = PF.mrope_positions(types, torch.tensor([[1, 2 * image[0], 2 * image[1]]]))
+    config = Qwen2VLTextConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
+                               rope_scaling={"type": "mrope", "mrope_section": section, "rope_theta": 1e6})
+    hf_rotary = Qwen2VLRotaryEmbedding(config)
+    rotary = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(config)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, seq, heads, head_dim, dtype=dtype)
+        k = torch.randn(1, seq, heads, head_dim, dtype=dtype)
+        cos, sin = hf_rotary(q, positions)
+        hf_compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, dynamic=False)
+        baselines = {"HF eager": lambda qq, kk: apply_rotary_pos_emb(qq, kk, cos, sin, unsqueeze_dim=2),
+                     "HF eager+tables": lambda qq, kk: apply_rotary_pos_emb(qq, kk, *hf_rotary(qq, positions),
+                                                                            unsqueeze_dim=2),
+                     "HF compile": lambda qq, kk: hf_compiled(qq, kk, cos, sin, unsqueeze_dim=2)}
+        inv_freq, pair_axis = rotary.inv_freq, rotary.pair_axis
+        rope_rows(table, f"q,k [1, {seq}, {heads}, {head_dim}] pos [3, 1, {seq}]", dtype, q, k,
+                  lambda qq, kk: rotary(qq, kk, positions), baselines,
+                  lambda buffer: PF.rope_(buffer, positions.expand(3, 2, seq), inv_freq, pair_axis=pair_axis))
+    return table.rows
+
+
+def bench_axial(repeat: int, quick: bool) -> List[dict]:
+    """2-D axial RoPE of a ViT-L (16 heads of 64 channels, 32 x 32 patches, batch 32): Hugging Face's Qwen2-VL
+    vision rotary (neox, bshd) and diffusers' apply_rotary_emb (gptj, bhsd; Flux's axes), eager and compiled,
+    with their tables built once per forward, and the copy bound."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+    table = Table("rope_qk axial", repeat)
+    batch, side, heads, head_dim = (8, 16, 16, 64) if quick else (32, 32, 16, 64)
+    seq = side * side
+    positions = PF.image_positions(side, side)
+    inv_freq, pair_axis = posenc.frequencies.axial(head_dim, 2, 10000.0)
+    angle = positions.double()[pair_axis].T * inv_freq  # [S, pairs]
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
+        k = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
+        # Hugging Face's vision tables: float32 [S, D], each angle in both halves (neox).
+        cos, sin = torch.cat([angle, angle], -1).cos().float(), torch.cat([angle, angle], -1).sin().float()
+        hf_compiled = torch.compile(apply_rotary_pos_emb_vision, fullgraph=True, dynamic=False)
+        rope_rows(table, f"q,k [{batch}, {seq}, {heads}, {head_dim}] neox bshd", dtype, q, k,
+                  lambda qq, kk: PF.rope_qk(qq, kk, positions, inv_freq, pair_axis=pair_axis),
+                  {"HF eager": lambda qq, kk: apply_rotary_pos_emb_vision(qq, kk, cos, sin),
+                   "HF compile": lambda qq, kk: hf_compiled(qq, kk, cos, sin)},
+                  lambda buffer: PF.rope_(buffer, positions, inv_freq, pair_axis=pair_axis))
+        # diffusers' tables: float32 [S, D], each angle in both channels of its pair (gptj).
+        tables = (angle.repeat_interleave(2, -1).cos().float(), angle.repeat_interleave(2, -1).sin().float())
+        q_bhsd, k_bhsd = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        diffusers_compiled = torch.compile(apply_rotary_emb, fullgraph=True, dynamic=False)
+        rope_rows(table, f"q,k [{batch}, {heads}, {seq}, {head_dim}] gptj bhsd", dtype, q_bhsd, k_bhsd,
+                  lambda qq, kk: PF.rope_qk(qq, kk, positions, inv_freq, 1.0, "gptj", "bhsd", pair_axis=pair_axis),
+                  {"diffusers eager": lambda qq, kk: (apply_rotary_emb(qq, tables), apply_rotary_emb(kk, tables)),
+                   "diffusers compile": lambda qq, kk: (diffusers_compiled(qq, tables),
+                                                        diffusers_compiled(kk, tables))},
+                  lambda buffer: PF.rope_(buffer, positions, inv_freq, 1.0, "gptj", "bhsd", pair_axis=pair_axis))
+    return table.rows
+
+
 def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3) -> Dict[str, float]:
     """Profiled steps: the medians of a step's wall time and of its positional code's time (ms), and the median
     of their ratio per step (the share).
@@ -518,6 +603,8 @@ def bench_model(repeat: int, quick: bool) -> List[dict]:
 
 BENCHMARKS = {
     "rope": bench_rope,
+    "mrope": bench_mrope,
+    "axial": bench_axial,
     "sinusoidal": bench_sinusoidal,
     "embedding": bench_embedding_backward,
     "learned": bench_learned,

@@ -100,6 +100,22 @@ class ScaledRopeFixture(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor):
         return self.dynamic(q, k) + self.longrope(q8, k8)
+class MultiaxisFixture(torch.nn.Module):
+    """Multi-axis rotary: M-RoPE of bshd q [B,S,4,8] / k [B,S,2,8] (head_dim 8, sections [2, 1, 1] interleaved,
+    base 100) with positions [3, B, S] and offset 1; axial 2-D rotary (head_dim 8, base 10000, gptj) of packed
+    patches [T,2,8] by their (row, column); and the M-RoPE positions of token types with image grids."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = posenc.nn.MultimodalRotaryEmbedding(8, [2, 1, 1], 100.0, interleaved=True)
+        self.vision = posenc.nn.AxialRotaryEmbedding(8, layout="gptj", format="thd")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, patches: torch.Tensor,
+                grid: torch.Tensor, token_types: torch.Tensor, image_grid_thw: torch.Tensor):
+        q, k = self.text(q, k, positions, 1)
+        patches, _ = self.vision(patches, patches, grid)
+        mrope, deltas = torch.ops.posenc.mrope_positions(token_types, image_grid_thw)
+        return q, k, patches, mrope, deltas
 
 
 FIXTURES = {
@@ -109,6 +125,7 @@ FIXTURES = {
     "t5": T5Fixture,
     "rope": RopeFixture,
     "scaled_rope": ScaledRopeFixture,
+    "multiaxis": MultiaxisFixture,
 }
 
 

@@ -41,5 +41,6 @@ for capability in default avx2; do
   [ "$capability" = "$best" ] && break
   echo "== Kernel tests under POSENC_CPU_CAPABILITY=$capability"
   POSENC_CPU_CAPABILITY=$capability "$PYTHON" -m pytest -q -p no:cacheprovider tests/python/test_sinusoidal.py \
-    tests/python/test_learned.py tests/python/test_rope.py tests/python/test_alibi.py tests/python/test_t5.py
+    tests/python/test_learned.py tests/python/test_rope.py tests/python/test_alibi.py tests/python/test_t5.py \
+    tests/python/test_multiaxis.py
 done

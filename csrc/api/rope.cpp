@@ -12,52 +12,42 @@ namespace posenc {
 
 at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                 double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-                const std::optional<at::Tensor>& cu_seqlens) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
-                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>(
-          "posenc::rope");
-  return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  static const auto op = find_op<decltype(rope)>("posenc::rope");
+  return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                          double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-                         const std::optional<at::Tensor>& cu_seqlens) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
-                         c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>(
-          "posenc::rope_backward");
-  return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  static const auto op = find_op<decltype(rope_backward)>("posenc::rope_backward");
+  return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
                                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                            double attention_scale, std::string_view layout, std::string_view format,
-                                           int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
-      c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_qk");
-  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+                                           int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                                           const std::optional<at::Tensor>& pair_axis) {
+  static const auto op = find_op<decltype(rope_qk)>("posenc::rope_qk");
+  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                                     const std::optional<at::Tensor>& positions,
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     std::string_view layout, std::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens) {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double,
-      c10::string_view, c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_qk_backward");
-  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+                                                    const std::optional<at::Tensor>& cu_seqlens,
+                                                    const std::optional<at::Tensor>& pair_axis) {
+  static const auto op = find_op<decltype(rope_qk_backward)>("posenc::rope_qk_backward");
+  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
            double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-           const std::optional<at::Tensor>& cu_seqlens) {
-  static const auto op =
-      find_op<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, double, c10::string_view,
-                   c10::string_view, int64_t, const std::optional<at::Tensor>&)>("posenc::rope_");
-  op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+           const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  static const auto op = find_op<decltype(rope_)>("posenc::rope_");
+  op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::string_view layout,

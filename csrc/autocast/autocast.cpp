@@ -62,16 +62,19 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autocast(const at::Tensor& q, const a
                                                     const std::optional<at::Tensor>& positions,
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens) {
+                                                    const std::optional<at::Tensor>& cu_seqlens,
+                                                    const std::optional<at::Tensor>& pair_axis) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
   const auto rotate = kInverse ? rope_backward : rope;  // one tensor
   if (q.scalar_type() != k.scalar_type() && at::isFloatingType(q.scalar_type()) &&
       at::isFloatingType(k.scalar_type())) {
-    return {rotate(q, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens),
-            rotate(k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)};
+    return {rotate(q, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis),
+            rotate(k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)};
   }
-  return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
-                  : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+  return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                     pair_axis)
+                  : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                            pair_axis);
 }
 
 template <c10::DispatchKey kAutocast>
@@ -91,8 +94,10 @@ void register_policy(torch::Library& m) {
   same_dtypes_as_given("learned");
   m.impl("add_learned", TORCH_FN(add_learned_autocast<kAutocast>));
   m.impl("embed_learned", TORCH_FN(embed_learned_autocast<kAutocast>));
+  // No tensor at all.
+  same_dtypes_as_given("cpu_capability");
   // Integer positions and buckets.
-  for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket"}) {
+  for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket", "mrope_positions"}) {
     same_dtypes_as_given(op);
   }
   // Configuration constants (frequencies, slopes, context-parallel positions): float64 or int64 whatever the

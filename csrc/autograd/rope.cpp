@@ -1,7 +1,7 @@
 // Autograd of the rotary family. A rotation is linear in x, so its gradient is the transposed map:
 // rope <-> rope_backward (rotation by -angle), rope_cos_sin <-> rope_cos_sin_backward. Each op's backward
-// is its partner op, so double backward works. Only positions, frequencies (or the cos/sin tables) and
-// scalars are saved, never x. A call with nothing to record (grad mode off, or nothing requiring grad) goes
+// is its partner op, so double backward works. Only positions, frequencies, pair_axis (or the cos/sin tables)
+// and scalars are saved, never x. A call with nothing to record (grad mode off, or nothing requiring grad) goes
 // straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/rope.h>
 
@@ -35,9 +35,11 @@ struct Angles {
   std::string format;
   int64_t offset;
   std::optional<at::Tensor> cu_seqlens;
+  std::optional<at::Tensor> pair_axis;
 
   void save(AutogradContext* ctx) const {
-    ctx->save_for_backward({positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor())});
+    ctx->save_for_backward({positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor()),
+                            pair_axis.value_or(at::Tensor())});
     ctx->saved_data["attention_scale"] = attention_scale;
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["format"] = format;
@@ -52,12 +54,14 @@ struct Angles {
             ctx->saved_data["layout"].toStringRef(),
             ctx->saved_data["format"].toStringRef(),
             ctx->saved_data["offset"].toInt(),
-            optional_of(saved[2])};
+            optional_of(saved[2]),
+            optional_of(saved[3])};
   }
 
   at::Tensor rotate(const at::Tensor& x, bool inverse) const {
-    return inverse ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
-                   : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+    return inverse
+               ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
+               : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
   }
 };
 
@@ -66,10 +70,11 @@ template <bool kInverse>
 struct Rope : public torch::autograd::Function<Rope<kInverse>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                            c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                            c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                            const std::optional<at::Tensor>& pair_axis) {
     check_constant(kInverse ? "rope_backward" : "rope", "inv_freq", inv_freq);
     const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
-                        cu_seqlens};
+                        cu_seqlens, pair_axis};
     angles.save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
     return angles.rotate(x, kInverse);
@@ -77,7 +82,8 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto grad_x = Angles::load(ctx).rotate(grads[0], !kInverse);
-    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -87,10 +93,11 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                double attention_scale, c10::string_view layout, c10::string_view format,
-                               int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                               int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                               const std::optional<at::Tensor>& pair_axis) {
     check_constant(kInverse ? "rope_qk_backward" : "rope_qk", "inv_freq", inv_freq);
     const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
-                        cu_seqlens};
+                        cu_seqlens, pair_axis};
     angles.save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto [q_out, k_out] = rotate(angles, q, k, kInverse);
@@ -100,15 +107,15 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto [grad_q, grad_k] = rotate(Angles::load(ctx), grads[0], grads[1], !kInverse);
     return {grad_q,       grad_k,       at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
   static std::tuple<at::Tensor, at::Tensor> rotate(const Angles& a, const at::Tensor& q, const at::Tensor& k,
                                                    bool inverse) {
     return inverse ? rope_qk_backward(q, k, a.positions, a.inv_freq, a.attention_scale, a.layout, a.format, a.offset,
-                                      a.cu_seqlens)
+                                      a.cu_seqlens, a.pair_axis)
                    : rope_qk(q, k, a.positions, a.inv_freq, a.attention_scale, a.layout, a.format, a.offset,
-                             a.cu_seqlens);
+                             a.cu_seqlens, a.pair_axis);
   }
 };
 
@@ -117,21 +124,24 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
 struct RopeInplace : public torch::autograd::Function<RopeInplace> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                            c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                            c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                            const std::optional<at::Tensor>& pair_axis) {
     check_constant("rope_", "inv_freq", inv_freq);
-    Angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset, cu_seqlens}.save(
-        ctx);
+    const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
+                        cu_seqlens, pair_axis};
+    angles.save(ctx);
     ctx->mark_dirty({x});
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+      rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
     }
     return x;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto grad_x = Angles::load(ctx).rotate(grads[0], true);
-    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -166,13 +176,15 @@ struct RopeCosSin : public torch::autograd::Function<RopeCosSin<kTranspose>> {
 template <bool kInverse>
 at::Tensor rope_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                          double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                         const std::optional<at::Tensor>& cu_seqlens) {
+                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
   if (!torch::autograd::compute_requires_grad(x, inv_freq)) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return kInverse ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
-                    : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+    return kInverse
+               ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
+               : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
   }
-  return Rope<kInverse>::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+  return Rope<kInverse>::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                               pair_axis);
 }
 
 template <bool kInverse>
@@ -180,29 +192,32 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autograd(const at::Tensor& q, const a
                                                     const std::optional<at::Tensor>& positions,
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens) {
+                                                    const std::optional<at::Tensor>& cu_seqlens,
+                                                    const std::optional<at::Tensor>& pair_axis) {
   if (!torch::autograd::compute_requires_grad(q, k, inv_freq)) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
-                    : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+    return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                       pair_axis)
+                    : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                              pair_axis);
   }
   const auto out = RopeQK<kInverse>::apply(q, k, positions, inv_freq, attention_scale, layout, format, offset,
-                                           cu_seqlens);
+                                           cu_seqlens, pair_axis);
   return {out[0], out[1]};
 }
 
 void rope__autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                    const std::optional<at::Tensor>& cu_seqlens) {
+                    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
   if (!torch::autograd::compute_requires_grad(x, inv_freq)) {
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+      rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
     }
     torch::autograd::impl::bump_version(x);  // a tensor saved for another backward is now stale
     return;
   }
-  RopeInplace::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens);
+  RopeInplace::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
 template <bool kTranspose>

@@ -3,6 +3,7 @@
 #include "common/checks.h"
 
 #include <array>
+#include <string>
 
 namespace posenc {
 
@@ -79,17 +80,46 @@ inline bool check_rope_positions(const char* op, const std::optional<at::Tensor>
   return false;
 }
 
+// Multi-axis positions (pair_axis given): a leading axis dimension, [n_axes, S] (or [n_axes, T]) shared by the
+// batch or [n_axes, B, S], int64 or int32; pair_axis [pairs] names the axis of each frequency pair (its values
+// are checked on real data). Returns whether the positions are shared by every batch row.
+inline bool check_rope_axes(const char* op, const std::optional<at::Tensor>& positions,
+                            const at::Tensor& pair_axis, const c10::SymInt& pairs, RopeFormat format,
+                            const std::array<c10::SymInt, 4>& sizes, const at::Tensor& x) {
+  check_index(op, "pair_axis", pair_axis);
+  check_same_device(op, "pair_axis", pair_axis, x);
+  TORCH_CHECK(pair_axis.dim() == 1 && pair_axis.sym_size(0) == pairs, "posenc.", op, ": pair_axis has shape ",
+              pair_axis.sym_sizes(), " but needs [", pairs, "], one axis per frequency pair of inv_freq");
+  TORCH_CHECK(positions.has_value(), "posenc.", op,
+              ": pair_axis needs positions with a leading axis dimension, [n_axes, seq]",
+              format == RopeFormat::THD ? "" : " or [n_axes, batch, seq]", "; got none");
+  TORCH_CHECK(positions->scalar_type() == at::kLong || positions->scalar_type() == at::kInt, "posenc.", op,
+              ": positions must be an int64 (or int32) tensor, got ", positions->scalar_type());
+  check_same_device(op, "positions", *positions, x);
+  const auto shape = positions->sym_sizes();
+  const bool has_axes = !shape.empty() && shape[0] >= 1;
+  if (has_axes && shape.size() == 2 && shape[1] == sizes[1]) return true;
+  const bool per_row = has_axes && format != RopeFormat::THD && shape.size() == 3 && shape[1] == sizes[0] &&
+                       shape[2] == sizes[1];
+  const auto per_row_shape = format == RopeFormat::THD ? std::string() : c10::str(" or [n_axes, ", sizes[0], ", ",
+                                                                                   sizes[1], "]");
+  TORCH_CHECK(per_row, "posenc.", op, ": positions has shape ", shape, " but with pair_axis needs [n_axes, ",
+              sizes[1], "]", per_row_shape, " (n_axes >= 1) for an input of shape ", x.sym_sizes());
+  return false;
+}
+
 struct RopeArgs {
   RopeLayout layout;
   RopeFormat format;
   bool shared_positions;  // one position (or cos/sin row) per sequence index serves every batch row
 };
 
-// Every check of rope / rope_backward / rope_ (inputs = {x}) and rope_qk / rope_qk_backward (inputs = {q, k}).
+// Every check of rope / rope_backward / rope_ (inputs = {x}) and rope_qk / rope_qk_backward (inputs = {q, k});
+// the values of cu_seqlens and pair_axis are checked on real data by the CPU op.
 inline RopeArgs check_rope(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                            std::string_view layout, std::string_view format,
-                           const std::optional<at::Tensor>& cu_seqlens) {
+                           const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
   const auto pair_layout = parse_rope_layout(op, layout);
   const auto rope_format = parse_rope_format(op, format);
   check_inv_freq(op, inv_freq);
@@ -108,7 +138,9 @@ inline RopeArgs check_rope(const char* op, std::initializer_list<std::pair<const
   }
   check_same_device(op, "inv_freq", inv_freq, *first);
   check_cu_seqlens(op, cu_seqlens, rope_format, *first);
-  const bool shared = check_rope_positions(op, positions, rope_format, sizes, *first);
+  const bool shared = pair_axis ? check_rope_axes(op, positions, *pair_axis, inv_freq.sym_size(0), rope_format, sizes,
+                                                  *first)
+                                : check_rope_positions(op, positions, rope_format, sizes, *first);
   return {pair_layout, rope_format, shared};
 }
 

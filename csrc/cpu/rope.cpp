@@ -41,16 +41,44 @@ void check_cu_seqlens_values(const char* op, const std::optional<at::Tensor>& cu
               ", got ", bounds[n - 1]);
 }
 
+// The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it.
+std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
+  const auto values = pair_axis.to(at::kLong).contiguous();
+  const int64_t* axis = values.const_data_ptr<int64_t>();
+  std::vector<int32_t> out(values.numel());
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
+                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
+    out[i] = static_cast<int32_t>(axis[i]);
+  }
+  return out;
+}
+
+// Multi-axis positions as read, axis by axis ([n_axes, tokens]), reordered token by token ([tokens, n_axes]), so
+// that the angle engine finds a token's positions side by side.
+std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n_axes) {
+  const int64_t tokens = static_cast<int64_t>(positions.size()) / n_axes;
+  std::vector<double> out(positions.size());
+  for (int64_t a = 0; a < n_axes; ++a) {
+    for (int64_t n = 0; n < tokens; ++n) out[n * n_axes + a] = positions[a * tokens + n];
+  }
+  return out;
+}
+
 // Rotates inputs[v] into outputs[v] (the same tensor in place) by the angles of the positions: the shared body
 // of rope, rope_backward, rope_ and the qk variants.
 void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
             const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+            const std::optional<at::Tensor>& pair_axis, bool inverse) {
   const auto order = rope_dim_order(args.format);
   const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
   const int64_t seq = inputs[0].size(order[1]);
   check_cu_seqlens_values(op, cu_seqlens, seq);
-  const auto pos = read_positions<double>(op, positions, seq, offset, angle_domain(), cu_seqlens);
+  const int64_t n_axes = pair_axis ? positions->size(0) : 1;
+  const auto axes = pair_axis ? read_pair_axis(op, *pair_axis, n_axes) : std::vector<int32_t>();
+  auto pos = read_positions<double>(op, positions, seq, offset, angle_domain(), cu_seqlens);
+  if (n_axes > 1) pos = tokens_major(pos, n_axes);
   bool empty = true;
   for (const auto& t : inputs) empty = empty && t.numel() == 0;
   if (empty) return;
@@ -61,8 +89,8 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
       if (inputs[i].numel() > 0) views.push_back(view_of<scalar_t>(inputs[i], outputs[i], args.format));
     }
     cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), batch, seq, pos.data(),
-                              args.shared_positions, freq.data(), freq.size(), freq.max_abs(), attention_scale,
-                              inverse, args.layout});
+                              args.shared_positions, n_axes, pair_axis ? axes.data() : nullptr, freq.data(),
+                              freq.size(), freq.max_abs(), attention_scale, inverse, args.layout});
   });
 }
 
@@ -70,36 +98,41 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
 at::Tensor rope_cpu_impl(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                          const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                          c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                         bool inverse) {
-  const auto args = check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+                         const std::optional<at::Tensor>& pair_axis, bool inverse) {
+  const auto args =
+      check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   auto out = at::empty(x.sizes(), x.options());
-  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, inverse);
   return out;
 }
 
 at::Tensor rope_cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                    const std::optional<at::Tensor>& cu_seqlens) {
-  return rope_cpu_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, false);
+                    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  return rope_cpu_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                       false);
 }
 
 at::Tensor rope_backward_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
                              const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                             const std::optional<at::Tensor>& pair_axis) {
   return rope_cpu_impl("rope_backward", grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                       true);
+                       pair_axis, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_cpu_impl(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                     const std::optional<at::Tensor>& positions,
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+                                                    const std::optional<at::Tensor>& cu_seqlens,
+                                                    const std::optional<at::Tensor>& pair_axis, bool inverse) {
   const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
-                               inv_freq, layout, format, cu_seqlens);
+                               inv_freq, layout, format, cu_seqlens, pair_axis);
   auto q_out = at::empty(q.sizes(), q.options());
   auto k_out = at::empty(k.sizes(), k.options());
-  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
+         inverse);
   return {q_out, k_out};
 }
 
@@ -107,27 +140,29 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_cpu(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                                double attention_scale, c10::string_view layout,
                                                c10::string_view format, int64_t offset,
-                                               const std::optional<at::Tensor>& cu_seqlens) {
+                                               const std::optional<at::Tensor>& cu_seqlens,
+                                               const std::optional<at::Tensor>& pair_axis) {
   return rope_qk_cpu_impl("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                          false);
+                          pair_axis, false);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_backward_cpu(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                                         const std::optional<at::Tensor>& positions,
                                                         const at::Tensor& inv_freq, double attention_scale,
                                                         c10::string_view layout, c10::string_view format,
-                                                        int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                                                        int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                                                        const std::optional<at::Tensor>& pair_axis) {
   return rope_qk_cpu_impl("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                          offset, cu_seqlens, true);
+                          offset, cu_seqlens, pair_axis, true);
 }
 
 void rope__cpu(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-               const std::optional<at::Tensor>& cu_seqlens) {
+               const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
   constexpr const char* op = "rope_";
-  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
-  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, false);
+  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, false);
 }
 
 at::Tensor rope_cos_sin_cpu_impl(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

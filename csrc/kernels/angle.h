@@ -74,5 +74,46 @@ inline void sincos_row(double position, const double* inv_freq, int64_t n, doubl
 }
 #endif
 
+// Multi-axis rotary (images, video, multimodal text): a token has one position per axis (time, height, width,
+// ...) and frequency pair i follows the axis pair_axis[i], so its angle is positions[pair_axis[i]] * inv_freq[i],
+// the same float64 product as a one-axis angle. Every pair_axis[i] lies in [0, n_axes) (checked by the caller).
+POSENC_INLINE double pair_angle(const double* positions, const int32_t* pair_axis, const double* inv_freq,
+                                int64_t i) {
+  return positions[pair_axis[i]] * inv_freq[i];
+}
+
+#if !defined(__CUDACC__)
+// sin and cos of pair_angle(positions, pair_axis, inv_freq, i) for i < n, positions holding the token's n_axes
+// positions. The path is sincos_row's, chosen by the largest of them: the fast reduction when every angle
+// lies within kFastAngle. The loop gathers each pair's position (a vector gather where the capability has
+// one), so interleaved sections cost what contiguous ones do.
+inline void sincos_row_axes(const double* positions, int64_t n_axes, const int32_t* pair_axis,
+                            const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out, float* cos_out) {
+  bool fast = true;
+  for (int64_t a = 0; a < n_axes; ++a) fast = fast && std::abs(positions[a]) * max_abs_freq <= kFastAngle;
+  if (fast) {
+    for (int64_t i = 0; i < n; ++i) {
+      sincos_reduced(pair_angle(positions, pair_axis, inv_freq, i), sin_out[i], cos_out[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {  // far positions
+    const double angle = pair_angle(positions, pair_axis, inv_freq, i);
+    sin_out[i] = static_cast<float>(std::sin(angle));
+    cos_out[i] = static_cast<float>(std::cos(angle));
+  }
+}
+
+inline void sincos_row_axes(const double* positions, int64_t /*n_axes*/, const int32_t* pair_axis,
+                            const double* inv_freq, int64_t n, double /*max_abs_freq*/, double* sin_out,
+                            double* cos_out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double angle = pair_angle(positions, pair_axis, inv_freq, i);
+    sin_out[i] = std::sin(angle);
+    cos_out[i] = std::cos(angle);
+  }
+}
+#endif
+
 }  // namespace POSENC_KERNEL_NAMESPACE
 }  // namespace posenc::kernels

@@ -1,5 +1,6 @@
 // Meta kernels of the rotary family: the CPU kernels' checks and output metadata (fresh, contiguous,
-// the input's dtype), no data read. Value checks of cu_seqlens need data and run on real tensors only.
+// the input's dtype), no data read. Value checks of cu_seqlens and pair_axis need data and run on real tensors
+// only.
 #include "common/rope.h"
 
 #include <ATen/ops/empty.h>
@@ -12,15 +13,16 @@ namespace {
 
 at::Tensor rope_meta(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                      double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                     const std::optional<at::Tensor>& cu_seqlens) {
-  check_rope("rope", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+                     const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  check_rope("rope", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
 at::Tensor rope_backward_meta(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
                               const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
-  check_rope("rope_backward", {{"grad", &grad}}, positions, inv_freq, layout, format, cu_seqlens);
+                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                              const std::optional<at::Tensor>& pair_axis) {
+  check_rope("rope_backward", {{"grad", &grad}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   return at::empty_symint(grad.sym_sizes(), grad.options());
 }
 
@@ -28,8 +30,9 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_meta(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                                 double attention_scale, c10::string_view layout,
                                                 c10::string_view format, int64_t offset,
-                                                const std::optional<at::Tensor>& cu_seqlens) {
-  check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens);
+                                                const std::optional<at::Tensor>& cu_seqlens,
+                                                const std::optional<at::Tensor>& pair_axis) {
+  check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
 }
 
@@ -37,17 +40,18 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_backward_meta(const at::Tensor& grad_
                                                          const std::optional<at::Tensor>& positions,
                                                          const at::Tensor& inv_freq, double attention_scale,
                                                          c10::string_view layout, c10::string_view format,
-                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                                                         const std::optional<at::Tensor>& pair_axis) {
   check_rope("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq, layout, format,
-             cu_seqlens);
+             cu_seqlens, pair_axis);
   return {at::empty_symint(grad_q.sym_sizes(), grad_q.options()),
           at::empty_symint(grad_k.sym_sizes(), grad_k.options())};
 }
 
 void rope__meta(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                 double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                const std::optional<at::Tensor>& cu_seqlens) {
-  check_rope("rope_", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  check_rope("rope_", {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
 }
 
 at::Tensor rope_cos_sin_meta(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

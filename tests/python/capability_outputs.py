@@ -73,6 +73,14 @@ def outputs():
                 inplace = q.clone()
                 PF.rope_(inplace, positions, freq, 1.0, layout, fmt)
                 out[f"rope_/{key}"] = inplace
+                # Multi-axis: three axes mixing near and far positions, interleaved pair axes.
+                axes = torch.stack([positions, positions.flip(0), positions // 3])
+                pair_axis = (torch.arange(65) * 7) % 3
+                out[f"rope_axes/{key}"] = PF.rope(q, axes, freq, 0.9, layout, fmt, 2, None, pair_axis)
+                if fmt != "thd":
+                    rows = torch.stack([axes, axes.roll(1, 1)], 1)  # [3, B, S]
+                    qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
+                    out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                 angle = positions[:8, None].double() * freq
                 cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
                 out[f"rope_cos_sin/{key}"] = PF.rope_cos_sin(q, cos, sin, layout, fmt)

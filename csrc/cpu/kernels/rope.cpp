@@ -14,13 +14,19 @@ namespace {
 
 using namespace posenc::kernels;
 
-// cos/sin of each pair of a position (the angle engine's row), times the attention scale; sin negated for
-// the inverse rotation.
-template <typename opmath_t>
-void angle_coeffs(double position, const double* inv_freq, int64_t pairs, double max_abs_freq, opmath_t scale,
-                  bool inverse, opmath_t* cos, opmath_t* sin) {
-  sincos_row(position, inv_freq, pairs, max_abs_freq, sin, cos);
-  const opmath_t sin_scale = inverse ? -scale : scale;
+// cos/sin of each pair of token `index` (the angle engine's row: one position, or one per axis), times the
+// attention scale; sin negated for the inverse rotation.
+template <typename scalar_t, typename opmath_t>
+void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t scale, opmath_t* cos,
+                  opmath_t* sin) {
+  const int64_t pairs = problem.pairs;
+  if (problem.pair_axis == nullptr) {
+    sincos_row(problem.positions[index], problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
+  } else {
+    sincos_row_axes(problem.positions + index * problem.n_axes, problem.n_axes, problem.pair_axis, problem.inv_freq,
+                    pairs, problem.max_abs_freq, sin, cos);
+  }
+  const opmath_t sin_scale = problem.inverse ? -scale : scale;
   for (int64_t i = 0; i < pairs; ++i) {
     cos[i] *= scale;
     sin[i] *= sin_scale;
@@ -47,8 +53,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
     parallel_for(0, seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
         opmath* row = &coeffs[s * 2 * pairs];
-        angle_coeffs(problem.positions[s], problem.inv_freq, pairs, problem.max_abs_freq, scale, problem.inverse, row,
-                     row + pairs);
+        angle_coeffs(problem, s, scale, row, row + pairs);
       }
     });
   }
@@ -62,8 +67,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
       if (table) {
         row = &coeffs[s * 2 * pairs];
       } else {
-        angle_coeffs(problem.positions[problem.shared_positions ? s : n], problem.inv_freq, pairs,
-                     problem.max_abs_freq, scale, problem.inverse, own.data(), own.data() + pairs);
+        angle_coeffs(problem, problem.shared_positions ? s : n, scale, own.data(), own.data() + pairs);
       }
       const PairCoeffs<opmath> k{row, row + pairs, row, row + pairs};
       for (int64_t v = 0; v < problem.num_views; ++v) {

@@ -6,7 +6,9 @@
 namespace posenc::cpu {
 
 // Rotates every view's token (b, s) by angle(p, i) = p * inv_freq[i], p = positions[s] (shared by the batch)
-// or positions[b * seq + s], cos and sin times attention_scale; inverse: by -angle.
+// or positions[b * seq + s], cos and sin times attention_scale; inverse: by -angle. Multi-axis (pair_axis not
+// null): token n has n_axes positions, positions[n * n_axes + a], and pair i takes the one of axis
+// pair_axis[i], every value in [0, n_axes).
 template <typename scalar_t>
 struct RopeProblem {
   const RotaryView<scalar_t>* views;  // x (rope), or q and k (rope_qk); none empty
@@ -15,6 +17,8 @@ struct RopeProblem {
   int64_t seq;
   const double* positions;
   bool shared_positions;
+  int64_t n_axes;            // 1 without pair_axis
+  const int32_t* pair_axis;  // [pairs], or null: every pair follows the one position
   const double* inv_freq;
   int64_t pairs;
   double max_abs_freq;

@@ -5,6 +5,7 @@
 #include <posenc/embedding.h>
 #include <posenc/frequencies.h>
 #include <posenc/learned.h>
+#include <posenc/multiaxis.h>
 #include <posenc/rope.h>
 #include <posenc/sinusoidal.h>
 #include <posenc/t5.h>

@@ -18,34 +18,42 @@ namespace posenc {
 // channels pass through. format: "bshd", "bhsd", "sbhd" or "thd" (packed; cu_seqlens restarts positions per
 // sequence). positions: none (offset + arange), [S] (or [T]) or [B, S], int64 or int32; offset is added to
 // them too. Any strides; the result is a fresh tensor, contiguous in x's format.
+// Multi-axis positions (images, video, multimodal text): pair_axis [r / 2] (int64 or int32) gives the axis of
+// each frequency pair, positions carry a leading axis dimension ([n_axes, S], [n_axes, B, S] or [n_axes, T]),
+// and angle(i) = positions[pair_axis[i], ...] * inv_freq[i] (see posenc::frequencies::mrope / multiaxis).
 at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                 double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
-                int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+                int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                const std::optional<at::Tensor>& pair_axis = std::nullopt);
 
 // The gradient of rope: grad rotated by -angle (times attention_scale).
 at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                          double attention_scale = 1.0, std::string_view layout = "neox",
                          std::string_view format = "bshd", int64_t offset = 0,
-                         const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+                         const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                         const std::optional<at::Tensor>& pair_axis = std::nullopt);
 
 // q and k rotated in one pass (the angles are formed once for both); their head counts may differ.
 std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
                                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                            double attention_scale = 1.0, std::string_view layout = "neox",
                                            std::string_view format = "bshd", int64_t offset = 0,
-                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                                           const std::optional<at::Tensor>& pair_axis = std::nullopt);
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                                     const std::optional<at::Tensor>& positions,
                                                     const at::Tensor& inv_freq, double attention_scale = 1.0,
                                                     std::string_view layout = "neox", std::string_view format = "bshd",
                                                     int64_t offset = 0,
-                                                    const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+                                                    const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                                                    const std::optional<at::Tensor>& pair_axis = std::nullopt);
 
 // rope in place, for inference paths (x's own strides are kept).
 void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
            double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
-           int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+           int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+           const std::optional<at::Tensor>& pair_axis = std::nullopt);
 
 // Hugging Face's apply_rotary_pos_emb for one tensor: x * cos + rotate(x) * sin with explicit tables
 // [S, r] or [B or 1, S, r] ([T, r] for thd), r <= head_dim; the other channels pass through.

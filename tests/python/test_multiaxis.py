@@ -1,0 +1,563 @@
+"""Multi-axis rotary: rope / rope_qk / rope_ and their backwards with pair_axis against a float64 reference written
+here, the frequency builders, the position grids, the modules, and parity with the reference implementations
+(Hugging Face transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotary and get_rope_index, diffusers' Flux
+rotary); gradients, opcheck, torch.compile, torch.export, TorchScript and the bad inputs."""
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import posenc
+from posenc import frequencies as FQ
+from posenc import functional as PF
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
+PERMUTE = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+
+
+def tolerance(dtype):
+    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
+            torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
+
+
+def to_format(x, fmt):
+    """bshd [B, S, H, D] -> the layout of `fmt` (thd needs B = 1)."""
+    return x[0] if fmt == "thd" else x.permute(PERMUTE[fmt])
+
+
+def from_format(x, fmt):
+    return x[None] if fmt == "thd" else x.permute(PERMUTE[fmt])
+
+
+def reference_axes(x, positions, pair_axis, inv_freq, layout="neox", scale=1.0):
+    """float64 multi-axis RoPE of bshd x from the definition: pair i of the layout rotates by
+    positions[pair_axis[i], ...] * inv_freq[i]; positions [n_axes, S] (shared) or [n_axes, B, S]."""
+    x = x.double()
+    pairs = inv_freq.numel()
+    per_pair = positions.double()[pair_axis.long()]  # [pairs, (B,) S]
+    angle = per_pair.movedim(0, -1) * inv_freq.double()  # [(B,) S, pairs]
+    cos, sin = (angle.cos() * scale)[..., None, :], (angle.sin() * scale)[..., None, :]
+    if layout == "neox":
+        first, second = torch.arange(pairs), torch.arange(pairs) + pairs
+    else:
+        first, second = torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
+    out = x.clone()
+    x1, x2 = x[..., first], x[..., second]
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x2 * cos + x1 * sin
+    return out
+
+
+# ---------------------------------------------------------------- the ops against the float64 reference
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("fmt, kind", [(fmt, kind) for fmt in FORMATS for kind in ("shared", "rows")
+                                       if not (fmt == "thd" and kind == "rows")])  # thd: [n_axes, T] only
+def test_rope_values(dtype, layout, fmt, kind):
+    batch = 1 if fmt == "thd" else 3
+    x = torch.randn(batch, 7, 2, 14).to(dtype)  # partial rotary: 10 of 14 channels
+    inv_freq = FQ.rope(10, 100.0)[0]
+    pair_axis = torch.tensor([2, 0, 1, 1, 0], dtype=torch.int32)
+    shape = (3, 7) if kind == "shared" else (3, batch, 7)
+    positions = torch.randint(-50, 3000, shape)
+    out = PF.rope(to_format(x, fmt), positions, inv_freq, 0.75, layout, fmt, 4, None, pair_axis)
+    expected = reference_axes(x, positions + 4, pair_axis, inv_freq, layout, 0.75)
+    assert_close(from_format(out, fmt).double(), expected, **tolerance(dtype))
+    assert out.dtype == dtype and out.is_contiguous()
+
+
+def test_equal_axes_give_the_bits_of_the_one_axis_rotation(same_bits_for_any_thread_count):
+    """Text tokens of Qwen2-VL sit at the same position on every axis: the result must be one-axis rope's bits."""
+    q, k = torch.randn(2, 9, 4, 16), torch.randn(2, 9, 2, 16)
+    inv_freq, pair_axis = FQ.mrope(16, [2, 3, 3])
+    positions = torch.randint(0, 2 ** 30, (2, 9))  # far positions: the libm path too
+    one = PF.rope_qk(q, k, positions, inv_freq)
+    three = same_bits_for_any_thread_count(
+        lambda: PF.rope_qk(q, k, positions.expand(3, 2, 9), inv_freq, pair_axis=pair_axis))
+    assert all(torch.equal(a, b) for a, b in zip(one, three))
+    shared = PF.rope(q, torch.arange(9).expand(3, 9), inv_freq, pair_axis=pair_axis)
+    assert torch.equal(shared, PF.rope(q, None, inv_freq))
+
+
+def test_far_positions_take_the_exact_path():
+    x = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    inv_freq, pair_axis = FQ.axial(8, 2)
+    positions = torch.tensor([[0, 2 ** 40 + 1, 5, -(2 ** 52)], [2 ** 30, 3, 2 ** 27 + 9, 1]])
+    expected = reference_axes(x, positions, pair_axis, inv_freq)
+    assert_close(PF.rope(x, positions, inv_freq, pair_axis=pair_axis).double(), expected, atol=1e-12, rtol=0)
+    assert_close(PF.rope(x.float(), positions, inv_freq, pair_axis=pair_axis).double(), expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rope_qk_inplace_and_backward(fmt):
+    batch = 1 if fmt == "thd" else 2
+    q, k = torch.randn(batch, 6, 4, 12), torch.randn(batch, 6, 1, 12)
+    inv_freq, pair_axis = FQ.multiaxis([4, 8], [100.0, 1000.0])
+    positions = torch.randint(0, 40, (2, 6))
+    args = (positions, inv_freq, 1.0, "gptj", fmt, 0, None, pair_axis)
+    out_q, out_k = PF.rope_qk(to_format(q, fmt), to_format(k, fmt), *args)
+    assert_close(from_format(out_q, fmt).double(), reference_axes(q, positions, pair_axis, inv_freq, "gptj"),
+                 atol=2e-6, rtol=1e-6)
+    assert torch.equal(out_k, PF.rope(to_format(k, fmt), *args))
+    inplace = to_format(q, fmt).clone()
+    PF.rope_(inplace, *args)
+    assert torch.equal(inplace, out_q)
+    # The backward rotates by -angle: it undoes the forward.
+    back_q, back_k = PF.rope_qk_backward(out_q, out_k, *args)
+    assert_close(back_q, to_format(q, fmt), atol=2e-6, rtol=1e-6)
+    assert torch.equal(PF.rope_backward(out_k, *args), back_k)
+
+
+def test_cu_seqlens_do_not_change_given_positions():
+    x = torch.randn(9, 2, 8)
+    inv_freq, pair_axis = FQ.axial(8)
+    positions = torch.randint(0, 9, (2, 9))
+    packed = PF.rope(x, positions, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 4, 9]), pair_axis)
+    assert torch.equal(packed, PF.rope(x, positions, inv_freq, 1.0, "neox", "thd", 0, None, pair_axis))
+
+
+def test_strided_views_and_int64_pair_axis():
+    qkv = torch.randn(2, 5, 3, 4, 16)
+    q = qkv[:, :, 0]  # a view of a fused projection
+    inv_freq, pair_axis = FQ.mrope(16, [4, 2, 2], interleaved=True)
+    positions = torch.randint(0, 30, (3, 2, 5))
+    assert_close(PF.rope(q, positions, inv_freq, pair_axis=pair_axis).double(),
+                 reference_axes(q, positions, pair_axis, inv_freq), atol=2e-6, rtol=1e-6)
+
+
+def test_gradients():
+    inv_freq, pair_axis = FQ.mrope(8, [2, 1, 1], 50.0)
+    positions = torch.randint(0, 20, (3, 2, 3))
+    q = torch.randn(2, 3, 2, 10, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, 1, 10, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k):
+        return PF.rope_qk(q, k, positions, inv_freq, 0.5, "neox", "bshd", 2, None, pair_axis)
+
+    assert torch.autograd.gradcheck(fn, (q, k))
+    assert torch.autograd.gradgradcheck(fn, (q, k))
+    out = PF.rope(q, positions, inv_freq, 0.5, "gptj", "bshd", 2, None, pair_axis)
+    grad = torch.randn_like(out)
+    (grad_q,) = torch.autograd.grad(out, q, grad)
+    assert_close(grad_q, PF.rope_backward(grad, positions, inv_freq, 0.5, "gptj", "bshd", 2, None, pair_axis))
+
+
+def test_inplace_autograd_through_a_non_leaf():
+    inv_freq, pair_axis = FQ.axial(8)
+    positions = PF.image_positions(2, 3)
+    x = torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True)
+    y = x * 1.0
+    PF.rope_(y, positions, inv_freq, pair_axis=pair_axis)
+    grad = torch.randn_like(y)
+    (grad_x,) = torch.autograd.grad(y, x, grad)
+    assert_close(grad_x, PF.rope_backward(grad, positions, inv_freq, pair_axis=pair_axis))
+
+
+# ---------------------------------------------------------------- frequency builders
+
+def test_multiaxis_and_axial_frequencies():
+    inv_freq, pair_axis = FQ.multiaxis([16, 56, 56], 10000.0)
+    expected = torch.cat([torch.tensor([10000.0 ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+                          for d in (16, 56, 56)])
+    assert_close(inv_freq, expected, rtol=1e-14, atol=0)
+    assert pair_axis.tolist() == [0] * 8 + [1] * 28 + [2] * 28
+    inv_freq, pair_axis = FQ.multiaxis([4, 6], [10.0, 20.0])
+    assert_close(inv_freq, torch.tensor([1.0, 10 ** -0.5, 1.0, 20 ** (-1 / 3), 20 ** (-2 / 3)], dtype=torch.float64))
+    assert pair_axis.tolist() == [0, 0, 1, 1, 1]
+    inv_freq, pair_axis = FQ.axial(16, 2, 100.0)  # base ** (-4 i / 16) per axis
+    assert_close(inv_freq, torch.tensor([100.0 ** (-4 * i / 16) for i in range(4)] * 2, dtype=torch.float64))
+    assert pair_axis.tolist() == [0] * 4 + [1] * 4
+
+
+def test_mrope_pair_axis_consecutive_and_interleaved():
+    assert FQ.mrope_pair_axis([16, 24, 24]).tolist() == [0] * 16 + [1] * 24 + [2] * 24
+    # Qwen3-VL: pairs 1, 4, 7, ... < 60 follow height, 2, 5, 8, ... < 60 width, the rest time.
+    axis = FQ.mrope_pair_axis([24, 20, 20], interleaved=True).tolist()
+    assert axis == [(i % 3 if i < 60 else 0) for i in range(64)]
+    assert [axis.count(a) for a in range(3)] == [24, 20, 20]
+    inv_freq, pair_axis = FQ.mrope(128, [16, 24, 24], 1e6)
+    assert_close(inv_freq, FQ.rope(128, 1e6)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: FQ.mrope(128, [16, 24, 23]), "mrope_section .* holds 63 frequency pairs but rotary_dim 128 has 64"),
+    (lambda: FQ.mrope_pair_axis([]), "mrope_section is empty"),
+    (lambda: FQ.mrope_pair_axis([2, -1]), r"mrope_section\[1\] must not be negative"),
+    (lambda: FQ.axial(12, 4), "rotary_dim 12 must be a positive multiple of 2 \\* n_axes = 8"),
+    (lambda: FQ.multiaxis([16, 7]), r"axes_dim\[1\] must be even"),
+    (lambda: FQ.multiaxis([16, 8], [1.0, 2.0, 3.0]), "got 3 bases for 2 axes"),
+])
+def test_frequency_builders_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------- position grids
+
+def test_image_and_video_positions():
+    assert PF.image_positions(2, 3).tolist() == [[0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]]
+    video = PF.video_positions(2, 2, 2, time_interval=2.5)
+    assert video.tolist() == [[0] * 4 + [2] * 4, [0, 0, 1, 1] * 2, [0, 1, 0, 1] * 2]
+    assert PF.image_positions(0, 3).shape == (2, 0) and PF.video_positions(3, 2, 0).shape == (3, 0)
+
+
+def hf_get_rope_index(model_class, config, *args, **kwargs):
+    """transformers' get_rope_index (a method of the VL model that reads only its config) on a stand-in."""
+    stand_in = types.SimpleNamespace(config=config)
+    stand_in.get_vision_position_ids = types.MethodType(model_class.get_vision_position_ids, stand_in)
+    return model_class.get_rope_index(stand_in, *args, **kwargs)
+
+
+def multimodal_batch():
+    """Two rows, left padding on the second: text, an image (grid 1x4x6, merge 2: 6 tokens), text, a video
+    (grid 3x4x4: 12 tokens), text."""
+    row = [0] * 3 + [1] * 6 + [0] * 2 + [2] * 12 + [0] * 4
+    types_ = torch.tensor([row, [0] * 2 + row[:-2]], dtype=torch.int32)
+    mask = torch.ones_like(types_)
+    mask[1, :2] = 0
+    image_grid = torch.tensor([[1, 4, 6], [1, 4, 6]])
+    video_grid = torch.tensor([[3, 4, 4], [3, 4, 4]])
+    return types_, mask, image_grid, video_grid
+
+
+@pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_mrope_positions_match_hugging_face_get_rope_index(model):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    token_types, mask, image_grid, video_grid = multimodal_batch()
+    input_ids = torch.zeros_like(token_types, dtype=torch.long)
+    kwargs = dict(attention_mask=mask)
+    if model == "qwen2_vl":
+        expected = hf_get_rope_index(Qwen2VLModel, Qwen2VLConfig(), input_ids, token_types, image_grid, video_grid,
+                                     **kwargs)
+        ours = PF.mrope_positions(token_types, image_grid, video_grid, mask, 2)
+    elif model == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig()
+        seconds = torch.tensor([0.5, 1.0 / 3.0])  # float32, as the processor makes them
+        expected = hf_get_rope_index(Qwen2_5_VLModel, config, input_ids, token_types, image_grid, video_grid, seconds,
+                                     **kwargs)
+        ours = PF.mrope_positions(token_types, image_grid, video_grid, mask, 2,
+                                  config.vision_config.tokens_per_second, seconds)
+    else:
+        # Qwen3-VL separates a video's frames by timestamps (text): one run of video tokens per frame.
+        row = [0] * 3 + [1] * 6 + [0] * 2 + ([2] * 4 + [0]) * 3 + [0] * 3
+        token_types = torch.tensor([row, [0] * 2 + row[:-2]], dtype=torch.int32)
+        input_ids = torch.zeros_like(token_types, dtype=torch.long)
+        mask = torch.ones_like(token_types)
+        mask[1, :2] = 0
+        expected = hf_get_rope_index(Qwen3VLModel, Qwen3VLConfig(), input_ids, token_types, image_grid,
+                                     video_grid.clone(), attention_mask=mask)
+        ours = PF.mrope_positions(token_types, image_grid, video_grid, mask, 2, split_video_frames=True)
+    positions, deltas = ours
+    assert torch.equal(positions, expected[0]) and torch.equal(deltas, expected[1])
+    assert positions.dtype == deltas.dtype == torch.int64
+
+
+def test_mrope_positions_without_vision_count_up_and_meta():
+    token_types = torch.zeros(2, 5, dtype=torch.long)
+    positions, deltas = PF.mrope_positions(token_types)
+    assert torch.equal(positions, torch.arange(5).expand(3, 2, 5)) and deltas.tolist() == [[0], [0]]
+    meta = PF.mrope_positions(token_types.to("meta"))
+    assert meta[0].shape == (3, 2, 5) and meta[1].shape == (2, 1)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.mrope_positions(torch.tensor([[0, 1, 1]]), torch.tensor([[1, 2, 2]])),
+     r"row 0 has a run of 2 image tokens at position 1 but its grid \(1, 2, 2\) with spatial_merge_size 2 has 1"),
+    (lambda: PF.mrope_positions(torch.tensor([[0, 2]])), "row 0 has more runs of video tokens than the 0 grids"),
+    (lambda: PF.mrope_positions(torch.tensor([[0, 3]])), r"token_types holds 3 at \[0, 1\]"),
+    (lambda: PF.mrope_positions(torch.tensor([0, 1])), r"token_types must be 2-D \[batch, seq\]"),
+    (lambda: PF.mrope_positions(torch.tensor([[0.0]])), "token_types must be an integer tensor"),
+    (lambda: PF.mrope_positions(torch.tensor([[1]]), torch.tensor([1, 2, 2])),
+     r"image_grid_thw must be \[num_grids, 3\]"),
+    (lambda: PF.mrope_positions(torch.tensor([[1]]), torch.tensor([[0, 2, 2]])),
+     r"image_grid_thw\[0\] = \(0, 2, 2\) must be positive"),
+    (lambda: PF.mrope_positions(torch.tensor([[0]]), attention_mask=torch.ones(1, 2)), "attention_mask has shape"),
+    (lambda: PF.mrope_positions(torch.tensor([[0]]), spatial_merge_size=0), "spatial_merge_size must be at least 1"),
+])
+def test_mrope_positions_bad_input(call, message):
+    with pytest.raises(RuntimeError, match="posenc.mrope_positions: " + message):
+        call()
+
+
+# ---------------------------------------------------------------- parity with Hugging Face and diffusers
+
+def tiny_text_config(model):
+    from transformers import Qwen2_5_VLTextConfig, Qwen2VLTextConfig, Qwen3VLTextConfig
+    section = [2, 3, 3]
+    if model == "qwen3_vl":
+        return Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0,
+                                                  "mrope_section": section, "mrope_interleaved": True})
+    config_class = Qwen2VLTextConfig if model == "qwen2_vl" else Qwen2_5_VLTextConfig
+    return config_class(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        rope_scaling={"type": "mrope", "rope_theta": 1000.0, "mrope_section": section})
+
+
+@pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_multimodal_module_matches_hugging_face(model):
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
+
+    config = tiny_text_config(model)
+    hf_rotary = {"qwen2_vl": qwen2.Qwen2VLRotaryEmbedding, "qwen2_5_vl": qwen2_5.Qwen2_5_VLRotaryEmbedding,
+                 "qwen3_vl": qwen3.Qwen3VLTextRotaryEmbedding}[model](config)
+    apply = {"qwen2_vl": qwen2, "qwen2_5_vl": qwen2_5, "qwen3_vl": qwen3}[model].apply_rotary_pos_emb
+    token_types, mask, image_grid, video_grid = multimodal_batch()
+    positions, _ = PF.mrope_positions(token_types, image_grid, video_grid, mask, 2)
+    q = torch.randn(2, 4, token_types.shape[1], 16, requires_grad=True)  # bhsd, as transformers' attention
+    k = torch.randn(2, 2, token_types.shape[1], 16, requires_grad=True)
+    cos, sin = hf_rotary(q, positions)
+    expected = apply(q, k, cos, sin)
+    rotary = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(config, format="bhsd")
+    assert rotary.interleaved == (model == "qwen3_vl")
+    ours = rotary(q, k, positions)
+    for a, b in zip(ours, expected):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grads = [torch.randn_like(t) for t in expected]
+    assert_close(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(expected, (q, k), grads), atol=1e-5,
+                 rtol=1e-5)
+
+
+def test_multimodal_from_full_hf_configs():
+    from transformers import Qwen2VLConfig, Qwen3VLConfig
+    qwen2 = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(Qwen2VLConfig())
+    assert qwen2.mrope_section == [16, 24, 24] and not qwen2.interleaved and qwen2.head_dim == 128
+    assert_close(qwen2.inv_freq, FQ.rope(128, 1e6)[0], rtol=0, atol=0)
+    qwen3 = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(Qwen3VLConfig().to_dict())
+    assert qwen3.mrope_section == [24, 20, 20] and qwen3.interleaved and qwen3.base == 500000.0
+    yarn = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(
+        {"model_type": "qwen2_vl_text", "hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 4096,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mrope_section": [2, 3, 3], "rope_theta": 1e4}})
+    inv_freq, scale = FQ.rope(16, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
+    assert_close(yarn.inv_freq, inv_freq, rtol=0, atol=0) and yarn.attention_scale == scale
+
+
+def test_axial_module_matches_hugging_face_qwen2_vl_vision():
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (Qwen2VLVisionRotaryEmbedding,
+                                                                apply_rotary_pos_emb_vision)
+    config = Qwen2VLConfig(vision_config={"embed_dim": 64, "num_heads": 4}).vision_config
+    positions = PF.image_positions(4, 6)  # [2, 24]: (row, column) of packed patches
+    q, k = torch.randn(24, 4, 16), torch.randn(24, 4, 16)
+    cos, sin = Qwen2VLVisionRotaryEmbedding(config)(q, positions.T)  # it takes [T, 2]
+    expected = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    rotary = posenc.nn.AxialRotaryEmbedding.from_hf_config(config)
+    for a, b in zip(rotary(q, k, positions), expected):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_axial_module_matches_diffusers_flux():
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    axes_dim = [4, 6, 6]
+    text_ids = torch.zeros(3, 3)
+    image_ids = torch.zeros(4, 5, 3)
+    image_ids[..., 1] += torch.arange(4)[:, None]
+    image_ids[..., 2] += torch.arange(5)[None, :]
+    ids = torch.cat([text_ids, image_ids.reshape(20, 3)])  # [S, 3] as the Flux pipeline builds them
+    cos, sin = FluxPosEmbed(10000, axes_dim)(ids)
+    q = torch.randn(2, 3, 23, 16, requires_grad=True)  # [B, H, S, D]; 16 channels, the axes rotate all of them
+    k = torch.randn(2, 3, 23, 16, requires_grad=True)
+    expected = (apply_rotary_emb(q, (cos, sin)), apply_rotary_emb(k, (cos, sin)))
+    rotary = posenc.nn.AxialRotaryEmbedding(16, axes_dim=axes_dim, layout="gptj", format="bhsd")
+    ours = rotary(q, k, ids.T.long())
+    for a, b in zip(ours, expected):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grads = [torch.randn_like(t) for t in expected]
+    assert_close(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(expected, (q, k), grads), atol=1e-5,
+                 rtol=1e-5)
+
+
+def test_axial_2d_matches_a_float64_reference_written_here():
+    """Axial RoPE of a ViT: half the pairs rotate by the patch row, half by the column, each with
+    base ** (-4 i / head_dim), on every (row, column) of a 3 x 5 grid."""
+    head_dim, base, rows, cols = 16, 100.0, 3, 5
+    x = torch.randn(2, rows * cols, 3, head_dim, dtype=torch.float64)
+    w = torch.tensor([base ** (-4 * i / head_dim) for i in range(head_dim // 4)], dtype=torch.float64)
+    expected = torch.empty_like(x)
+    for token in range(rows * cols):
+        r, c = divmod(token, cols)
+        angles = torch.cat([r * w, c * w])  # pairs (j, j + 8), neox
+        for j, angle in enumerate(angles.tolist()):
+            x1, x2 = x[:, token, :, j], x[:, token, :, j + head_dim // 2]
+            expected[:, token, :, j] = x1 * torch.cos(torch.tensor(angle, dtype=torch.float64)) - \
+                x2 * torch.sin(torch.tensor(angle, dtype=torch.float64))
+            expected[:, token, :, j + head_dim // 2] = x2 * torch.cos(torch.tensor(angle, dtype=torch.float64)) + \
+                x1 * torch.sin(torch.tensor(angle, dtype=torch.float64))
+    rotary = posenc.nn.AxialRotaryEmbedding(head_dim, base=base)
+    out, _ = rotary(x, x, PF.image_positions(rows, cols))
+    assert_close(out, expected, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- modules
+
+def test_modules_script_and_keep_frequencies_exact():
+    multimodal = posenc.nn.MultimodalRotaryEmbedding(16, [2, 3, 3], 1e4, interleaved=True)
+    axial = posenc.nn.AxialRotaryEmbedding(16, axes_dim=[4, 8], layout="gptj")
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    positions = torch.randint(0, 30, (3, 2, 5))
+    for module, pos in ((multimodal, positions), (axial, positions[:2, 0])):
+        expected = module(q, k, pos)
+        scripted = torch.jit.script(module)
+        for a, b in zip(scripted(q, k, pos), expected):
+            assert torch.equal(a, b)
+        exact = module.inv_freq.clone()
+        for converted in (module.to(torch.bfloat16), scripted.to(torch.bfloat16), module.half()):
+            assert converted.inv_freq.dtype == torch.float64 and torch.equal(converted.inv_freq, exact)
+            assert converted.pair_axis.dtype == torch.int64
+        assert "inv_freq" not in module.state_dict()
+    # Text alone: positions of one dimension, or none.
+    assert torch.equal(multimodal(q, k, torch.arange(5))[0], PF.rope(q, None, multimodal.inv_freq))
+    assert torch.equal(multimodal(q, k)[1], PF.rope(k, None, multimodal.inv_freq))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: posenc.nn.MultimodalRotaryEmbedding(16, [2, 3, 2]), "holds 7 frequency pairs but head_dim 16 has 8"),
+    (lambda: posenc.nn.MultimodalRotaryEmbedding(16, [2, 3, 3], scaling={"rope_type": "dynamic", "factor": 2.0}),
+     'rope_type "dynamic" picks its frequencies per call'),
+    (lambda: posenc.nn.AxialRotaryEmbedding(16, axes_dim=[8, 10]), "rotate 18 channels, more than head_dim 16"),
+    (lambda: posenc.nn.AxialRotaryEmbedding(16, layout="half"), 'layout must be "neox" or "gptj"'),
+    (lambda: posenc.nn.MultimodalRotaryEmbedding.from_hf_config({"model_type": "llama", "hidden_size": 8,
+                                                                 "num_attention_heads": 1}), "hold no mrope_section"),
+])
+def test_module_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ---------------------------------------------------------------- opcheck, compile, export
+
+def opcheck_samples():
+    inv_freq, pair_axis = FQ.mrope(8, [2, 1, 1])
+    q = torch.randn(2, 5, 3, 10, requires_grad=True)
+    k = torch.randn(2, 5, 1, 10, requires_grad=True)
+    rows = torch.randint(0, 50, (3, 2, 5))
+    shared = torch.randint(0, 50, (3, 5))
+    yield "rope", torch.ops.posenc.rope.default, (q, rows, inv_freq, 0.5, "gptj", "bshd", 3, None, pair_axis)
+    yield "rope_thd", torch.ops.posenc.rope.default, (q[0], shared, inv_freq, 1.0, "neox", "thd", 0,
+                                                      torch.tensor([0, 2, 5]), pair_axis.int())
+    yield "rope_backward", torch.ops.posenc.rope_backward.default, (q.transpose(1, 2), shared, inv_freq, 1.0, "neox",
+                                                                    "bhsd", 0, None, pair_axis)
+    yield "rope_qk", torch.ops.posenc.rope_qk.default, (q, k, shared, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis)
+    yield "rope_qk_backward", torch.ops.posenc.rope_qk_backward.default, (q, k, rows, inv_freq, 1.0, "gptj", "bshd",
+                                                                          0, None, pair_axis)
+    yield "rope_", torch.ops.posenc.rope_.default, (q.detach().clone(), rows, inv_freq, 1.0, "neox", "bshd", 0, None,
+                                                    pair_axis)
+    token_types, mask, image_grid, video_grid = multimodal_batch()
+    yield "mrope_positions", torch.ops.posenc.mrope_positions.default, (token_types, image_grid, video_grid, mask)
+
+
+@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0])
+def test_opcheck(sample):
+    _, op, args = sample
+    torch.library.opcheck(op, args)
+
+
+class VisionBlock(torch.nn.Module):
+    """A tiny ViT attention block with 2-D axial rotary q/k over a patch grid."""
+
+    def __init__(self, heads=2, head_dim=8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(16, 3 * heads * head_dim)
+        self.rotary = posenc.nn.AxialRotaryEmbedding(head_dim)
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        q, k = self.rotary(q, k, positions)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2))
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_compile_fullgraph_forward_and_backward(compiled_matches_eager):
+    model = VisionBlock()
+    compiled_matches_eager(model, [torch.randn(2, 12, 16), PF.image_positions(3, 4)], [model.qkv.weight])
+    rotary = posenc.nn.MultimodalRotaryEmbedding(8, [2, 1, 1])
+    q = torch.randn(2, 6, 2, 8, requires_grad=True)
+    positions = torch.randint(0, 9, (3, 2, 6))
+    compiled_matches_eager(lambda q: rotary(q, q, positions)[0], [q], [q])
+
+
+def test_export():
+    model = VisionBlock()
+    x, positions = torch.randn(2, 12, 16), PF.image_positions(3, 4)
+    exported = torch.export.export(model, (x, positions))
+    assert_close(exported.module()(x, positions), model(x, positions))
+    assert "posenc.rope_qk" in str(exported.graph)
+
+
+# ---------------------------------------------------------------- bad input
+
+X = torch.randn(2, 4, 3, 8)
+INV, AXIS = FQ.axial(8)
+POS = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.rope(X, None, INV, pair_axis=AXIS),
+     r"posenc.rope: pair_axis needs positions with a leading axis dimension, \[n_axes, seq\] or \[n_axes, batch, "
+     r"seq\]; got none"),
+    (lambda: PF.rope(X, POS, INV, pair_axis=AXIS[:3]),
+     r"posenc.rope: pair_axis has shape \[3\] but needs \[4\], one axis per frequency pair of inv_freq"),
+    (lambda: PF.rope(X, POS, INV, pair_axis=AXIS.double()), "posenc.rope: pair_axis must be an int64 or int32 tensor"),
+    (lambda: PF.rope(X, POS, INV, pair_axis=AXIS + 1),
+     r"posenc.rope: pair_axis holds 2 at index 2, outside \[0, 2\) of the 2 axes of positions"),
+    (lambda: PF.rope(X, POS, INV, pair_axis=AXIS - 1), r"posenc.rope: pair_axis holds -1 at index 0"),
+    (lambda: PF.rope(X, torch.zeros(2, 5, dtype=torch.long), INV, pair_axis=AXIS),
+     r"posenc.rope: positions has shape \[2, 5\] but with pair_axis needs \[n_axes, 4\] or \[n_axes, 2, 4\]"),
+    (lambda: PF.rope(X, torch.zeros(4, dtype=torch.long), INV, pair_axis=AXIS), r"positions has shape \[4\]"),
+    (lambda: PF.rope(X[0], torch.zeros(2, 3, 4, dtype=torch.long), INV, format="thd", pair_axis=AXIS),
+     r"with pair_axis needs \[n_axes, 4\] \(n_axes >= 1\)"),
+    (lambda: PF.rope(X, POS.float(), INV, pair_axis=AXIS), "posenc.rope: positions must be an int64 .* got Float"),
+    (lambda: PF.rope_qk(X, X, POS + 2 ** 53 + 1, INV, pair_axis=AXIS), "posenc.rope_qk: position 9007199254740993"),
+    (lambda: PF.rope_(X.expand(2, 4, 3, 8), POS, INV, pair_axis=AXIS[:1]), "posenc.rope_: pair_axis has shape"),
+])
+def test_bad_input_messages(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_pair_axis_values_are_checked_before_any_read():
+    out = torch.zeros(2, 4, 3, 8)
+    with pytest.raises(RuntimeError, match="pair_axis holds 5"):
+        PF.rope_(out, POS, INV, pair_axis=torch.tensor([0, 1, 5, 0]))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_bad_input_meta_matches_cpu_and_values_need_data():
+    x = X.to("meta")
+    with pytest.raises(RuntimeError, match=r"pair_axis has shape \[3\] but needs \[4\]"):
+        PF.rope(x, POS.to("meta"), INV.to("meta"), pair_axis=AXIS[:3].to("meta"))
+    assert PF.rope(x, POS.to("meta"), INV.to("meta"), pair_axis=(AXIS + 7).to("meta")).shape == X.shape
+
+
+def test_empty_inputs():
+    assert PF.rope(torch.randn(2, 0, 3, 8), torch.zeros(2, 0, dtype=torch.long), INV, pair_axis=AXIS).shape == \
+        (2, 0, 3, 8)
+    assert PF.rope(torch.randn(0, 4, 3, 8), torch.zeros(2, 0, 4, dtype=torch.long), INV,
+                   pair_axis=AXIS).shape == (0, 4, 3, 8)
+
+
+# ---------------------------------------------------------------- the worked examples of docs/multiaxis-rope.md
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "multiaxis-rope.md"
+
+
+@pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", DOC.read_text()))))
+def test_docs_examples_run(index):
+    """Every Python block of the guide runs (its own asserts check the values)."""
+    block = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)[index]
+    exec(compile(block, f"{DOC.name}[{index}]", "exec"), {})
