@@ -15,7 +15,8 @@
 #   summary.json       what passed, what failed, how long each step took
 #
 # The C++ tests (ctest) build and run too where GoogleTest is installed. A folder .whl/ of wheels (Liger's
-# rope kernel for the benchmark: scripts/gpu_wheels.sh makes it) is installed into a scratch folder first.
+# rope kernel for the benchmark, rotary-embedding-torch for the tests: scripts/gpu_wheels.sh makes it) is
+# installed into a scratch folder first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUTDIR}" && cd "$1" && pwd)
