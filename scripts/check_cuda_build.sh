@@ -8,8 +8,8 @@
 #   bash scripts/check_cuda_build.sh /work/venvs/cuda214 torch==2.14.1
 #
 # VENV is made where it does not exist; TORCH, a pip requirement, is installed into it (with the test
-# requirements, torch pinned). The build folder is build/cuda-torch-<version> (scripts/cuda_build.sh; CUDAARCHS
-# defaults to 90).
+# requirements, torch pinned). The build folder is build/cuda-torch-<version> (POSENC_CUDA_BUILD_DIR overrides;
+# scripts/cuda_build.sh; CUDAARCHS defaults to 90).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -23,7 +23,7 @@ torch_version=$("$py" -c 'import torch; print(torch.__version__)')
 "$py" -c 'import torch; assert torch.version.cuda, "check_cuda_build.sh needs a CUDA build of torch"'
 echo "torch==${torch_version%%+*}" > "$VENV/posenc-constraints.txt"   # nothing may move torch
 "$py" -m pip install -q -c "$VENV/posenc-constraints.txt" pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
-build=$ROOT/build/cuda-torch-$torch_version
+build=${POSENC_CUDA_BUILD_DIR:-$ROOT/build/cuda-torch-$torch_version}
 
 echo "== build with CUDA kernels against torch $torch_version"
 start=$SECONDS

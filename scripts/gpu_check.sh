@@ -23,7 +23,7 @@ OUT=$(mkdir -p "${1:?usage: scripts/gpu_check.sh OUTDIR}" && cd "$1" && pwd)
 PYTHON=${PYTHON:-python3}
 BUILD=build/gpu
 export PYTHONUNBUFFERED=1 CUDAARCHS=${CUDAARCHS:-90}
-DEADLINE=${POSENC_GPU_CHECK_SECONDS:-470}
+DEADLINE=${POSENC_GPU_CHECK_SECONDS:-480}
 declare -A STATUS SECONDS_TAKEN
 
 # Runs a step with at most its budget of seconds, or what is left before the deadline.
@@ -74,16 +74,16 @@ gtest=OFF
 if [ -e /usr/include/gtest/gtest.h ] || [ -d /usr/lib/x86_64-linux-gnu/cmake/GTest ] || [ -d /usr/local/lib/cmake/GTest ]; then
   gtest=ON
 fi
-step build 240 "$OUT/build.log" bash scripts/cuda_build.sh "$BUILD" "$PYTHON" -DPOSENC_BUILD_TESTS=$gtest
+step build 220 "$OUT/build.log" bash scripts/cuda_build.sh "$BUILD" "$PYTHON" -DPOSENC_BUILD_TESTS=$gtest
 built=$?
 export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 
 if [ $built = 0 ]; then
-  step test_cuda 100 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
-  step bench 150 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 \
+  step test_cuda 110 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
+  step bench 170 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 \
     --json "$OUT/bench_cuda.json" --markdown "$OUT/bench_cuda.md"
   [ $gtest = ON ] && step ctest 60 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
-  step suite 200 "$OUT/suite.log" env POSENC_SHADOW=cuda "$PYTHON" -m pytest tests/python -q -p no:cacheprovider \
+  step suite 180 "$OUT/suite.log" env POSENC_SHADOW=cuda "$PYTHON" -m pytest tests/python -q -p no:cacheprovider \
     -rfE --ignore=tests/python/test_cuda.py
 fi
 
