@@ -478,7 +478,11 @@ def liger_rope():
 
 
 def bench_cuda_rope(repeat: int, quick: bool) -> List[dict]:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    except ImportError:
+        print("rope: transformers is not installed (pip install transformers); skipped")
+        return []
     table = CudaTable("rope_qk", repeat)
     batch, seq, heads, head_dim = (2, 1024, 32, 128) if quick else (4, 4096, 32, 128)
     inv_freq = posenc.frequencies.rope(head_dim)[0].cuda()
