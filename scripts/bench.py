@@ -699,8 +699,17 @@ def main() -> None:
             rows = json.load(f)["rows"]
     else:
         benchmarks = CUDA_BENCHMARKS if args.device == "cuda" else BENCHMARKS
+        failed = []
         for name in (args.ops or ",".join(benchmarks)).split(","):
-            rows += benchmarks[name](args.repeat, args.quick)
+            if args.device == "cpu":
+                rows += benchmarks[name](args.repeat, args.quick)
+                continue
+            try:  # one GPU run answers as much as it can: a failing group is reported, the others still run
+                rows += benchmarks[name](args.repeat, args.quick)
+            except Exception:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+                failed.append(name)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
@@ -710,6 +719,8 @@ def main() -> None:
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
                        "reuse_memory": args.reuse_memory, "rows": rows}, f, indent=1)
+    if not args.from_json and args.device == "cuda" and failed:
+        return f"bench.py: the {', '.join(failed)} benchmarks failed (tracebacks above)"
 
 
 if __name__ == "__main__":
