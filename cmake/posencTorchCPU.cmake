@@ -12,7 +12,7 @@
 #
 # TorchConfig.cmake gives two things to the target torch only, which torch_cpu gets here too: the C++
 # frontend's headers (<torch/nn/...>, <torch/script.h>) and the C++ standard torch's headers are written in
-# (C++20 for torch 2.13 and later; torch 2.14's headers do not compile as C++17).
+# (C++20 for torch 2.13 and 2.14; torch 2.14's headers do not compile as C++17).
 macro(posenc_find_torch_cpu)
   if(NOT TARGET torch_cpu AND NOT TARGET torch::cudart)
     add_library(torch::cudart INTERFACE IMPORTED)

@@ -411,6 +411,111 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3) -> Dict[str, float]:
+    """Profiled steps: the medians of a step's wall time and of its positional code's time (ms), and the median
+    of their ratio per step (the share).
+
+    `label()` is a context manager under which the model's positional code runs inside
+    torch.profiler.record_function("positional") ranges. Forward: the elapsed time of those ranges (the ops
+    inside included). Backward: the autograd engine's evaluate_function events of the nodes those ops
+    recorded, matched by sequence number."""
+    from torch.profiler import ProfilerActivity, profile
+    walls, positional = [], []
+    with label():
+        step()  # the profiler's own first-call cost stays out of the measured steps
+        for _ in range(steps):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                step()
+                walls.append(time.perf_counter() - start)
+            events = prof.events()
+            ranges = [e for e in events if e.name == "positional"]
+            sequence = set()
+            pending = [child for e in ranges for child in e.cpu_children]
+            while pending:
+                event = pending.pop()
+                if event.sequence_nr >= 0:
+                    sequence.add((event.thread, event.sequence_nr))
+                pending += event.cpu_children
+            backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function:")
+                        and (e.fwd_thread, e.sequence_nr) in sequence]
+            positional.append(sum(e.cpu_time_total for e in ranges + backward) / 1e3)
+    return {"step_ms": statistics.median(walls) * 1e3, "positional_ms": statistics.median(positional),
+            "share": statistics.median(p / (w * 1e3) for p, w in zip(positional, walls))}
+
+
+def bench_model(repeat: int, quick: bool) -> List[dict]:
+    """A small Llama-shaped model, forward + backward (a training step: gradients into every parameter),
+    patched with posenc.integrations.transformers against the same model unpatched (Hugging Face eager rotary:
+    cos/sin tables once per step, apply_rotary_pos_emb in every layer), with the share of the step spent in
+    positional code before and after (torch.profiler)."""
+    try:
+        import contextlib
+        import copy
+        import transformers
+        import transformers.models.llama.modeling_llama as modeling
+        from posenc.integrations import transformers as posenc_hf
+    except ImportError:
+        print("model: transformers is not installed (pip install transformers); skipped")
+        return []
+    layers, hidden, heads, seq = (2, 256, 2, 512) if quick else (4, 1024, 8, 2048)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      max_position_embeddings=seq, rope_parameters={"rope_type": "default",
+                                                                                    "rope_theta": 500000.0})
+    table = Table("model", repeat)
+    tokens = torch.randint(0, config.vocab_size, (1, seq))
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        unpatched = transformers.LlamaModel(config).to(dtype).train()
+        patched = copy.deepcopy(unpatched)
+        posenc_hf.patch(patched)
+        grad = torch.randn(1, seq, hidden, dtype=dtype)
+
+        def step(model):
+            def run():
+                model.zero_grad(set_to_none=True)
+                model(input_ids=tokens).last_hidden_state.backward(grad)
+            return run
+
+        @contextlib.contextmanager
+        def label(model):
+            """record_function ranges around the rotary module and apply_rotary_pos_emb (either version)."""
+            from torch.profiler import record_function
+            rotary, apply = model.rotary_emb, modeling.apply_rotary_pos_emb
+            rotary_forward = rotary.forward
+
+            def labelled(fn):
+                def call(*args, **kwargs):
+                    with record_function("positional"):
+                        return fn(*args, **kwargs)
+                return call
+
+            rotary.forward, modeling.apply_rotary_pos_emb = labelled(rotary_forward), labelled(apply)
+            try:
+                yield
+            finally:
+                del rotary.forward
+                modeling.apply_rotary_pos_emb = apply
+
+        ms = {"patched": step(patched), "unpatched": step(unpatched)}
+        shares = {name: positional_ms(fn, lambda m=(patched if name == "patched" else unpatched): label(m),
+                                      steps=min(3, repeat))
+                  for name, fn in ms.items()}
+        share = {name: s["share"] for name, s in shares.items()}
+        mode = f"fwd+bwd, positional {100 * share['unpatched']:.1f}% -> {100 * share['patched']:.1f}%"
+        table.add(f"Llama {layers}x{hidden}, {heads} heads, seq {seq}", dtype, mode, ms["patched"],
+                  {"HF eager": ms["unpatched"]},
+                  positional_ms=shares["patched"]["positional_ms"], step_ms=shares["patched"]["step_ms"],
+                  baseline_positional_ms=shares["unpatched"]["positional_ms"],
+                  baseline_step_ms=shares["unpatched"]["step_ms"],
+                  positional_share=share["patched"], baseline_positional_share=share["unpatched"])
+        print(f"{'':<22} profiled steps (medians): HF eager positional {shares['unpatched']['positional_ms']:.1f} of "
+              f"{shares['unpatched']['step_ms']:.1f} ms, posenc {shares['patched']['positional_ms']:.1f} of "
+              f"{shares['patched']['step_ms']:.1f} ms", flush=True)
+    return table.rows
+
+
 # ---------------------------------------------------------------- GPU (--device cuda)
 # The same comparisons on a GPU, with its own shapes (sized well past the L2 cache) and baselines: Hugging Face
 # eager, the same eager code under torch.compile (Inductor's Triton kernels), Liger's rope kernel where
@@ -650,6 +755,7 @@ BENCHMARKS = {
     "alibi": bench_alibi,
     "t5": bench_t5,
     "overhead": bench_overhead,
+    "model": bench_model,
 }
 
 

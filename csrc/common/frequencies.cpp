@@ -1,5 +1,4 @@
 #include <posenc/frequencies.h>
-#include <posenc/posenc.h>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/from_blob.h>
@@ -10,9 +9,6 @@
 #include <cmath>
 
 namespace posenc {
-
-int64_t version() { return 100; }
-
 namespace frequencies {
 
 at::Tensor sinusoidal(int64_t dim, double base, int64_t shift) {

@@ -1,0 +1,442 @@
+"""Hugging Face transformers models with posenc's positional code: ``patch(model)`` and ``unpatch(model)``.
+
+``patch`` switches one model instance to posenc and returns a :class:`Patch` that lists every change;
+``unpatch`` undoes them and returns the same record. What is replaced, per family:
+
+- **Rotary** (``ROTARY_MODEL_TYPES``: Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX,
+  StableLM). The model's rotary module (``model.rotary_emb``), which builds cos/sin tables once per forward
+  pass, is replaced by :class:`RotaryPositions`: it hands every layer the positions and posenc's float64
+  frequencies (:class:`RotaryAngles`) instead of tables, and each attention layer then rotates q and k with
+  one ``posenc.rope_qk`` call: no cos/sin tensor is built at all, for any scaling (default, linear, dynamic,
+  YaRN, Llama 3, LongRoPE). The layers call their modeling file's ``apply_rotary_pos_emb`` by its global
+  name, so that function is wrapped while a patched model of that file exists: the wrapper sends
+  :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every unpatched model, to the
+  original function unchanged.
+- **BLOOM**: the model's ``build_alibi_tensor`` becomes posenc's ``alibi_bias`` (one row per head, as BLOOM
+  adds it inside ``baddbmm``); a call without an attention mask gets an all-ones mask, so that both of
+  BLOOM's paths build the bias with posenc.
+- **T5**: ``compute_bias`` of the attention layers that own a bucket table becomes ``posenc.t5_bias``.
+- **GPT-2**: ``wte(input_ids) + wpe(position_ids)`` becomes one ``posenc.embed_learned`` call.
+
+Everything else is per instance: a swapped submodule, or an instance attribute that shadows its class's method
+on that one object. No class is modified, and the state dict is unchanged.
+"""
+import copy
+import functools
+import importlib
+import inspect
+import sys
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import frequencies
+from .. import functional as PF
+from ..nn import RotaryEmbedding
+
+__all__ = ["patch", "unpatch", "is_patched", "Patch", "Change", "RotaryAngles", "RotaryPositions",
+           "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
+
+ROTARY_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox",
+                      "stablelm")
+SUPPORTED_MODEL_TYPES = ROTARY_MODEL_TYPES + ("bloom", "t5", "gpt2")
+
+_NAME = "posenc.integrations.transformers"
+
+
+@dataclass
+class Change:
+    """One replacement: ``kind`` is "module" (a submodule swapped), "method" (an attribute of one instance that
+    shadows its class's method) or "function" (a modeling file's global function wrapped); ``target`` names it
+    (``model.rotary_emb``, ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``), ``replacement``
+    says what took its place."""
+
+    kind: str
+    target: str
+    replacement: str
+
+    def __str__(self) -> str:
+        return f"{self.kind:<8} {self.target} -> {self.replacement}"
+
+
+@dataclass
+class Patch:
+    """What :func:`patch` changed in one model (``changes``), and how to undo it.
+
+    The undo steps are data (a submodule path and the module it held, an attribute to delete), applied to the
+    model given to :func:`unpatch`: a ``copy.deepcopy`` of a patched model is a patched model of its own, whose
+    ``unpatch`` restores the copy."""
+
+    model_type: str
+    family: str
+    changes: List[Change] = field(default_factory=list)
+    _undo: List[Tuple[str, str, Any]] = field(default_factory=list, repr=False)
+
+    def __str__(self) -> str:
+        return "\n".join([f"posenc patch of a {self.model_type} model ({self.family}):"]
+                         + [f"  {change}" for change in self.changes])
+
+
+def patch(model: torch.nn.Module) -> Patch:
+    """Switches the positional code of a Hugging Face model (a ``PreTrainedModel`` of a type in
+    ``SUPPORTED_MODEL_TYPES``) to posenc, in place; returns the :class:`Patch` listing the changes.
+
+    Logits, gradients and greedy generation stay those of the unpatched model (up to the rounding of its
+    float32 cos/sin tables, which posenc forms in float64). Raises ``ValueError`` for other model types and
+    ``RuntimeError`` if the model is already patched.
+    """
+    model_type = _model_type(model)
+    if is_patched(model):
+        raise RuntimeError(f"{_NAME}.patch: this {model_type} model is already patched; call unpatch(model) first")
+    if model_type in ROTARY_MODEL_TYPES:
+        record = _patch_rotary(model, model_type)
+    elif model_type == "bloom":
+        record = _patch_bloom(model)
+    elif model_type == "t5":
+        record = _patch_t5(model)
+    else:
+        record = _patch_gpt2(model)
+    model._posenc_patch = record
+    return record
+
+
+def unpatch(model: torch.nn.Module) -> Patch:
+    """Undoes :func:`patch` (in reverse order) and returns its record; raises ``ValueError`` if the model is not
+    patched."""
+    record = getattr(model, "_posenc_patch", None)
+    if record is None:
+        raise ValueError(f"{_NAME}.unpatch: the model is not patched")
+    for kind, path, value in reversed(record._undo):
+        if kind == "module":
+            replacement = model.get_submodule(path)
+            if isinstance(replacement, RotaryPositions):
+                replacement.release()
+            _set_submodule(model, path, value)
+        else:
+            model.get_submodule(path).__dict__.pop(value, None)
+    del model._posenc_patch
+    return record
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether :func:`patch` has been applied to this model (and not undone)."""
+    return getattr(model, "_posenc_patch", None) is not None
+
+
+def _model_type(model: torch.nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        found = f'model_type "{model_type}"' if model_type else f"a {type(model).__name__} without a config.model_type"
+        raise ValueError(f"{_NAME}: got {found}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
+def _find(model: torch.nn.Module, predicate: Callable[[torch.nn.Module], bool]) -> List[Tuple[str, torch.nn.Module]]:
+    return [(name, module) for name, module in model.named_modules() if predicate(module)]
+
+
+def _set_submodule(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _swap_module(record: Patch, model: torch.nn.Module, path: str, module: torch.nn.Module, what: str) -> None:
+    record._undo.append(("module", path, model.get_submodule(path)))
+    _set_submodule(model, path, module)
+    record.changes.append(Change("module", path, what))
+
+
+def _shadow_method(record: Patch, owner: torch.nn.Module, path: str, method: str, fn: Callable, what: str) -> None:
+    """Binds fn to one instance as ``owner.<method>``: an instance attribute shadows the class's method (and
+    ``copy.deepcopy`` binds it to the copy)."""
+    setattr(owner, method, types.MethodType(fn, owner))
+    record._undo.append(("attribute", path, method))
+    record.changes.append(Change("method", f"{path or 'model'}.{method}", what))
+
+
+def _class_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """The arguments of a call to ``module``'s class forward, all by name (its ``**kwargs`` flattened)."""
+    signature = inspect.signature(type(module).forward)
+    bound = signature.bind_partial(module, *args, **kwargs).arguments
+    bound.pop(next(iter(signature.parameters)))  # self
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.update(bound.pop(name, {}))
+    return bound
+
+
+# ---------------------------------------------------------------- rotary
+
+class RotaryAngles:
+    """What a patched model passes to its layers in place of Hugging Face's cos/sin tables (``position_embeddings``
+    holds it twice, as ``(cos, sin)``): the positions and float64 frequencies of this forward pass.
+
+    ``rotate(q, k, unsqueeze_dim)`` is one ``rope_qk`` call: q and k as the attention layer holds them, [B, H, S, D]
+    (``unsqueeze_dim=1``, Hugging Face's default) or [B, S, H, D] (``unsqueeze_dim=2``); the first ``2 *
+    len(inv_freq)`` channels rotate, the others pass through (partial rotary).
+    """
+
+    __slots__ = ("positions", "inv_freq", "attention_scale")
+
+    def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float):
+        self.positions, self.inv_freq, self.attention_scale = positions, inv_freq, attention_scale
+
+    def rotate(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
+        if unsqueeze_dim not in (1, 2):
+            raise ValueError(f"{_NAME}: q and k must be [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] "
+                             f"(unsqueeze_dim=2), got unsqueeze_dim={unsqueeze_dim}")
+        layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+        return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, "neox", layout)
+
+    def __repr__(self) -> str:
+        return (f"RotaryAngles(positions {list(self.positions.shape)}, {self.inv_freq.numel()} frequencies, "
+                f"attention_scale={self.attention_scale})")
+
+
+class RotaryPositions(torch.nn.Module):
+    """Takes the place of a Hugging Face model's rotary module (``<Model>RotaryEmbedding``): ``forward(x,
+    position_ids)`` returns ``(angles, angles)`` with :class:`RotaryAngles` instead of cos/sin tables.
+
+    Frequencies come from ``posenc.nn.RotaryEmbedding.from_hf_config`` (float64; the config's scaling). The two
+    scalings whose frequencies depend on the sequence follow Hugging Face's rule with L = max(position_ids) + 1:
+    LongRoPE takes its long factors when L > original_max_position_embeddings; dynamic NTK keeps Hugging Face's
+    state, the longest L seen, and rescales for it (back to the original frequencies once an L below
+    max_position_embeddings arrives), so a model gives the same results patched or not, call after call.
+
+    Each instance holds the wrapper of its modeling file's ``apply_rotary_pos_emb`` (see :func:`patch`) until
+    :meth:`release` (called by :func:`unpatch`) or until it is garbage collected; a ``copy.deepcopy`` holds it
+    too.
+    """
+
+    def __init__(self, original: torch.nn.Module, modeling: str):
+        super().__init__()
+        self.config = original.config
+        self.modeling = modeling
+        self.rotary = RotaryEmbedding.from_hf_config(original.config)
+        self.dynamic = self.rotary.per_call_scaling == "dynamic"
+        self.original_max_seq_len = int(self.rotary.max_position_embeddings)
+        # Hugging Face's dynamic state, taken over from the module this one replaces.
+        self.max_seq_len_cached = int(getattr(original, "max_seq_len_cached", self.original_max_seq_len))
+        self._dynamic_inv_freq: Optional[Tuple[int, Tensor]] = None
+        self._hold_wrapper()
+
+    def _hold_wrapper(self) -> None:
+        _hold_rotary_wrapper(self.modeling)
+        self._release = weakref.finalize(self, _release_rotary_wrapper, self.modeling)
+
+    def release(self) -> None:
+        """Gives up this instance's hold on the wrapper (once; later calls do nothing)."""
+        self._release()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "RotaryPositions":
+        duplicate = RotaryPositions.__new__(RotaryPositions)
+        memo[id(self)] = duplicate
+        duplicate.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()
+                                   if key != "_release"})
+        duplicate._hold_wrapper()
+        return duplicate
+
+    def _inv_freq(self, x: Tensor, positions: Tensor) -> Tensor:
+        if not self.dynamic:
+            return self.rotary.inv_freq_for(x, positions)
+        seq_len = int(positions.max()) + 1
+        if seq_len > self.max_seq_len_cached:
+            self.max_seq_len_cached = seq_len
+        elif seq_len < self.original_max_seq_len < self.max_seq_len_cached:
+            self.max_seq_len_cached = self.original_max_seq_len
+        if self._dynamic_inv_freq is None or self._dynamic_inv_freq[0] != self.max_seq_len_cached:
+            inv_freq = frequencies.rope(self.rotary.rotary_dim, self.rotary.base, self.rotary.scaling,
+                                        self.max_seq_len_cached)[0]
+            self._dynamic_inv_freq = (self.max_seq_len_cached, inv_freq)
+        return self._dynamic_inv_freq[1].to(self.rotary.inv_freq.device)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tuple[RotaryAngles, RotaryAngles]:
+        if position_ids.dim() != 2:
+            raise ValueError(f"{_NAME}: position_ids must be [batch, seq] or [1, seq], got shape "
+                             f"{list(position_ids.shape)}")
+        # [1, S] is shared by the batch: rope_qk then forms each angle once for all rows.
+        positions = position_ids[0] if position_ids.size(0) == 1 else position_ids
+        angles = RotaryAngles(positions, self._inv_freq(x, positions), self.rotary.attention_scale)
+        return angles, angles
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary.rotary_dim}, base={self.rotary.base}, scaling={self.rotary.scaling}"
+
+
+# Per modeling file: [its original apply_rotary_pos_emb, the number of RotaryPositions holding the wrapper].
+_ROTARY_WRAPPERS: Dict[str, list] = {}
+
+
+def _hold_rotary_wrapper(modeling: str) -> None:
+    if modeling not in _ROTARY_WRAPPERS:
+        module = importlib.import_module(modeling)
+        original = module.apply_rotary_pos_emb
+
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            if isinstance(cos, RotaryAngles):
+                unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+                return cos.rotate(q, k, unsqueeze_dim)
+            return original(q, k, cos, sin, *args, **kwargs)
+
+        module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        _ROTARY_WRAPPERS[modeling] = [original, 0]
+    _ROTARY_WRAPPERS[modeling][1] += 1
+
+
+def _release_rotary_wrapper(modeling: str) -> None:
+    entry = _ROTARY_WRAPPERS[modeling]
+    entry[1] -= 1
+    if entry[1] == 0:  # the last holder: the modeling file gets its own function back
+        sys.modules[modeling].apply_rotary_pos_emb = entry[0]
+        del _ROTARY_WRAPPERS[modeling]
+
+
+def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
+    modeling = f"transformers.models.{model_type}.modeling_{model_type}"
+    found = _find(model, lambda m: type(m).__module__ == modeling and type(m).__name__.endswith("RotaryEmbedding"))
+    if not found:
+        raise ValueError(f"{_NAME}.patch: found no rotary module ({modeling}.*RotaryEmbedding) in this "
+                         f"{type(model).__name__}")
+    if not callable(getattr(sys.modules[modeling], "apply_rotary_pos_emb", None)):
+        raise ValueError(f"{_NAME}.patch: {modeling} has no apply_rotary_pos_emb to route to posenc")
+    for name, original in found:
+        if getattr(original, "rope_type", None) is not None and not isinstance(original.rope_type, str):
+            raise ValueError(f"{_NAME}.patch: {name} has per-layer-type rope parameters, which this patch does "
+                             f"not cover")
+    record = Patch(model_type, "rotary")
+    for name, original in found:
+        replacement = RotaryPositions(original, modeling).to(device=original.inv_freq.device)
+        _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
+    record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
+                                 "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
+    return record
+
+
+# ---------------------------------------------------------------- BLOOM: ALiBi
+
+def _bloom_alibi(self, attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+    """posenc's causal ALiBi as the one row per head that BLOOM adds inside ``baddbmm``: ``[B * H, 1, K]``.
+
+    Row form: the bias -m (K - 1 - j) of the last query, broadcast over the queries. Against the full
+    -m (i + K - Q - j) of query i it differs by a constant per query row, and against BLOOM's m * (number of
+    real tokens before key j) by a constant per batch row for left or right padding: equal after softmax.
+    """
+    batch, k_len = attention_mask.shape
+    slopes = PF.alibi_slopes(num_heads).to(attention_mask.device)
+    row = PF.alibi_bias(slopes, 1, k_len, "causal", dtype=dtype)
+    return row.expand(batch, num_heads, 1, k_len).reshape(batch * num_heads, 1, k_len)
+
+
+def _cache_of(arguments: Dict[str, Any]) -> Any:
+    # transformers 5.x renames past_key_values to cache inside forward; a caller may still use either name.
+    return arguments.get("cache", arguments.get("past_key_values"))
+
+
+def _bloom_forward(self, *args, **kwargs):
+    """BLOOM builds its bias inline when no attention mask is given; an all-ones mask (what "no mask" means)
+    sends that call through build_alibi_tensor too."""
+    arguments = _class_forward(self, args, kwargs)
+    embeddings = arguments.get("inputs_embeds")
+    tokens = arguments.get("input_ids") if embeddings is None else embeddings[..., 0]
+    if arguments.get("attention_mask") is None and tokens is not None:
+        batch, seq = tokens.shape[:2]
+        cache = _cache_of(arguments)
+        k_len = cache.get_mask_sizes(seq, 0)[0] if cache is not None else seq
+        arguments["attention_mask"] = torch.ones(batch, k_len, dtype=torch.long, device=tokens.device)
+    return type(self).forward(self, **arguments)
+
+
+def _patch_bloom(model: torch.nn.Module) -> Patch:
+    record = Patch("bloom", "alibi")
+    for name, bloom in _find(model, lambda m: type(m).__name__ == "BloomModel"):
+        _shadow_method(record, bloom, name, "build_alibi_tensor", _bloom_alibi,
+                       "posenc.alibi_bias (causal, one row per head)")
+        _shadow_method(record, bloom, name, "forward", _bloom_forward,
+                       "BloomModel.forward with an all-ones attention mask when none is given")
+    return record
+
+
+# ---------------------------------------------------------------- T5: relative bias
+
+def _t5_compute_bias(self, query_length: int, key_length: int, device=None, past_seen_tokens=0) -> Tensor:
+    """``posenc.t5_bias`` of this layer's bucket table: [1, H, query_length, key_length], queries from
+    past_seen_tokens on (decoder with a cache)."""
+    return PF.t5_bias(self.relative_attention_bias.weight, int(query_length), int(key_length), not self.is_decoder,
+                      self.relative_attention_num_buckets, self.relative_attention_max_distance,
+                      int(past_seen_tokens))
+
+
+def _patch_t5(model: torch.nn.Module) -> Patch:
+    record = Patch("t5", "relative bias")
+    for name, attention in _find(model, lambda m: getattr(m, "has_relative_attention_bias", False)):
+        _shadow_method(record, attention, name, "compute_bias", _t5_compute_bias, "posenc.t5_bias")
+    return record
+
+
+# ---------------------------------------------------------------- GPT-2: fused token + position embeddings
+
+class _AlreadyInEmbeddings:
+    """What a patched ``wpe`` returns when the token embeddings passed to GPT-2 already hold the position rows
+    (``embed_learned``): GPT-2 adds it to them (``inputs_embeds + position_embeds.to(device)``), and the sum
+    is the embeddings themselves, with no pass over memory."""
+
+    def to(self, *args, **kwargs) -> "_AlreadyInEmbeddings":
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add) and len(args) == 2 \
+                and not kwargs:
+            return args[1] if isinstance(args[0], cls) else args[0]
+        raise TypeError(f"{_NAME}: the position embeddings of a patched GPT-2 are already inside its token "
+                        f"embeddings; only adding them is supported, got {getattr(func, '__name__', func)}")
+
+
+def _gpt2_wpe_forward(self, position_ids: Tensor):
+    if self.__dict__.get("_posenc_positions_added"):
+        self._posenc_positions_added = False  # one call
+        return _AlreadyInEmbeddings()
+    return torch.nn.Embedding.forward(self, position_ids)
+
+
+def _gpt2_forward(self, *args, **kwargs):
+    """GPT2Model.forward with ``inputs_embeds = embed_learned(input_ids, wte, wpe, positions)``, GPT-2's numbering
+    (``position_ids``, else cache length + arange(S)); for this call, ``wpe`` returns a marker that GPT-2's
+    ``inputs_embeds + position_embeds`` leaves out. Calls with ``inputs_embeds`` run as they are."""
+    arguments = _class_forward(self, args, kwargs)
+    tokens = arguments.get("input_ids")
+    if tokens is None or arguments.get("inputs_embeds") is not None:
+        return type(self).forward(self, **arguments)
+    position_ids = arguments.get("position_ids")
+    tokens = tokens.reshape(-1, tokens.size(-1))
+    offset, positions = 0, None
+    if position_ids is not None:
+        positions = position_ids.reshape(-1, position_ids.size(-1))
+        positions = positions[0] if positions.size(0) == 1 else positions
+    else:
+        cache = _cache_of(arguments)
+        offset = int(cache.get_seq_length()) if cache is not None else 0
+    arguments["inputs_embeds"] = PF.embed_learned(tokens, self.wte.weight, self.wpe.weight, positions, offset=offset)
+    arguments["input_ids"] = None
+    self.wpe._posenc_positions_added = True
+    try:
+        return type(self).forward(self, **arguments)
+    finally:
+        self.wpe._posenc_positions_added = False  # also when the call raised before reaching wpe
+
+
+def _patch_gpt2(model: torch.nn.Module) -> Patch:
+    record = Patch("gpt2", "learned")
+    for name, gpt2 in _find(model, lambda m: type(m).__name__ == "GPT2Model"):
+        wpe = f"{name}.wpe" if name else "wpe"
+        _shadow_method(record, gpt2.wpe, wpe, "forward", _gpt2_wpe_forward,
+                       "nothing to add while the token embeddings already hold the positions")
+        record._undo.append(("attribute", wpe, "_posenc_positions_added"))
+        _shadow_method(record, gpt2, name, "forward", _gpt2_forward,
+                       "GPT2Model.forward with inputs_embeds = posenc.embed_learned(input_ids, wte, wpe, positions)")
+    return record

@@ -1,0 +1,420 @@
+"""ONNX export of models that call posenc ops (``torch.onnx.export(..., dynamo=True)``).
+
+ONNX has no posenc ops, so each forward op is translated into standard ONNX operators (opset 23):
+
+    import posenc.onnx
+    onnx_program = posenc.onnx.export(model, (tokens,), dynamic_shapes=({1: "seq"},))
+    # or, with torch.onnx.export's own arguments:
+    torch.onnx.export(model, (tokens,), dynamo=True, opset_version=23,
+                      custom_translation_table=posenc.onnx.translation_table())
+
+The translations reproduce the ops' maths: angles = (positions + offset) * inv_freq in float64, sin and cos in
+float64, then the data's maths type (float32 for float16/bfloat16/float32 data, float64 for float64 data) and one
+rounding to the output dtype. ``rope`` and ``rope_qk`` use ONNX's ``RotaryEmbedding`` (new in opset 23), fed with
+per-token cos/sin tables; ``rope_cos_sin`` takes tables of any content, which ``RotaryEmbedding`` cannot (it reads
+half tables and assumes they repeat), so it is built from primitives like the others. T5 buckets are read from a
+table of ``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges match exactly.
+Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are fixed at export.
+The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime reports an
+out-of-range index in its own words.
+
+Backward ops and the in-place ``rope_`` / ``add_alibi_`` have no translation (export graphs are functional
+inference graphs; use ``rope`` / ``add_alibi``).
+"""
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from onnxscript import ir
+from onnxscript import opset23 as op
+
+__all__ = ["OPSET", "translation_table", "export"]
+
+OPSET = 23  # RotaryEmbedding's first opset
+
+_FLOAT, _DOUBLE, _INT64 = ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.INT64
+
+
+# ---------------------------------------------------------------- helpers
+
+def _maths_type(dtype: ir.DataType) -> ir.DataType:
+    return _DOUBLE if dtype == _DOUBLE else _FLOAT
+
+
+def _to(x, dtype: ir.DataType):
+    return x if x.dtype == dtype else op.Cast(x, to=dtype)
+
+
+def _double(value: float):
+    return op.Constant(value=ir.tensor(float(value), dtype=_DOUBLE))
+
+
+def _int64(value):
+    """A SymInt argument: a Python int when the size is static, an int64 scalar value when it is dynamic."""
+    return op.Constant(value_int=value) if isinstance(value, int) else _to(value, _INT64)
+
+
+def _size(x, axis: int):
+    """x.shape[axis] as an int64 scalar (dynamic or not)."""
+    return op.Gather(op.Shape(x), op.Constant(value_int=axis), axis=0)
+
+
+def _static(x, axis: int, op_name: str, what: str) -> int:
+    size = x.shape[axis]
+    if not isinstance(size, int):
+        raise ValueError(f"posenc.onnx: {op_name} needs a fixed {what} to export, got the dynamic size {size}")
+    return size
+
+
+def _arange(length, start=0):
+    """int64 [start, start + length)."""
+    start = _int64(start)
+    return op.Range(start, op.Add(start, length), op.Constant(value_int=1))
+
+
+def _positions(positions, length, offset: int, dtype: ir.DataType):
+    """positions + offset, or offset + arange(length) without positions, as dtype (int64 or float64)."""
+    if positions is None:
+        return _to(_arange(length, offset), dtype)
+    values = _to(positions, dtype)
+    if offset == 0:
+        return values
+    constant = _double(offset) if dtype == _DOUBLE else op.Constant(value_int=offset)
+    return op.Add(values, constant)
+
+
+def _angles(positions_f64, inv_freq):
+    """float64 angles [..., F] = positions [...] * inv_freq [F]."""
+    return op.Mul(op.Unsqueeze(positions_f64, op.Constant(value_ints=[-1])), _to(inv_freq, _DOUBLE))
+
+
+def _last_dim(x, start: int, end: int):
+    """x[..., start:end]."""
+    return op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]), op.Constant(value_ints=[-1]))
+
+
+def _rank(x) -> int:
+    return len(x.shape)
+
+
+# ---------------------------------------------------------------- sinusoidal
+
+def _encoding(angles, layout: str, op_name: str):
+    """The sinusoidal encoding [..., 2F] of float64 angles [..., F] in one of the three layouts."""
+    sin, cos = op.Sin(angles), op.Cos(angles)
+    if layout == "interleaved":  # sin t0, cos t0, sin t1, ...
+        pairs = op.Concat(op.Unsqueeze(sin, op.Constant(value_ints=[-1])),
+                          op.Unsqueeze(cos, op.Constant(value_ints=[-1])), axis=-1)
+        shape = op.Concat(op.Shape(angles, start=0, end=-1), op.Constant(value_ints=[-1]), axis=0)
+        return op.Reshape(pairs, shape)
+    if layout == "half":
+        return op.Concat(sin, cos, axis=-1)
+    if layout == "half_cos_first":
+        return op.Concat(cos, sin, axis=-1)
+    raise ValueError(f'posenc.onnx: {op_name}: layout must be "interleaved", "half" or "half_cos_first", '
+                     f'got "{layout}"')
+
+
+def _add_encoding(x, width: int, positions, inv_freq, scale: float, layout: str, offset: int, op_name: str):
+    """x * scale + PE for x [..., S, D], D = width = 2F or 2F + 1 (the odd channel gets no encoding)."""
+    frequencies = _static(inv_freq, 0, op_name, "inv_freq length")
+    pos = _positions(positions, _size(x, -2), offset, _DOUBLE)
+    maths = _maths_type(x.dtype)
+    pe = _to(_encoding(_angles(pos, inv_freq), layout, op_name), maths)
+    if width == 2 * frequencies + 1:
+        rank = 2 if positions is None else _rank(positions) + 1  # [S, 2F] or positions' shape + [2F]
+        pads = [0] * (2 * rank)
+        pads[-1] = 1
+        pe = op.Pad(pe, op.Constant(value_ints=pads))
+    data = _to(x, maths)
+    if scale != 1.0:
+        data = op.Mul(data, op.CastLike(_double(scale), data))
+    return _to(op.Add(data, pe), x.dtype)
+
+
+def sinusoidal(positions, inv_freq, layout: str = "interleaved", dtype: Optional[int] = None, offset: int = 0):
+    if dtype is None:
+        dtype = positions.dtype if positions.dtype in (_FLOAT, _DOUBLE, ir.DataType.FLOAT16,
+                                                       ir.DataType.BFLOAT16) else _FLOAT
+    pe = _encoding(_angles(_positions(positions, None, offset, _DOUBLE), inv_freq), layout, "sinusoidal")
+    return _to(_to(pe, _maths_type(dtype)), dtype)
+
+
+def add_sinusoidal(x, positions, inv_freq, x_scale: float = 1.0, layout: str = "interleaved", offset: int = 0):
+    width = _static(x, -1, "add_sinusoidal", "channel count")
+    return _add_encoding(x, width, positions, inv_freq, x_scale, layout, offset, "add_sinusoidal")
+
+
+def embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale: float = 1.0,
+                     padding_idx: Optional[int] = None, layout: str = "interleaved", offset: int = 0):
+    width = _static(token_weight, -1, "embed_sinusoidal", "channel count")
+    rows = op.Gather(token_weight, _to(tokens, _INT64), axis=0)
+    return _add_encoding(rows, width, positions, inv_freq, token_scale, layout, offset, "embed_sinusoidal")
+
+
+# ---------------------------------------------------------------- learned absolute
+
+def _rows(weight, positions, length, offset: int):
+    return op.Gather(weight, _positions(positions, length, offset, _INT64), axis=0)
+
+
+def learned(weight, positions, offset: int = 0, padding_idx: Optional[int] = None):
+    return _rows(weight, positions, None, offset)
+
+
+def add_learned(x, weight, positions, offset: int = 0, padding_idx: Optional[int] = None):
+    maths = _maths_type(x.dtype)
+    table = _to(_rows(weight, positions, _size(x, -2), offset), maths)
+    return _to(op.Add(_to(x, maths), table), x.dtype)
+
+
+def embed_learned(tokens, token_weight, pos_weight, positions, token_scale: float = 1.0,
+                  padding_idx: Optional[int] = None, offset: int = 0, pos_padding_idx: Optional[int] = None):
+    maths = _maths_type(token_weight.dtype)
+    token_rows = _to(op.Gather(token_weight, _to(tokens, _INT64), axis=0), maths)
+    if token_scale != 1.0:
+        token_rows = op.Mul(token_rows, op.CastLike(_double(token_scale), token_rows))
+    position_rows = _to(_rows(pos_weight, positions, _size(tokens, -1), offset), maths)
+    return _to(op.Add(token_rows, position_rows), token_weight.dtype)
+
+
+def make_positions(tokens, padding_idx: int):
+    # fairseq: padding keeps padding_idx, real tokens count padding_idx + 1, padding_idx + 2, ...
+    real = op.Cast(op.Not(op.Equal(_to(tokens, _INT64), op.Constant(value_int=padding_idx))), to=_INT64)
+    counts = op.CumSum(real, op.Constant(value_int=-1))
+    return op.Add(op.Mul(counts, real), op.Constant(value_int=padding_idx))
+
+
+def positions_from_mask(attention_mask, pad_position: int = 0):
+    real = op.Not(op.Equal(attention_mask, op.CastLike(op.Constant(value_int=0), attention_mask)))
+    counts = op.CumSum(op.Cast(real, to=_INT64), op.Constant(value_int=-1))
+    return op.Where(real, op.Sub(counts, op.Constant(value_int=1)), op.Constant(value_int=pad_position))
+
+
+# ---------------------------------------------------------------- rotary
+
+_ROPE_FORMATS = ("bshd", "bhsd", "sbhd", "thd")
+
+
+def _check_rope(op_name: str, layout: str, format: str) -> None:
+    if layout not in ("neox", "gptj"):
+        raise ValueError(f'posenc.onnx: {op_name}: layout must be "neox" or "gptj", got "{layout}"')
+    if format not in _ROPE_FORMATS:
+        raise ValueError(f'posenc.onnx: {op_name}: format must be one of {_ROPE_FORMATS}, got "{format}"')
+
+
+def _packed_positions(cu_seqlens, tokens, offset: int):
+    """Positions of a packed batch without explicit positions: t - start of t's sequence, plus offset."""
+    t = _arange(tokens)
+    starts = _last_dim(_to(cu_seqlens, _INT64), 0, -1)
+    # The last start at or before t: starts never decrease and the first is 0.
+    inside = op.LessOrEqual(op.Unsqueeze(starts, op.Constant(value_ints=[0])),
+                            op.Unsqueeze(t, op.Constant(value_ints=[1])))
+    start = op.ReduceMax(op.Where(inside, op.Unsqueeze(starts, op.Constant(value_ints=[0])),
+                                  op.Constant(value_int=0)), op.Constant(value_ints=[1]), keepdims=0)
+    return op.Add(op.Sub(t, start), op.Constant(value_int=offset))
+
+
+def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, offset: int, cu_seqlens):
+    """cos and sin [B, S, F] (times attention_scale) in x's maths type, as RotaryEmbedding reads them."""
+    if format == "thd":
+        length = _size(x, 0)
+        if positions is None and cu_seqlens is not None:
+            pos = _to(_packed_positions(cu_seqlens, length, offset), _DOUBLE)
+        else:
+            pos = _positions(positions, length, offset, _DOUBLE)
+        batch = op.Constant(value_ints=[1])
+    else:
+        seq_axis, batch_axis = {"bshd": (1, 0), "bhsd": (2, 0), "sbhd": (0, 1)}[format]
+        pos = _positions(positions, _size(x, seq_axis), offset, _DOUBLE)
+        batch = op.Shape(x, start=batch_axis, end=batch_axis + 1)
+    angles = _angles(pos, inv_freq)  # [S, F], or [B, S, F] for per-row positions
+    shape = op.Concat(batch, op.Shape(angles, start=-2), axis=0)
+    maths = _maths_type(x.dtype)
+    tables = []
+    for table in (op.Cos(angles), op.Sin(angles)):
+        if attention_scale != 1.0:
+            table = op.Mul(table, _double(attention_scale))
+        tables.append(op.Expand(_to(table, maths), shape))
+    return tables
+
+
+def _rotate(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str):
+    """RotaryEmbedding on x in its format: bhsd is its 4-D input; bshd/thd/sbhd become [B, S, H * D]."""
+    maths = _maths_type(x.dtype)
+    heads = _static(x, -2 if format != "bhsd" else 1, op_name, "head count")
+    head_dim = _static(x, -1, op_name, "head_dim")
+    attributes = dict(interleaved=int(layout == "gptj"),
+                      rotary_embedding_dim=rotary_dim if rotary_dim < head_dim else 0)  # 0: every channel
+    data = _to(x, maths)
+    if format == "bhsd":
+        return _to(op.RotaryEmbedding(data, cos, sin, **attributes), x.dtype)
+    if format == "sbhd":
+        data = op.Transpose(data, perm=[1, 0, 2, 3])
+    elif format == "thd":
+        data = op.Unsqueeze(data, op.Constant(value_ints=[0]))
+    rows = op.Reshape(data, op.Concat(op.Shape(data, start=0, end=2), op.Constant(value_ints=[heads * head_dim]),
+                                      axis=0))
+    out = op.Reshape(op.RotaryEmbedding(rows, cos, sin, num_heads=heads, **attributes), op.Shape(data))
+    if format == "sbhd":
+        out = op.Transpose(out, perm=[1, 0, 2, 3])
+    elif format == "thd":
+        out = op.Squeeze(out, op.Constant(value_ints=[0]))
+    return _to(out, x.dtype)
+
+
+def _rope(name: str, tensors: Sequence[Any], positions, inv_freq, attention_scale: float, layout: str, format: str,
+          offset: int, cu_seqlens):
+    _check_rope(name, layout, format)
+    rotary_dim = 2 * _static(inv_freq, 0, name, "inv_freq length")
+    cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens)
+    return tuple(_rotate(x, cos, sin, rotary_dim, layout, format, name) for x in tensors)
+
+
+def rope(x, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
+         offset: int = 0, cu_seqlens=None):
+    return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)[0]
+
+
+def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
+            offset: int = 0, cu_seqlens=None):
+    return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+
+
+def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
+    """x * cos + rotate(x) * sin over the first r = cos.shape[-1] channels, channel by channel."""
+    _check_rope("rope_cos_sin", layout, format)
+    rotary_dim = _static(cos, -1, "rope_cos_sin", "table width")
+    head_dim = _static(x, -1, "rope_cos_sin", "head_dim")
+    maths = _maths_type(x.dtype)
+    data = _to(x, maths)
+    rotated = _last_dim(data, 0, rotary_dim)
+    half = rotary_dim // 2
+    if layout == "neox":  # rotate_half: [-x2, x1]
+        partner = op.Concat(op.Neg(_last_dim(rotated, half, rotary_dim)), _last_dim(rotated, 0, half), axis=-1)
+    else:  # pairs (x_2i, x_2i+1) -> (-x_2i+1, x_2i)
+        pairs = op.Reshape(rotated, op.Concat(op.Shape(rotated, start=0, end=-1), op.Constant(value_ints=[half, 2]),
+                                              axis=0))
+        partner = op.Reshape(op.Concat(op.Neg(_last_dim(pairs, 1, 2)), _last_dim(pairs, 0, 1), axis=-1),
+                             op.Shape(rotated))
+    tables = [_to(_table_for(t, format), maths) for t in (cos, sin)]
+    out = op.Add(op.Mul(rotated, tables[0]), op.Mul(partner, tables[1]))
+    if rotary_dim < head_dim:
+        out = op.Concat(out, _last_dim(data, rotary_dim, head_dim), axis=-1)
+    return _to(out, x.dtype)
+
+
+def _table_for(table, format: str):
+    """A cos/sin table ([S, r], [1 or B, S, r]; [T, r] for thd) broadcast against x's layout."""
+    if format == "thd":
+        return op.Unsqueeze(table, op.Constant(value_ints=[1]))  # [T, 1, r]
+    per_batch = _rank(table) == 3
+    if format == "bshd":
+        return op.Unsqueeze(table, op.Constant(value_ints=[-2]))  # [(B,) S, 1, r]
+    if format == "bhsd":
+        return op.Unsqueeze(table, op.Constant(value_ints=[1])) if per_batch else table  # [B, 1, S, r] / [S, r]
+    # sbhd: [S, (B,) 1, r]
+    if per_batch:
+        return op.Unsqueeze(op.Transpose(table, perm=[1, 0, 2]), op.Constant(value_ints=[2]))
+    return op.Unsqueeze(table, op.Constant(value_ints=[1, 2]))
+
+
+# ---------------------------------------------------------------- ALiBi
+
+def _alibi(slopes, q_len, k_len, mode: str, head_offset: int, num_heads: Optional[int], maths: ir.DataType,
+           op_name: str):
+    """The bias [1 or B, num_heads, Q, K] in the maths type: -m * d (causal) or -m * |d| (symmetric),
+    d = i + (k_len - q_len) - j."""
+    if mode not in ("causal", "symmetric"):
+        raise ValueError(f'posenc.onnx: {op_name}: mode must be "causal" or "symmetric", got "{mode}"')
+    total = _static(slopes, -1, op_name, "slope count")
+    count = total - head_offset if num_heads is None else num_heads
+    m = _last_dim(_to(slopes, maths), head_offset, head_offset + count)
+    if _rank(slopes) == 1:
+        m = op.Unsqueeze(m, op.Constant(value_ints=[0]))
+    m = op.Unsqueeze(m, op.Constant(value_ints=[2, 3]))  # [1 or B, H, 1, 1]
+    q_len, k_len = _int64(q_len), _int64(k_len)
+    rows = op.Add(_arange(q_len), op.Sub(k_len, q_len))
+    d = op.Sub(op.Unsqueeze(rows, op.Constant(value_ints=[1])), op.Unsqueeze(_arange(k_len),
+                                                                             op.Constant(value_ints=[0])))
+    d = op.Cast(d, to=maths)
+    if mode == "symmetric":
+        d = op.Abs(d)
+    return op.Mul(op.Neg(m), d)
+
+
+def alibi_bias(slopes, q_len, k_len, mode: str = "causal", head_offset: int = 0, num_heads: Optional[int] = None,
+               dtype: Optional[int] = None):
+    dtype = slopes.dtype if dtype is None else dtype
+    return _to(_alibi(slopes, q_len, k_len, mode, head_offset, num_heads, _maths_type(dtype), "alibi_bias"), dtype)
+
+
+def add_alibi(scores, slopes, mode: str = "causal", head_offset: int = 0):
+    maths = _maths_type(scores.dtype)
+    heads = _static(scores, 1, "add_alibi", "head count")
+    bias = _alibi(slopes, _size(scores, -2), _size(scores, -1), mode, head_offset, heads, maths, "add_alibi")
+    return _to(op.Add(_to(scores, maths), bias), scores.dtype)
+
+
+# ---------------------------------------------------------------- T5
+
+def _buckets(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's buckets: the bucket of a distance n < max_distance is read from a table computed by posenc's own op
+    (bit-exact bucket edges); every distance from max_distance on shares the last bucket."""
+    distances = -torch.arange(max_distance + 1, dtype=torch.int64)  # keys before the query: one direction
+    table = torch.ops.posenc.relative_position_bucket(distances, bidirectional, num_buckets, max_distance)
+    rel = _to(relative_position, _INT64)
+    zero = op.Constant(value_int=0)
+    if bidirectional:
+        n = op.Abs(rel)
+        base = op.Where(op.Greater(rel, zero), op.Constant(value_int=num_buckets // 2), zero)
+    else:
+        n = op.Neg(op.Min(rel, zero))
+        base = zero
+    limit = op.Constant(value_int=max_distance)
+    n = op.Where(op.Less(n, zero), limit, op.Min(n, limit))  # |INT64_MIN| wraps negative: the farthest key
+    return op.Add(base, op.Gather(op.Constant(value=ir.tensor(table.numpy())), n, axis=0))
+
+
+def relative_position_bucket(relative_position, bidirectional: bool = True, num_buckets: int = 32,
+                             max_distance: int = 128):
+    return _buckets(relative_position, bidirectional, num_buckets, max_distance)
+
+
+def t5_bias(weight, q_len, k_len, bidirectional: bool, num_buckets: int, max_distance: int, q_offset=0):
+    queries = op.Add(_arange(_int64(q_len)), _int64(q_offset))
+    rel = op.Sub(op.Unsqueeze(_arange(_int64(k_len)), op.Constant(value_ints=[0])),
+                 op.Unsqueeze(queries, op.Constant(value_ints=[1])))
+    values = op.Gather(weight, _buckets(rel, bidirectional, num_buckets, max_distance), axis=0)  # [Q, K, H]
+    return op.Unsqueeze(op.Transpose(values, perm=[2, 0, 1]), op.Constant(value_ints=[0]))
+
+
+# ---------------------------------------------------------------- the table
+
+_TRANSLATIONS: Dict[str, Callable] = {
+    "sinusoidal": sinusoidal, "add_sinusoidal": add_sinusoidal, "embed_sinusoidal": embed_sinusoidal,
+    "learned": learned, "add_learned": add_learned, "embed_learned": embed_learned,
+    "make_positions": make_positions, "positions_from_mask": positions_from_mask,
+    "rope": rope, "rope_qk": rope_qk, "rope_cos_sin": rope_cos_sin,
+    "alibi_bias": alibi_bias, "add_alibi": add_alibi,
+    "relative_position_bucket": relative_position_bucket, "t5_bias": t5_bias,
+}
+
+
+def translation_table() -> Dict[torch._ops.OpOverload, Callable]:
+    """``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True, opset_version=23)``: every forward
+    posenc op mapped to a function that builds it from standard ONNX operators (onnxscript)."""
+    return {getattr(torch.ops.posenc, name).default: fn for name, fn in _TRANSLATIONS.items()}
+
+
+def export(model: Any, args: Tuple[Any, ...] = (), f: Optional[str] = None, *, opset_version: int = OPSET,
+           custom_translation_table: Optional[Dict[Callable, Callable]] = None, **options: Any):
+    """``torch.onnx.export(model, args, f, dynamo=True, ...)`` with posenc's translations (``options`` pass
+    through: ``kwargs``, ``dynamic_shapes``, ``input_names``, ...). Returns the ``ONNXProgram``."""
+    if opset_version < OPSET:
+        raise ValueError(f"posenc.onnx.export: opset_version must be at least {OPSET} (RotaryEmbedding), "
+                         f"got {opset_version}")
+    table = translation_table()
+    table.update(custom_translation_table or {})
+    options.setdefault("verbose", False)
+    return torch.onnx.export(model, args, f, dynamo=True, opset_version=opset_version,
+                             custom_translation_table=table, **options)

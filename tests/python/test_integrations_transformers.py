@@ -1,0 +1,396 @@
+"""posenc.integrations.transformers on tiny random Hugging Face models built from configs (nothing downloaded).
+
+Every check runs a patched copy of a model against the unpatched original: logits (fp32, <= 1e-5 abs), the
+gradients of one training step (<= 1e-6 abs + 1e-5 relative), greedy generation with a KV cache (the same
+tokens), and, through a dispatch mode, that the posenc op does the positional work (no cos/sin tables).
+"""
+import collections
+import copy
+import gc
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import posenc  # noqa: F401
+
+transformers = pytest.importorskip("transformers")
+PT = pytest.importorskip("posenc.integrations.transformers")
+
+VOCAB = 64
+LOGITS_ATOL = 1e-5
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # measured: at most 5e-8 apart (gradients up to 0.3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models are tiny: one thread runs them faster than two (the suite's cost stays small)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher (aten and posenc, forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn):
+    with OpCounter() as counter:
+        fn()
+    return counter.counts
+
+
+def logits(model, **inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def training_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    model.train()
+    model(**inputs).loss.backward()
+    model.eval()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_model_outputs(reference, patched, inputs, train_inputs, generate_inputs=None, real=None):
+    """Logits, one training step's gradients and greedy generation of `patched` equal those of `reference`.
+    `real` selects the positions compared (padding rows of a left-padded batch are whatever the mask leaves)."""
+    ours, theirs = logits(patched, **inputs), logits(reference, **inputs)
+    mask = slice(None) if real is None else real
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=LOGITS_ATOL, rtol=0)
+    our_grads, their_grads = training_grads(patched, **train_inputs), training_grads(reference, **train_inputs)
+    assert our_grads.keys() == their_grads.keys() and our_grads
+    for name in their_grads:
+        torch.testing.assert_close(our_grads[name], their_grads[name], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+    if generate_inputs is not None:
+        options = dict(do_sample=False, use_cache=True, pad_token_id=0)
+        with torch.no_grad():
+            ours, theirs = patched.generate(**generate_inputs, **options), reference.generate(**generate_inputs, **options)
+        assert torch.equal(ours, theirs)
+
+
+def patched_copy(model):
+    patched = copy.deepcopy(model)
+    record = PT.patch(patched)
+    return patched, record
+
+
+# ---------------------------------------------------------------- rotary: Llama with every scaling
+
+SEQ_LIMIT = 24  # max_position_embeddings; the original length of llama3 and longrope is 16, of yarn 6 (factor 4)
+SCALINGS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0 + 0.5 * i for i in range(8)], "original_max_position_embeddings": 16},
+}
+
+
+def llama(scaling, theta=10000.0):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=SEQ_LIMIT,
+                                      rope_parameters=dict(scaling, rope_theta=theta))
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_llama_every_scaling_matches_hugging_face(scaling):
+    reference = llama(SCALINGS[scaling])
+    patched, record = patched_copy(reference)
+    assert [c.target for c in record.changes] == [
+        "model.rotary_emb", "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
+    long = torch.randint(0, VOCAB, (2, 30))  # past max_position_embeddings and the original 16: scaling at work
+    prompt = torch.randint(0, VOCAB, (2, 15))  # generation crosses 16 and 24: LongRoPE switches, dynamic grows
+    assert_same_model_outputs(reference, patched, dict(input_ids=long), dict(input_ids=long, labels=long),
+                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
+    counts = ops_of(lambda: patched(input_ids=long, labels=long).loss.backward())
+    assert counts["posenc.rope_qk.default"] == 2 and counts["posenc.rope_qk_backward.default"] == 2  # per layer
+    assert counts["aten.cos.default"] == counts["aten.sin.default"] == 0  # no tables
+
+
+def test_llama_left_padding_and_explicit_position_ids():
+    reference = llama(SCALINGS["yarn"])
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(0, VOCAB, (3, 11))
+    mask = torch.ones_like(tokens)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: per-row positions, as generate builds them
+    real = mask.bool()
+    inputs = dict(input_ids=tokens, attention_mask=mask, position_ids=position_ids)
+    assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=tokens.masked_fill(~real, -100)),
+                              dict(input_ids=tokens, attention_mask=mask, max_new_tokens=8), real=real)
+
+
+def test_dynamic_ntk_keeps_hugging_face_state_across_calls():
+    """HF's dynamic NTK keeps the frequencies of the longest sequence seen: a shorter call that is still past
+    max_position_embeddings uses them. The patched model does the same, so calls in any order agree."""
+    reference = llama(SCALINGS["dynamic"])
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(0, VOCAB, (1, 40))
+    for length in (40, 30, 12, 30):  # grows to 40; 30 keeps 40's frequencies; 12 < 24 resets; 30 grows again
+        torch.testing.assert_close(logits(patched, input_ids=tokens[:, :length]),
+                                   logits(reference, input_ids=tokens[:, :length]), atol=LOGITS_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- rotary: the other model types
+
+def rotary_models():
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=SEQ_LIMIT, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    longrope = dict(SCALINGS["longrope"], short_factor=[1.0, 1.2, 1.4, 1.6], long_factor=[2.0, 3.0, 4.0, 5.0])
+    yield "mistral", transformers.MistralConfig(**common, rope_parameters={"rope_type": "linear", "factor": 3.0,
+                                                                           "rope_theta": 1000.0})
+    yield "mixtral", transformers.MixtralConfig(**common, num_local_experts=2, num_experts_per_tok=1)
+    yield "qwen2", transformers.Qwen2Config(**common, rope_parameters=dict(SCALINGS["yarn"], rope_theta=1e6))
+    yield "qwen3", transformers.Qwen3Config(**common, head_dim=8)
+    yield "gemma", transformers.GemmaConfig(**common, head_dim=16)
+    yield "gemma2", transformers.Gemma2Config(**common, head_dim=16)
+    # Partial rotary: Phi-3 (half the channels, LongRoPE), GPT-NeoX and StableLM (a quarter).
+    yield "phi3", transformers.Phi3Config(**common, partial_rotary_factor=0.5,
+                                          rope_parameters=dict(longrope, partial_rotary_factor=0.5))
+    yield "gpt_neox", transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.25,
+                                                 max_position_embeddings=SEQ_LIMIT, pad_token_id=0)
+    yield "stablelm", transformers.StableLmConfig(**common, partial_rotary_factor=0.25)
+
+
+@pytest.mark.parametrize("model_type, config", list(rotary_models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_rotary_model_types_match_hugging_face(model_type, config):
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    patched, record = patched_copy(reference)
+    assert config.model_type == model_type == record.model_type and record.family == "rotary"
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    prompt = tokens[:, :12]
+    assert_same_model_outputs(reference, patched, dict(input_ids=tokens), dict(input_ids=tokens, labels=tokens),
+                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
+    counts = ops_of(lambda: patched(input_ids=tokens))
+    assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
+
+
+# ---------------------------------------------------------------- BLOOM, T5, GPT-2
+
+def test_bloom_alibi_matches_hugging_face():
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
+    reference = transformers.BloomForCausalLM(config).eval()
+    patched, record = patched_copy(reference)
+    assert [c.target for c in record.changes] == ["transformer.build_alibi_tensor", "transformer.forward"]
+    tokens = torch.randint(3, VOCAB, (2, 13))
+    mask = torch.ones_like(tokens)
+    mask[1, :5] = 0  # left padding: BLOOM's bias counts real tokens, ours columns; equal after softmax
+    real = mask.bool()
+    for inputs, compared in ((dict(input_ids=tokens), None), (dict(input_ids=tokens, attention_mask=mask), real)):
+        labels = tokens if compared is None else tokens.masked_fill(~real, -100)
+        assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=labels),
+                                  dict(input_ids=tokens, attention_mask=mask, max_new_tokens=8), real=compared)
+        assert ops_of(lambda: patched(**inputs))["posenc.alibi_bias.default"] == 1
+    # Decoding with a cache and no mask: BLOOM's inline path, sent through posenc by the all-ones mask.
+    with torch.no_grad():
+        steps = [model(input_ids=tokens[:, :9], use_cache=True) for model in (patched, reference)]
+        for _ in range(3):
+            following = tokens[:, 9 + _:10 + _]
+            steps = [model(input_ids=following, cache=step.cache, use_cache=True)
+                     for model, step in zip((patched, reference), steps)]
+            torch.testing.assert_close(steps[0].logits, steps[1].logits, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_t5_relative_bias_matches_hugging_face():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=2,
+                                   num_decoder_layers=2, relative_attention_num_buckets=16,
+                                   relative_attention_max_distance=20, dropout_rate=0.0, decoder_start_token_id=0)
+    reference = transformers.T5ForConditionalGeneration(config).eval()
+    patched, record = patched_copy(reference)
+    assert [c.target for c in record.changes] == ["encoder.block.0.layer.0.SelfAttention.compute_bias",
+                                                  "decoder.block.0.layer.0.SelfAttention.compute_bias"]
+    tokens, targets = torch.randint(3, VOCAB, (2, 25)), torch.randint(3, VOCAB, (2, 9))
+    assert_same_model_outputs(reference, patched, dict(input_ids=tokens, decoder_input_ids=targets),
+                              dict(input_ids=tokens, labels=targets), dict(input_ids=tokens, max_new_tokens=12))
+    counts = ops_of(lambda: patched(input_ids=tokens, labels=targets).loss.backward())
+    assert counts["posenc.t5_bias.default"] == 2 and counts["posenc.t5_bias_backward.default"] == 2
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=40, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_fused_embeddings_match_hugging_face():
+    reference = gpt2()
+    patched, record = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 13))
+    mask = torch.ones_like(tokens)
+    mask[0, :4] = 0
+    for inputs in (dict(input_ids=tokens), dict(input_ids=tokens, attention_mask=mask,
+                                                position_ids=(mask.cumsum(-1) - 1).clamp(min=0))):
+        real = inputs.get("attention_mask", torch.ones_like(tokens)).bool()
+        assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=tokens.masked_fill(~real, -100)),
+                                  dict(input_ids=tokens, attention_mask=mask, max_new_tokens=10), real=real)
+        counts = ops_of(lambda: patched(**inputs))
+        assert counts["posenc.embed_learned.default"] == 1 and counts["aten.embedding.default"] == 0
+        assert counts["aten.add.Tensor"] == ops_of(lambda: reference(**inputs))["aten.add.Tensor"] - 1  # wte + wpe
+
+
+def test_gpt2_token_type_ids_and_inputs_embeds_keep_working():
+    reference = gpt2()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 9))
+    types_ = torch.randint(0, 2, (2, 9))
+    torch.testing.assert_close(logits(patched, input_ids=tokens, token_type_ids=types_),
+                               logits(reference, input_ids=tokens, token_type_ids=types_), atol=LOGITS_ATOL, rtol=0)
+    embeds = reference.transformer.wte(tokens).detach()  # no token ids: Hugging Face's own path, unfused
+    torch.testing.assert_close(logits(patched, inputs_embeds=embeds), logits(reference, inputs_embeds=embeds),
+                               atol=0, rtol=0)
+    assert torch.equal(patched.transformer.wpe(torch.arange(5)), reference.transformer.wpe(torch.arange(5)))
+
+
+@pytest.mark.parametrize("build", [lambda: llama(SCALINGS["longrope"]), gpt2], ids=["llama", "gpt2"])
+def test_patched_models_compile_fullgraph(build):
+    """RotaryAngles and GPT-2's marker are traced by torch.compile: one graph, the eager logits."""
+    reference = build()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=tokens).logits, logits(reference, input_ids=tokens),
+                                   atol=LOGITS_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- unpatch, records, errors
+
+LLAMA_FILE = "transformers.models.llama.modeling_llama"
+
+
+def test_unpatch_restores_every_change_and_the_wrapper_spares_unpatched_models():
+    gc.collect()  # patched models of earlier tests release the wrapper when collected
+    assert LLAMA_FILE not in PT._ROTARY_WRAPPERS
+    first, second = llama(SCALINGS["default"]), llama(SCALINGS["default"])
+    modeling = transformers.models.llama.modeling_llama
+    original_function, original_rotary = modeling.apply_rotary_pos_emb, second.model.rotary_emb
+    tokens = torch.randint(0, VOCAB, (2, 10))
+    expected_first, expected_second = logits(first, input_ids=tokens), logits(second, input_ids=tokens)
+    state = {k: v.clone() for k, v in second.state_dict().items()}
+    PT.patch(first)
+    record = PT.patch(second)
+    assert isinstance(second.model.rotary_emb, PT.RotaryPositions) and PT.is_patched(second)
+    assert second.state_dict().keys() == state.keys()
+    assert all(torch.equal(second.state_dict()[k], v) for k, v in state.items())
+    PT.unpatch(first)  # the wrapper stays while `second` needs it; `first` is plain Hugging Face again
+    assert modeling.apply_rotary_pos_emb is not original_function
+    assert torch.equal(logits(first, input_ids=tokens), expected_first)
+    assert PT.unpatch(second) is record and not PT.is_patched(second)
+    assert modeling.apply_rotary_pos_emb is original_function and second.model.rotary_emb is original_rotary
+    assert torch.equal(logits(second, input_ids=tokens), expected_second)
+
+
+def test_a_patched_model_garbage_collected_releases_the_wrapper():
+    gc.collect()
+    original_function = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    model = llama(SCALINGS["default"])
+    PT.patch(model)
+    assert transformers.models.llama.modeling_llama.apply_rotary_pos_emb is not original_function
+    del model
+    gc.collect()
+    assert transformers.models.llama.modeling_llama.apply_rotary_pos_emb is original_function
+
+
+def bloom():
+    return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2))
+
+
+def t5():
+    return transformers.T5Model(transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=16, num_heads=2,
+                                                      num_layers=1, decoder_start_token_id=0))
+
+
+@pytest.mark.parametrize("build", [lambda: llama(SCALINGS["dynamic"]), bloom, t5, gpt2],
+                         ids=["llama", "bloom", "t5", "gpt2"])
+def test_unpatch_leaves_the_objects_as_they_were(build):
+    model = build()
+    tokens = torch.randint(3, VOCAB, (2, 7))
+    inputs = dict(input_ids=tokens, decoder_input_ids=tokens) if isinstance(model, transformers.T5Model) else dict(
+        input_ids=tokens)
+
+    def state():
+        return {name: (type(m), dict(vars(m)), len(m._forward_pre_hooks), len(m._forward_hooks))
+                for name, m in model.named_modules()}
+
+    before = state()
+    PT.patch(model)
+    model(**inputs)  # a call in between: nothing it leaves behind may survive unpatch
+    PT.unpatch(model)
+    after = state()
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name][0] is after[name][0] and before[name][2:] == after[name][2:], name
+        assert before[name][1].keys() == after[name][1].keys(), name
+
+
+@pytest.mark.parametrize("build", [lambda: llama(SCALINGS["default"]), gpt2], ids=["llama", "gpt2"])
+def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(build):
+    gc.collect()
+    model = build()
+    tokens = torch.randint(3, VOCAB, (2, 9))
+    expected = logits(model, input_ids=tokens)
+    PT.patch(model)
+    duplicate = copy.deepcopy(model)
+    assert PT.is_patched(duplicate)
+    PT.unpatch(model)  # the copy stays patched, and keeps the rotary wrapper it needs
+    counts = ops_of(lambda: logits(duplicate, input_ids=tokens))
+    assert counts["posenc.rope_qk.default"] + counts["posenc.embed_learned.default"] > 0
+    torch.testing.assert_close(logits(duplicate, input_ids=tokens), expected, atol=LOGITS_ATOL, rtol=0)
+    PT.unpatch(duplicate)
+    assert torch.equal(logits(duplicate, input_ids=tokens), expected) and LLAMA_FILE not in PT._ROTARY_WRAPPERS
+
+
+def test_record_lists_the_changes():
+    record = PT.patch(gpt2())
+    text = str(record)
+    assert text.startswith("posenc patch of a gpt2 model (learned):")
+    assert "transformer.forward" in text and "posenc.embed_learned" in text
+    assert [c.target for c in record.changes] == ["transformer.wpe.forward", "transformer.forward"]
+
+
+def test_errors():
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=32,
+                                                             num_hidden_layers=1, num_attention_heads=2,
+                                                             word_embed_proj_dim=16))
+    with pytest.raises(ValueError, match='got model_type "opt"; supported model types: llama, mistral, .*, gpt2'):
+        PT.patch(opt)
+    with pytest.raises(ValueError, match="got a Linear without a config.model_type; supported model types"):
+        PT.patch(torch.nn.Linear(2, 2))
+    model = llama(SCALINGS["default"])
+    with pytest.raises(ValueError, match="the model is not patched"):
+        PT.unpatch(model)
+    PT.patch(model)
+    with pytest.raises(RuntimeError, match="this llama model is already patched; call unpatch"):
+        PT.patch(model)
+    PT.unpatch(model)
+
+
+# ---------------------------------------------------------------- the documentation's example
+
+def test_documentation_example_runs():
+    """docs/integrations-transformers.md shows this file's first python block; it runs as written."""
+    doc = Path(__file__).resolve().parents[2] / "docs" / "integrations-transformers.md"
+    example = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
+    exec(compile(example, str(doc), "exec"), {})
