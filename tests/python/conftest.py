@@ -56,9 +56,10 @@ def compiled_matches_eager():
 #   TorchScript too) is re-run on a copy of its inputs on the GPU (same sizes, strides and storage offsets) and
 #   must give the same results, or raise the same error: the CPU's results are what the test sees and checks.
 #   POSENC_SHADOW=cuda (the default where a GPU is present), cpu (a second CPU run: the mechanism itself, without
-#   a GPU) or off. Tests of torch.compile, torch.export, opcheck, Meta kernels and CPU capabilities are not
-#   re-run this way (they trace or check the dispatcher itself; test_cuda.py runs those on CUDA), nor TorchScript
-#   tests (an error raised through a Python dispatch mode reaches TorchScript without its message).
+#   a GPU) or off. Tests of torch.compile, torch.export, ONNX, AOTInductor, DTensor, opcheck, Meta kernels and
+#   CPU capabilities are not re-run this way (they trace or check the dispatcher itself, or run other processes;
+#   test_cuda.py runs opcheck, compile and export on CUDA), nor TorchScript tests (an error raised through a
+#   Python dispatch mode reaches TorchScript without its message).
 import os  # noqa: E402
 import re  # noqa: E402
 
@@ -68,6 +69,9 @@ from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHADOW = os.environ.get("POSENC_SHADOW", "cuda" if torch.cuda.is_available() else "off")
 _SHADOW_SKIPS = re.compile(r"compile|export|opcheck|meta|capabilit|emulated|script")
+# Files whose tests trace, export or run other processes (ONNX, AOTInductor, DTensor, subprocesses).
+_SHADOW_SKIP_FILES = {"test_capabilities.py", "test_export.py", "test_onnx.py", "test_distributed.py", "test_study.py",
+                      "test_readme.py", "test_version.py"}
 # Ops whose maths calls sin/cos: exact wherever both sides take the fast angle reduction; float64 data and far
 # angles use each device's float64 sin/cos, which may differ in the last bit.
 _ANGLE_OPS = {"rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "sinusoidal", "add_sinusoidal",
@@ -155,7 +159,7 @@ _shadow_calls = {"count": 0}
 @pytest.fixture(autouse=True)
 def _shadow_device(request):
     if SHADOW == "off" or "device" in request.fixturenames or _SHADOW_SKIPS.search(request.node.name) \
-            or request.node.path.name == "test_capabilities.py":
+            or request.node.path.name in _SHADOW_SKIP_FILES:
         yield
         return
     mode = ShadowDevice(SHADOW)
