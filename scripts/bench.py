@@ -601,6 +601,237 @@ def bench_model(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+# ---------------------------------------------------------------- GPU (--device cuda)
+# The same comparisons on a GPU, with its own shapes (sized well past the L2 cache) and baselines: Hugging Face
+# eager, the same eager code under torch.compile (Inductor's Triton kernels), Liger's rope kernel where
+# liger-kernel is installed, and the device-to-device copy of the same bytes (out.copy_(x)). Times come from
+# CUDA events around each call, round-robin over the contenders; "copy bw" is the copy's time over ours: the
+# fraction of the copy's bandwidth we reach (target >= 0.85 for RoPE and the adds).
+
+def cuda_medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 3) -> Dict[str, float]:
+    """Median GPU time of each function (CUDA events around each call), measured round-robin."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
+class CudaTable:
+    """GPU rows of one op: ours, named baselines, and the copy of `copy_reference` (`copies` times)."""
+
+    def __init__(self, op: str, repeat: int):
+        self.op, self.repeat, self.rows = op, repeat, []
+
+    def add(self, shape: str, dtype: torch.dtype, mode: str, ours: Callable, baselines: Dict[str, Callable],
+            copy_reference: Optional[torch.Tensor] = None, copies: int = 1):
+        baselines = dict(baselines)
+        for name, fn in list(baselines.items()):  # a baseline that fails here (a library's API) is left out
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001
+                print(f"{self.op} {mode}: baseline {name} left out: {type(error).__name__}: {error}"[:300])
+                del baselines[name]
+        fns = {"ours": ours, **{f"baseline {name}": fn for name, fn in baselines.items()}}
+        if copy_reference is not None:
+            out = torch.empty_like(copy_reference)
+            fns["copy"] = lambda: [out.copy_(copy_reference) for _ in range(copies)]
+        ms = cuda_medians_ms(fns, self.repeat)
+        row = {"op": self.op, "device": torch.cuda.get_device_name(), "shape": shape,
+               "dtype": str(dtype).replace("torch.", ""), "mode": mode, "ours_ms": ms["ours"], "baselines_ms": {},
+               "speedup": {}}
+        for name in baselines:
+            row["baselines_ms"][name] = ms[f"baseline {name}"]
+            row["speedup"][name] = row["baselines_ms"][name] / row["ours_ms"]
+        if "copy" in ms:
+            moved = 2 * copy_reference.numel() * copy_reference.element_size() * copies  # read + write
+            row.update(copy_ms=ms["copy"], ours_over_copy=ms["ours"] / ms["copy"],
+                       copy_bandwidth_fraction=ms["copy"] / ms["ours"], ours_tb_per_s=moved / ms["ours"] / 1e9,
+                       copy_tb_per_s=moved / ms["copy"] / 1e9)
+        self.rows.append(row)
+        line = format_row(row)
+        if "copy_bandwidth_fraction" in row:
+            line += f" | copy bw {row['copy_bandwidth_fraction']:.2f} ({row['ours_tb_per_s']:.2f} TB/s)"
+        print(line, flush=True)
+
+
+def liger_rope():
+    """Liger's rope kernel with Hugging Face's signature, or None where liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError:
+        print("rope: liger-kernel is not installed: no Liger baseline")
+        return None
+    return liger_rotary_pos_emb
+
+
+def bench_cuda_rope(repeat: int, quick: bool) -> List[dict]:
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    except ImportError:
+        print("rope: transformers is not installed (pip install transformers); skipped")
+        return []
+    table = CudaTable("rope_qk", repeat)
+    batch, seq, heads, head_dim = (2, 1024, 32, 128) if quick else (4, 4096, 32, 128)
+    inv_freq = posenc.frequencies.rope(head_dim)[0].cuda()
+    angle = torch.arange(seq, device="cuda", dtype=torch.float64)[:, None] * inv_freq
+    emb = torch.cat([angle, angle], dim=-1)[None]  # [1, S, D], as a model builds it once for all layers
+    liger = liger_rope()
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(batch, seq, heads, head_dim, dtype=dtype, device="cuda")
+        k = torch.randn(batch, seq, heads, head_dim, dtype=dtype, device="cuda")
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        both = torch.cat([q, k])
+        shape = f"q,k [{batch}, {seq}, {heads}, {head_dim}]"
+        hf_compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, dynamic=False)
+        # HF's q and k are [B, H, S, D] views of [B, S, H, D] projections; Liger takes the same views.
+        q_view, k_view = q.transpose(1, 2), k.transpose(1, 2)
+        baselines = {"HF eager": lambda: apply_rotary_pos_emb(q_view, k_view, cos, sin),
+                     "Inductor": lambda: hf_compiled(q_view, k_view, cos, sin)}
+        if liger is not None:
+            liger_q, liger_k = q_view.clone(), k_view.clone()  # Liger may write its inputs
+            baselines["Liger"] = lambda: liger(liger_q, liger_k, cos, sin)
+        table.add(shape, dtype, "fwd", lambda: PF.rope_qk(q, k, None, inv_freq), baselines, both, copies=1)
+
+        grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+        bwd_baselines = {"HF eager": lambda: apply_rotary_pos_emb(grad_q.transpose(1, 2), grad_k.transpose(1, 2),
+                                                                  cos, -sin)}
+        table.add(shape, dtype, "bwd", lambda: torch.ops.posenc.rope_qk_backward(grad_q, grad_k, None, inv_freq),
+                  bwd_baselines, both, copies=1)
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        qg_view, kg_view = qg.transpose(1, 2), kg.transpose(1, 2)
+
+        def train(fn):
+            return fwd_grads(fn, [qg, kg], [grad_q, grad_k])
+
+        hf_train = lambda: [t.transpose(1, 2) for t in apply_rotary_pos_emb(qg_view, kg_view, cos, sin)]  # noqa: E731
+        compiled_train = lambda: [t.transpose(1, 2) for t in hf_compiled(qg_view, kg_view, cos, sin)]  # noqa: E731
+        table.add(shape, dtype, "fwd+bwd", train(lambda: PF.rope_qk(qg, kg, None, inv_freq)),
+                  {"HF eager": train(hf_train), "Inductor": train(compiled_train)}, both, copies=2)
+        buffer = both.clone()
+        in_place = {}
+        if liger is not None:
+            buffer_view = buffer.clone().transpose(1, 2)  # q and k stacked: rotate each half once
+            in_place["Liger"] = lambda: liger(buffer_view[:batch], buffer_view[batch:], cos, sin)
+        table.add(shape, dtype, "fwd in place", lambda: PF.rope_(buffer, None, inv_freq), in_place, both, copies=1)
+    return table.rows
+
+
+def bench_cuda_adds(repeat: int, quick: bool) -> List[dict]:
+    rows = []
+    batch, seq, dim = (4, 1024, 2048) if quick else (8, 4096, 2048)
+    inv_freq = posenc.frequencies.sinusoidal(dim).cuda()
+    positions = torch.arange(seq, device="cuda")
+    sinusoidal, learned = CudaTable("add_sinusoidal", repeat), CudaTable("add_learned", repeat)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(batch, seq, dim, dtype=dtype, device="cuda")
+        pe = PF.sinusoidal(positions, inv_freq).to(dtype)
+        shape = f"x [{batch}, {seq}, {dim}]"
+        eager_sin = lambda: x * 2.0 + pe  # noqa: E731
+        sinusoidal.add(shape, dtype, "fwd", lambda: PF.add_sinusoidal(x, None, inv_freq, 2.0),
+                       {"eager table+add": eager_sin, "Inductor": torch.compile(eager_sin)}, x, copies=1)
+        wpe = torch.randn(seq, dim, dtype=dtype, device="cuda")
+        eager_learned = lambda: x + F.embedding(positions, wpe)  # noqa: E731
+        learned.add(shape, dtype, "fwd", lambda: PF.add_learned(x, wpe),
+                    {"eager x+embedding": eager_learned, "Inductor": torch.compile(eager_learned)}, x, copies=1)
+    rows += sinusoidal.rows + learned.rows
+
+    vocab = 32000
+    tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
+    fused, backward = CudaTable("embed_learned", repeat), CudaTable("embedding_backward", repeat)
+    for dtype in (torch.float32, torch.bfloat16):
+        wte, wpe = (torch.randn(vocab, dim, dtype=dtype, device="cuda"),
+                    torch.randn(seq, dim, dtype=dtype, device="cuda"))
+        out_like = torch.randn(batch, seq, dim, dtype=dtype, device="cuda")
+        eager_two = lambda: F.embedding(tokens, wte) + F.embedding(positions, wpe)  # noqa: E731
+        fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd", lambda: PF.embed_learned(tokens, wte, wpe),
+                  {"eager two lookups": eager_two, "Inductor": torch.compile(eager_two)}, out_like, copies=1)
+        grad = torch.randn(batch, seq, dim, dtype=dtype, device="cuda")
+        flat_grad, flat_tokens = grad.view(-1, dim), tokens.flatten()
+        backward.add(f"grad [{batch}, {seq}, {dim}] -> [{vocab}, {dim}]", dtype, "bwd",
+                     lambda: PF.embedding_backward(grad, tokens, vocab),
+                     {"eager index_add_ (atomics)": lambda: torch.zeros(vocab, dim, dtype=dtype, device="cuda")
+                      .index_add_(0, flat_tokens, flat_grad),
+                      "eager embedding bwd": lambda: torch.ops.aten.embedding_dense_backward(grad, tokens, vocab, -1,
+                                                                                              False)},
+                     grad, copies=1)
+    return rows + fused.rows + backward.rows
+
+
+def bench_cuda_bias(repeat: int, quick: bool) -> List[dict]:
+    batch, heads, q_len, k_len = (2, 16, 1024, 1024) if quick else (4, 32, 2048, 2048)
+    slopes = PF.alibi_slopes(heads).cuda()
+    distance = (torch.arange(k_len, device="cuda")[None, :] - torch.arange(q_len, device="cuda")[:, None]
+                - (k_len - q_len)).abs()
+    alibi, slope_grad = CudaTable("add_alibi", repeat), CudaTable("alibi_backward", repeat)
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = torch.randn(batch, heads, q_len, k_len, dtype=dtype, device="cuda")
+        shape = f"scores [{batch}, {heads}, {q_len}, {k_len}]"
+        eager = lambda: scores + (-slopes[:, None, None] * distance).to(dtype)  # noqa: E731
+        alibi.add(shape, dtype, "fwd", lambda: PF.add_alibi(scores, slopes, "symmetric"),
+                  {"eager bias+add": eager, "Inductor": torch.compile(eager)}, scores, copies=1)
+        buffer = scores.clone()
+        alibi.add(shape, dtype, "fwd in place", lambda: PF.add_alibi_(buffer, slopes, "symmetric"), {}, scores,
+                  copies=1)
+        dist = distance.to(dtype)
+        eager_grad = lambda: -(scores.sum(0) * dist).sum((1, 2))  # noqa: E731
+        slope_grad.add(f"grad [{batch}, {heads}, {q_len}, {k_len}]", dtype, "bwd",
+                       lambda: PF.alibi_backward(scores, slopes, "symmetric"),
+                       {"eager": eager_grad, "Inductor": torch.compile(eager_grad)})
+    t5, t5_backward = CudaTable("t5_bias", repeat), CudaTable("t5_bias_backward", repeat)
+    buckets, max_distance = 32, 128
+    relative = torch.arange(k_len, device="cuda")[None, :] - torch.arange(q_len, device="cuda")[:, None]
+    bucket_ids = PF.relative_position_bucket(relative, True, buckets, max_distance)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(buckets, heads, dtype=dtype, device="cuda")
+        out_like = torch.randn(1, heads, q_len, k_len, dtype=dtype, device="cuda")
+        eager = lambda: F.embedding(bucket_ids, weight).permute(2, 0, 1).unsqueeze(0)  # noqa: E731
+        t5.add(f"bias [1, {heads}, {q_len}, {k_len}]", dtype, "fwd",
+               lambda: PF.t5_bias(weight, q_len, k_len, True, buckets, max_distance),
+               {"eager buckets+embedding": eager, "Inductor": torch.compile(eager)}, out_like, copies=1)
+        grad = torch.randn(1, heads, q_len, k_len, dtype=dtype, device="cuda")
+        t5_backward.add(f"grad [1, {heads}, {q_len}, {k_len}]", dtype, "bwd",
+                        lambda: PF.t5_bias_backward(grad, True, buckets, max_distance),
+                        {"eager embedding bwd": lambda: torch.ops.aten.embedding_dense_backward(
+                            grad.squeeze(0).permute(1, 2, 0), bucket_ids, buckets, -1, False)})
+    return alibi.rows + slope_grad.rows + t5.rows + t5_backward.rows
+
+
+def bench_cuda_overhead(repeat: int, quick: bool) -> List[dict]:
+    """Small calls, where launches and the checks' one synchronization show: a decoding step's RoPE with and
+    without explicit positions (given positions are range-checked on the GPU and read back once)."""
+    table = CudaTable("rope_qk decode", repeat)
+    inv_freq = posenc.frequencies.rope(128)[0].cuda()
+    q, k = torch.randn(8, 1, 32, 128, device="cuda"), torch.randn(8, 1, 8, 128, device="cuda")
+    positions = torch.randint(0, 4096, (8, 1), device="cuda")
+    calls = 100
+
+    def many(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    table.add(f"q,k [8, 1, 32|8, 128] x{calls}", torch.float32, "fwd", many(lambda: PF.rope_qk(q, k, None, inv_freq, offset=4000)),
+              {"with positions": many(lambda: PF.rope_qk(q, k, positions, inv_freq)),
+               "torch.add": many(lambda: torch.add(q, q))})
+    return table.rows
+
+
+CUDA_BENCHMARKS = {
+    "rope": bench_cuda_rope,
+    "adds": bench_cuda_adds,
+    "bias": bench_cuda_bias,
+    "overhead": bench_cuda_overhead,
+}
+
+
 BENCHMARKS = {
     "rope": bench_rope,
     "mrope": bench_mrope,
@@ -635,7 +866,10 @@ def markdown(rows: List[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default=",".join(BENCHMARKS), help="comma-separated: " + ",".join(BENCHMARKS))
+    parser.add_argument("--ops", help="comma-separated: " + ",".join(BENCHMARKS) + " (with --device cuda: "
+                        + ",".join(CUDA_BENCHMARKS) + "); default all")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the GPU benchmark (its own shapes and baselines, CUDA-event timing)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -657,16 +891,29 @@ def main() -> None:
         with open(args.from_json) as f:
             rows = json.load(f)["rows"]
     else:
-        for name in args.ops.split(","):
-            rows += BENCHMARKS[name](args.repeat, args.quick)
+        benchmarks = CUDA_BENCHMARKS if args.device == "cuda" else BENCHMARKS
+        failed = []
+        for name in (args.ops or ",".join(benchmarks)).split(","):
+            if args.device == "cpu":
+                rows += benchmarks[name](args.repeat, args.quick)
+                continue
+            try:  # one GPU run answers as much as it can: a failing group is reported, the others still run
+                rows += benchmarks[name](args.repeat, args.quick)
+            except Exception:  # noqa: BLE001
+                import traceback
+                traceback.print_exc()
+                failed.append(name)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
+                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
                        "reuse_memory": args.reuse_memory, "rows": rows}, f, indent=1)
+    if not args.from_json and args.device == "cuda" and failed:
+        return f"bench.py: the {', '.join(failed)} benchmarks failed (tracebacks above)"
 
 
 if __name__ == "__main__":

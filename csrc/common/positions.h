@@ -97,6 +97,21 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
   return out;
 }
 
+// cu_seqlens (on the host) must start at 0, never decrease and end at T: checked before any token is read.
+inline void check_cu_seqlens_values(const char* op, const std::optional<at::Tensor>& cu_seqlens, int64_t tokens) {
+  if (!cu_seqlens) return;
+  const auto cu = cu_seqlens->to(at::kLong).contiguous();
+  const int64_t* bounds = cu.const_data_ptr<int64_t>();
+  const int64_t n = cu.numel();
+  TORCH_CHECK(bounds[0] == 0, "posenc.", op, ": cu_seqlens must start at 0, got ", bounds[0]);
+  for (int64_t j = 1; j < n; ++j) {
+    TORCH_CHECK(bounds[j] >= bounds[j - 1], "posenc.", op, ": cu_seqlens must not decrease, got ", bounds[j - 1],
+                " then ", bounds[j], " at index ", j);
+  }
+  TORCH_CHECK(bounds[n - 1] == tokens, "posenc.", op, ": cu_seqlens must end at the token count T = ", tokens,
+              ", got ", bounds[n - 1]);
+}
+
 // inv_freq as contiguous float64 (the tensor's own data when it already is: no copy), and max |inv_freq|,
 // which decides the angle engine's path for each position.
 class Frequencies {

@@ -169,4 +169,17 @@ inline RopeArgs check_rope_cos_sin(const char* op, const char* arg, const at::Te
   return {pair_layout, rope_format, cos.dim() == 2 || cos.sym_size(0) == 1};
 }
 
+// x (and its output, the same tensor in place) as the kernels read it: [batch, seq, heads, head_dim] strides.
+template <typename scalar_t>
+RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, RopeFormat format) {
+  const auto order = rope_dim_order(format);
+  RotaryView<scalar_t> view{in.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), in.size(order[2]),
+                            in.size(order[3]), {}, {}};
+  for (int i = 0; i < 4; ++i) {
+    view.in_stride[i] = order[i] < 0 ? 0 : in.stride(order[i]);
+    view.out_stride[i] = order[i] < 0 ? 0 : out.stride(order[i]);
+  }
+  return view;
+}
+
 }  // namespace posenc

@@ -14,33 +14,6 @@
 namespace posenc {
 namespace {
 
-template <typename scalar_t>
-RotaryView<scalar_t> view_of(const at::Tensor& in, const at::Tensor& out, RopeFormat format) {
-  const auto order = rope_dim_order(format);
-  RotaryView<scalar_t> view{in.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), in.size(order[2]),
-                            in.size(order[3]), {}, {}};
-  for (int i = 0; i < 4; ++i) {
-    view.in_stride[i] = order[i] < 0 ? 0 : in.stride(order[i]);
-    view.out_stride[i] = order[i] < 0 ? 0 : out.stride(order[i]);
-  }
-  return view;
-}
-
-// cu_seqlens must start at 0, never decrease and end at T: checked before any token is read.
-void check_cu_seqlens_values(const char* op, const std::optional<at::Tensor>& cu_seqlens, int64_t tokens) {
-  if (!cu_seqlens) return;
-  const auto cu = cu_seqlens->to(at::kLong).contiguous();
-  const int64_t* bounds = cu.const_data_ptr<int64_t>();
-  const int64_t n = cu.numel();
-  TORCH_CHECK(bounds[0] == 0, "posenc.", op, ": cu_seqlens must start at 0, got ", bounds[0]);
-  for (int64_t j = 1; j < n; ++j) {
-    TORCH_CHECK(bounds[j] >= bounds[j - 1], "posenc.", op, ": cu_seqlens must not decrease, got ", bounds[j - 1],
-                " then ", bounds[j], " at index ", j);
-  }
-  TORCH_CHECK(bounds[n - 1] == tokens, "posenc.", op, ": cu_seqlens must end at the token count T = ", tokens,
-              ", got ", bounds[n - 1]);
-}
-
 // The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it.
 std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
   const auto values = pair_axis.to(at::kLong).contiguous();
@@ -86,7 +59,7 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "posenc_rope", [&] {
     std::vector<RotaryView<scalar_t>> views;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].numel() > 0) views.push_back(view_of<scalar_t>(inputs[i], outputs[i], args.format));
+      if (inputs[i].numel() > 0) views.push_back(rotary_view<scalar_t>(inputs[i], outputs[i], args.format));
     }
     cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), batch, seq, pos.data(),
                               args.shared_positions, n_axes, pair_axis ? axes.data() : nullptr, freq.data(),
@@ -175,7 +148,7 @@ at::Tensor rope_cos_sin_cpu_impl(const char* op, const at::Tensor& x, const at::
     using opmath = opmath_t<scalar_t>;
     const auto cos_table = cos.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
     const auto sin_table = sin.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
-    cpu::rope_tables_stub<scalar_t, opmath>({view_of<scalar_t>(x, out, args.format),
+    cpu::rope_tables_stub<scalar_t, opmath>({rotary_view<scalar_t>(x, out, args.format),
                                              order[0] < 0 ? 1 : x.size(order[0]), x.size(order[1]),
                                              cos_table.const_data_ptr<opmath>(), sin_table.const_data_ptr<opmath>(),
                                              args.shared_positions, cos.size(-1), args.layout, transpose});

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace posenc::kernels {
 
@@ -47,6 +48,57 @@ POSENC_INLINE int64_t t5_bucket(const T5Buckets& t5, int64_t relative_position) 
   const float scaled = std::log(static_cast<float>(n) / static_cast<float>(t5.exact)) / t5.log_ratio * t5.log_buckets;
   const int64_t log_bucket = t5.exact + static_cast<int64_t>(scaled);
   return bucket + (log_bucket < t5.per_direction - 1 ? log_bucket : t5.per_direction - 1);
+}
+
+// T5's bucket without a logarithm, for devices whose float32 log may round differently from the host's. The
+// bucket of a log-spaced distance n (exact <= n < max_distance) is exact + the count of thresholds <= n, where
+// thresholds[k] is the least n whose bucket is at least exact + k + 1: t5_bucket is nondecreasing in n, so the
+// count reproduces it. The host tabulates the thresholds with t5_bucket itself (t5_log_thresholds).
+POSENC_INLINE int64_t t5_bucket_tabulated(const T5Buckets& t5, const int64_t* thresholds, int64_t num_thresholds,
+                                          int64_t relative_position) {
+  const uint64_t magnitude = relative_position < 0 ? 0 - static_cast<uint64_t>(relative_position)
+                                                   : static_cast<uint64_t>(relative_position);
+  int64_t bucket = 0;
+  uint64_t n = 0;
+  if (t5.bidirectional) {
+    bucket = relative_position > 0 ? t5.per_direction : 0;
+    n = magnitude;
+  } else if (relative_position < 0) {
+    n = magnitude;
+  }
+  if (n < static_cast<uint64_t>(t5.exact)) return bucket + static_cast<int64_t>(n);
+  if (n >= static_cast<uint64_t>(t5.max_distance)) return bucket + t5.per_direction - 1;
+  int64_t lo = 0;  // the count of thresholds <= n, by bisection
+  int64_t hi = num_thresholds;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (static_cast<uint64_t>(thresholds[mid]) <= n) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return bucket + t5.exact + lo;
+}
+
+// The thresholds of t5_bucket_tabulated, found by bisection over [exact, max_distance) with t5_bucket (a distance
+// n of either direction has the log bucket t5_bucket(-n)); max_distance where no distance reaches a bucket.
+inline std::vector<int64_t> t5_log_thresholds(const T5Buckets& t5) {
+  std::vector<int64_t> thresholds;
+  for (int64_t target = t5.exact + 1; target < t5.per_direction; ++target) {
+    int64_t lo = t5.exact;
+    int64_t hi = t5.max_distance;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (t5_bucket(t5, -mid) >= target) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    thresholds.push_back(lo);
+  }
+  return thresholds;
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE

@@ -95,3 +95,127 @@ def compiled_matches_eager():
             torch.testing.assert_close(a, e)
 
     return check
+
+
+# ---------------------------------------------------------------- devices
+# Every test runs on the CPU. Where a GPU is present, the suite also runs on CUDA in two ways:
+# - tests that take the `device` fixture (tests/python/test_cuda.py) run once per device;
+# - every other test runs as written on the CPU while each posenc op call it makes (forward and backward ops,
+#   TorchScript too) is re-run on a copy of its inputs on the GPU (same sizes, strides and storage offsets) and
+#   must give the same results, or raise the same error: the CPU's results are what the test sees and checks.
+#   POSENC_SHADOW=cuda (the default where a GPU is present), cpu (a second CPU run: the mechanism itself, without
+#   a GPU) or off. Tests of torch.compile, torch.export, ONNX, AOTInductor, DTensor, opcheck, Meta kernels and
+#   CPU capabilities are not re-run this way (they trace or check the dispatcher itself, or run other processes;
+#   test_cuda.py runs opcheck, compile and export on CUDA), nor TorchScript tests (an error raised through a
+#   Python dispatch mode reaches TorchScript without its message).
+import os  # noqa: E402
+import re  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHADOW = os.environ.get("POSENC_SHADOW", "cuda" if torch.cuda.is_available() else "off")
+_SHADOW_SKIPS = re.compile(r"compile|export|opcheck|meta|capabilit|emulated|script")
+# Files whose tests trace, export or run other processes (ONNX, AOTInductor, DTensor, subprocesses).
+_SHADOW_SKIP_FILES = {"test_capabilities.py", "test_export.py", "test_onnx.py", "test_distributed.py", "test_study.py",
+                      "test_readme.py", "test_version.py"}
+# Ops whose maths calls sin/cos: exact wherever both sides take the fast angle reduction; float64 data and far
+# angles use each device's float64 sin/cos, which may differ in the last bit.
+_ANGLE_OPS = {"rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "sinusoidal", "add_sinusoidal",
+              "embed_sinusoidal"}
+_LAST_BITS = {torch.float64: dict(rtol=1e-13, atol=1e-13), torch.float32: dict(rtol=3e-7, atol=3e-7),
+              torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Each device the suite runs on: "cpu", and "cuda" where a GPU is present."""
+    return request.param
+
+
+def _copy_to(t, device):
+    """t on `device` with its sizes, strides and storage offset: the whole storage is copied, then viewed alike."""
+    t = t.detach()
+    storage = t.untyped_storage()
+    if t.numel() == 0 or storage.nbytes() % t.element_size() != 0:
+        return t.to(device, copy=True)
+    base = torch.empty(0, dtype=t.dtype).set_(storage)
+    return base.to(device, copy=True).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def _plain_cpu(values):
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return (all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors)
+            and not any(isinstance(v, torch.SymInt) for v in values))
+
+
+def _first_line(error):
+    return str(error).strip().splitlines()[0] if str(error).strip() else ""
+
+
+class ShadowDevice(TorchDispatchMode):
+    """Re-runs each posenc op call made on CPU tensors on `device` and checks that the results (returned and
+    mutated tensors) and errors agree; the CPU's results are returned."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = device
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        values, _ = tree_flatten((args, kwargs))
+        if func.namespace != "posenc" or not _plain_cpu(values):
+            return func(*args, **kwargs)
+        shadow_args, shadow_kwargs = tree_map(
+            lambda v: _copy_to(v, self.device) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        try:
+            expected = func(*args, **kwargs)
+        except Exception as error:
+            with pytest.raises(type(error)) as raised:
+                func(*shadow_args, **shadow_kwargs)
+            assert _first_line(raised.value) == _first_line(error), f"{func}: the {self.device} error differs"
+            raise
+        actual = func(*shadow_args, **shadow_kwargs)
+        name = func._schema.name.split("::")[-1]
+        outputs = tree_flatten(expected)[0] + values
+        shadows = tree_flatten(actual)[0] + tree_flatten((shadow_args, shadow_kwargs))[0]
+        for cpu_value, other in zip(outputs, shadows):
+            if isinstance(cpu_value, torch.Tensor):
+                self._compare(name, cpu_value, other)
+            else:
+                assert cpu_value == other, f"{name}: {cpu_value!r} on the CPU, {other!r} on {self.device}"
+        self.calls += 1
+        return expected
+
+    def _compare(self, name, expected, actual):
+        assert actual.device.type == self.device, f"{name}: an output on {actual.device}"
+        assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), name
+        actual = actual.cpu()
+        if expected.is_floating_point() and name in _ANGLE_OPS:
+            torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{name}: {m}",
+                                       **_LAST_BITS[expected.dtype])
+        else:
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{name} (expected the same bits): {m}")
+
+
+_shadow_calls = {"count": 0}
+
+
+@pytest.fixture(autouse=True)
+def _shadow_device(request):
+    if SHADOW == "off" or "device" in request.fixturenames or _SHADOW_SKIPS.search(request.node.name) \
+            or request.node.path.name in _SHADOW_SKIP_FILES:
+        yield
+        return
+    mode = ShadowDevice(SHADOW)
+    with mode:
+        yield
+    _shadow_calls["count"] += mode.calls
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SHADOW != "off":
+        terminalreporter.write_line(f"posenc: {_shadow_calls['count']} op calls re-run on {SHADOW} and compared")

@@ -1,0 +1,259 @@
+// CUDA ops of ALiBi: the CPU op layer's checks and outputs, the shared bias formula (kernels/alibi.h).
+//
+// Forward (alibi_bias, add_alibi, add_alibi_): a thread writes V consecutive keys of one row (b, h, i),
+// V = 16 bytes / element size where rows are contiguous, whole vectors and aligned, else 1 with any strides;
+// in place, each element is read and written by the same thread. The slope gradient (alibi_backward) is
+// summed as the CPU sums it, so the GPU gives the CPU's bits: each row's sum_j grad * d_j in float64 (for a
+// unit-stride row, 16 interleaved partial sums, lane l taking j = l mod 16, added in lane order, then the
+// tail; one sequential sum otherwise), then each slope adds its rows' sums in row order.
+#include "common/alibi.h"
+#include "cuda/utils.cuh"
+#include "kernels/alibi.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+namespace posenc::cuda {
+namespace {
+
+using kernels::alibi_batch;
+using kernels::alibi_bias;
+using kernels::alibi_distance0;
+using kernels::alibi_head;
+using kernels::alibi_row_offset;
+using kernels::from_opmath;
+using kernels::to_opmath;
+
+AlibiRows rows_of(const at::Tensor& t) {
+  return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// The slope of row n in maths precision: slopes (float64) [B or 1, total_heads], head_offset applied.
+struct Slopes {
+  const double* values;
+  bool per_batch;
+  int64_t total_heads;
+  int64_t head_offset;
+
+  template <typename opmath>
+  __device__ opmath of_row(const AlibiRows& rows, int64_t n) const {
+    const int64_t b = per_batch ? alibi_batch(rows, n) : 0;
+    return static_cast<opmath>(values[b * total_heads + head_offset + alibi_head(rows, n)]);
+  }
+};
+
+template <AlibiMode kMode, int V, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    alibi_kernel(const scalar_t* in, AlibiRows in_rows, scalar_t* out, AlibiRows out_rows, int64_t num_rows,
+                 int64_t chunks, Slopes slopes) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t work = num_rows * chunks;
+  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < work; w += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t n = w / chunks;
+    const int64_t j0 = (w - n * chunks) * V;
+    const opmath slope = slopes.of_row<opmath>(out_rows, n);
+    const auto d0 = static_cast<opmath>(alibi_distance0(out_rows, n));
+    scalar_t* dst = out + alibi_row_offset(out_rows, n);
+    const scalar_t* src = in == nullptr ? nullptr : in + alibi_row_offset(in_rows, n);
+    if constexpr (V == 1) {
+      const opmath bias = alibi_bias<kMode>(slope, d0 - static_cast<opmath>(j0));
+      dst[j0 * out_rows.stride_j] =
+          from_opmath<scalar_t>(src == nullptr ? bias : to_opmath(src[j0 * in_rows.stride_j]) + bias);
+    } else {
+      Vec<scalar_t, V> x;
+      if (src != nullptr) x = load_vec<V>(src + j0);
+      Vec<scalar_t, V> y;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const opmath bias = alibi_bias<kMode>(slope, d0 - static_cast<opmath>(j0 + k));
+        y.v[k] = from_opmath<scalar_t>(src == nullptr ? bias : to_opmath(x.v[k]) + bias);
+      }
+      store_vec<V>(dst + j0, y);
+    }
+  }
+}
+
+bool rows_vectorizable(const void* data, const AlibiRows& rows, int V) {
+  return rows.stride_j == 1 && rows.k_len % V == 0 && rows.stride_b % V == 0 && rows.stride_h % V == 0 &&
+         rows.stride_i % V == 0 && aligned(data);
+}
+
+// Writes every row of `out` as in + bias (in undefined: the bias alone); out may be in.
+void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,
+              int64_t head_offset) {
+  const auto slope_values = slopes.to(at::kDouble).contiguous();
+  const Slopes local{slope_values.const_data_ptr<double>(), slopes.dim() == 2, slopes.size(-1), head_offset};
+  const int64_t num_rows = out.numel() / out.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "posenc_alibi_cuda", [&] {
+    constexpr int V = kMaxVec<scalar_t>;
+    const auto out_rows = rows_of(out);
+    const auto in_rows = in.defined() ? rows_of(in) : out_rows;
+    const scalar_t* src = in.defined() ? in.const_data_ptr<scalar_t>() : nullptr;
+    const bool vectorized = rows_vectorizable(out.const_data_ptr(), out_rows, V) &&
+                            (src == nullptr || rows_vectorizable(src, in_rows, V));
+    const int64_t chunks = vectorized ? out_rows.k_len / V : out_rows.k_len;
+    const auto blocks = grid_size(num_rows * chunks, kThreads);
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, current_stream()>>>(src, in_rows, dst, out_rows, num_rows, chunks, local);
+      POSENC_CUDA_LAUNCH_CHECK();
+    };
+    if (mode == AlibiMode::Symmetric) {
+      vectorized ? launch(alibi_kernel<AlibiMode::Symmetric, V, scalar_t>)
+                 : launch(alibi_kernel<AlibiMode::Symmetric, 1, scalar_t>);
+    } else {
+      vectorized ? launch(alibi_kernel<AlibiMode::Causal, V, scalar_t>)
+                 : launch(alibi_kernel<AlibiMode::Causal, 1, scalar_t>);
+    }
+  });
+}
+
+at::Tensor alibi_bias_cuda(const at::Tensor& slopes, int64_t q_len, int64_t k_len, c10::string_view mode,
+                           int64_t head_offset, std::optional<int64_t> num_heads, std::optional<at::ScalarType> dtype) {
+  const auto shape = check_alibi_bias(slopes, q_len, k_len, mode, head_offset,
+                                      num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
+  auto out = at::empty({shape.batch.expect_int(), shape.num_heads.expect_int(), q_len, k_len},
+                       slopes.options().dtype(shape.dtype));
+  const c10::cuda::CUDAGuard guard(slopes.device());
+  if (out.numel() > 0) add_bias(at::Tensor(), out, slopes, parse_alibi_mode("alibi_bias", mode), head_offset);
+  return out;
+}
+
+at::Tensor add_alibi_cuda(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
+                          int64_t head_offset) {
+  const auto alibi_mode = check_alibi_scores("add_alibi", "scores", scores, slopes, mode, head_offset);
+  auto out = at::empty(scores.sizes(), scores.options());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  if (out.numel() > 0) add_bias(scores, out, slopes, alibi_mode, head_offset);
+  return out;
+}
+
+void add_alibi__cuda(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode, int64_t head_offset) {
+  const auto alibi_mode = check_add_alibi_inplace(scores, slopes, mode, head_offset);
+  check_no_internal_overlap("add_alibi_", "scores", scores, "write into a tensor that owns each element, or use add_alibi");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  if (scores.numel() > 0) add_bias(scores, scores, slopes, alibi_mode, head_offset);
+}
+
+constexpr int kLanes = 16;  // the CPU's interleaved partial sums of a unit-stride row
+
+// -sum_j grad[n, j] * d_j (|d_j| symmetric) of every row n, in float64, in the CPU's order. Unit stride: a
+// row is 16 threads (its lanes), 16 rows a block; lane l sums j = l, l + 16, ... below the last whole group
+// of 16, lane 0 then adds the lanes in order and the tail. Other strides: one thread sums a row in j order.
+template <AlibiMode kMode, bool kUnit, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    alibi_row_sums_kernel(const scalar_t* grad, AlibiRows rows, int64_t num_rows, double* row_sums) {
+  __shared__ double lanes[kThreads];
+  const auto weight = [&](double distance0, int64_t j) {
+    const double d = distance0 - static_cast<double>(j);
+    return kMode == AlibiMode::Symmetric ? fabs(d) : d;
+  };
+  const int64_t k_len = rows.k_len;
+  if constexpr (kUnit) {
+    constexpr int kRowsPerBlock = kThreads / kLanes;
+    const int lane = threadIdx.x % kLanes;
+    const int slot = threadIdx.x / kLanes;
+    const int64_t whole = k_len - k_len % kLanes;
+    for (int64_t first = blockIdx.x * int64_t{kRowsPerBlock}; first < num_rows;
+         first += int64_t{gridDim.x} * kRowsPerBlock) {
+      const int64_t n = first + slot;
+      double sum = 0.0;
+      double distance0 = 0.0;
+      const scalar_t* row = grad;
+      if (n < num_rows) {
+        row = grad + alibi_row_offset(rows, n);
+        distance0 = static_cast<double>(alibi_distance0(rows, n));
+        for (int64_t j = lane; j < whole; j += kLanes) {
+          sum += static_cast<double>(to_opmath(row[j])) * weight(distance0, j);
+        }
+      }
+      lanes[threadIdx.x] = sum;
+      __syncthreads();
+      if (lane == 0 && n < num_rows) {
+        double tail = 0.0;
+        for (int64_t j = whole; j < k_len; ++j) tail += static_cast<double>(to_opmath(row[j])) * weight(distance0, j);
+        double total = 0.0;
+        for (int l = 0; l < kLanes; ++l) total += lanes[threadIdx.x + l];
+        row_sums[n] = -(total + tail);
+      }
+      __syncthreads();
+    }
+  } else {
+    for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < num_rows;
+         n += int64_t{gridDim.x} * blockDim.x) {
+      const scalar_t* row = grad + alibi_row_offset(rows, n);
+      const auto distance0 = static_cast<double>(alibi_distance0(rows, n));
+      double tail = 0.0;
+      for (int64_t j = 0; j < k_len; ++j) {
+        tail += static_cast<double>(to_opmath(row[j * rows.stride_j])) * weight(distance0, j);
+      }
+      row_sums[n] = -(0.0 + tail);  // the CPU's sum of its (here empty) lanes, then the tail
+    }
+  }
+}
+
+// slope_grad[b?, head_offset + h] = sum of the row sums of (b?, h) in increasing row order, from 0.
+__global__ void alibi_slope_sums_kernel(const double* row_sums, AlibiRows rows, int64_t batch, bool per_batch,
+                                        int64_t total_heads, int64_t head_offset, double* slope_grad) {
+  const int64_t heads = rows.heads;
+  const int64_t entries = (per_batch ? batch : 1) * heads;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < entries; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t b_slope = e / heads;
+    const int64_t h = e - b_slope * heads;
+    double sum = 0.0;
+    for (int64_t b = per_batch ? b_slope : 0; b < (per_batch ? b_slope + 1 : batch); ++b) {
+      const double* run = row_sums + (b * heads + h) * rows.q_len;
+      for (int64_t i = 0; i < rows.q_len; ++i) sum += run[i];
+    }
+    slope_grad[b_slope * total_heads + head_offset + h] = sum;
+  }
+}
+
+at::Tensor alibi_backward_cuda(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
+                               int64_t head_offset) {
+  const auto alibi_mode = check_alibi_scores("alibi_backward", "grad", grad, slopes, mode, head_offset);
+  auto acc = at::zeros(slopes.sizes(), slopes.options().dtype(at::kDouble));
+  if (grad.numel() > 0) {
+    const c10::cuda::CUDAGuard guard(grad.device());
+    const auto rows = rows_of(grad);
+    const int64_t num_rows = grad.numel() / grad.size(3);
+    auto row_sums = at::empty({num_rows}, grad.options().dtype(at::kDouble));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_alibi_backward_cuda", [&] {
+      const scalar_t* data = grad.const_data_ptr<scalar_t>();
+      double* sums = row_sums.mutable_data_ptr<double>();
+      const bool unit = rows.stride_j == 1;
+      const auto blocks = grid_size(unit ? num_rows * kLanes : num_rows, kThreads);
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, kThreads, 0, current_stream()>>>(data, rows, num_rows, sums);
+        POSENC_CUDA_LAUNCH_CHECK();
+      };
+      if (alibi_mode == AlibiMode::Symmetric) {
+        unit ? launch(alibi_row_sums_kernel<AlibiMode::Symmetric, true, scalar_t>)
+             : launch(alibi_row_sums_kernel<AlibiMode::Symmetric, false, scalar_t>);
+      } else {
+        unit ? launch(alibi_row_sums_kernel<AlibiMode::Causal, true, scalar_t>)
+             : launch(alibi_row_sums_kernel<AlibiMode::Causal, false, scalar_t>);
+      }
+    });
+    const bool per_batch = slopes.dim() == 2;
+    const int64_t entries = (per_batch ? grad.size(0) : 1) * rows.heads;
+    alibi_slope_sums_kernel<<<grid_size(entries, kThreads), kThreads, 0, current_stream()>>>(
+        row_sums.const_data_ptr<double>(), rows, grad.size(0), per_batch, slopes.size(-1), head_offset,
+        acc.mutable_data_ptr<double>());
+    POSENC_CUDA_LAUNCH_CHECK();
+  }
+  return acc.to(slopes.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("alibi_bias", TORCH_FN(alibi_bias_cuda));
+  m.impl("add_alibi", TORCH_FN(add_alibi_cuda));
+  m.impl("add_alibi_", TORCH_FN(add_alibi__cuda));
+  m.impl("alibi_backward", TORCH_FN(alibi_backward_cuda));
+}
+
+}  // namespace posenc::cuda

@@ -1,0 +1,396 @@
+// CUDA ops of the rotary family: the CPU op layer's checks and outputs, the shared per-element maths
+// (kernels/angle.h, kernels/rotary.h), one kernel for every op.
+//
+// A block rotates one token: it forms the token's coefficients once in shared memory (cos and sin of each pair,
+// from the angle engine or from rope_cos_sin's tables), then its threads rotate every head of x (or of q and
+// k) with them. A thread's unit of work is V pairs of one head: V = 16 bytes / element size where every row
+// is contiguous and 16-byte aligned (one load and one store per half for neox, two adjacent vectors for gptj),
+// else V = 1 with the strides as they are. When there are fewer tokens than the device has room for (decoding),
+// a token's heads are split over several blocks (gridDim.y), each forming the coefficients itself.
+#include "common/positions.h"
+#include "common/rope.h"
+#include "cuda/angle.cuh"
+#include "cuda/positions.cuh"
+#include "cuda/utils.cuh"
+#include "kernels/rotary.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace posenc::cuda {
+namespace {
+
+using kernels::from_opmath;
+using kernels::rotate_first;
+using kernels::rotate_second;
+using kernels::to_opmath;
+
+// Pairs whose coefficients a block holds at once (a multiple of every vector width): 4 KiB of float32.
+constexpr int64_t kChunkPairs = 256;
+
+// Coefficients from the angle engine, as the CPU forms them: c = a cos(p w_i), s = +-a sin(p w_i) with the
+// attention scale a rounded to the maths type first. For float32 maths a token's angles take the fast
+// reduction when |p| * max_i |w_i| <= kFastAngle, else float64 sin/cos: the CPU's choice, made per token.
+template <typename opmath>
+struct AngleCoeffs {
+  const double* positions;  // per token (shared: per sequence index); null: offset + s
+  int64_t offset;
+  bool shared;
+  int64_t seq;
+  const double* inv_freq;
+  int64_t pairs;
+  opmath scale;
+  opmath sin_scale;
+
+  struct Token {
+    double position;
+    bool slow;
+  };
+
+  __device__ double max_frequency() const { return posenc::cuda::max_frequency(inv_freq, pairs); }
+
+  // Called by every thread of the block.
+  __device__ Token token(int64_t b, int64_t s, double local_max) const {
+    const double p = positions == nullptr ? static_cast<double>(offset + s) : positions[shared ? s : b * seq + s];
+    return {p, slow_angles<opmath>(p, local_max)};
+  }
+
+  __device__ void fill(const Token& t, int64_t i, opmath& c1, opmath& s1, opmath& c2, opmath& s2) const {
+    opmath sin_value;
+    opmath cos_value;
+    angle_sincos(t.position * inv_freq[i], t.slow, sin_value, cos_value);
+    c1 = c2 = cos_value * scale;
+    s1 = s2 = sin_value * sin_scale;
+  }
+};
+
+// Coefficients gathered from explicit tables [rows, rotary_dim] (rope_cos_sin), channel by channel; the
+// backward is the transpose: (c1, -s2, c2, -s1).
+template <typename opmath>
+struct TableCoeffs {
+  const opmath* cos;
+  const opmath* sin;
+  bool shared;
+  int64_t seq;
+  int64_t rotary_dim;
+  int64_t first;   // channel of pair i = first * i
+  int64_t second;  // its partner, `second` channels on
+  bool transpose;
+
+  struct Token {
+    int64_t row;
+  };
+
+  __device__ double max_frequency() const { return 0.0; }
+
+  __device__ Token token(int64_t b, int64_t s, double) const { return {(shared ? s : b * seq + s) * rotary_dim}; }
+
+  __device__ void fill(const Token& t, int64_t i, opmath& c1, opmath& s1, opmath& c2, opmath& s2) const {
+    const int64_t a = t.row + first * i;
+    const int64_t z = a + second;
+    c1 = cos[a];
+    c2 = cos[z];
+    s1 = transpose ? -sin[z] : sin[a];
+    s2 = transpose ? -sin[a] : sin[z];
+  }
+};
+
+// The V pairs [pair, pair + V) of one head's row; `local` is the first one's index in the shared coefficients.
+template <RopeLayout kLayout, int V, typename scalar_t, typename opmath>
+__device__ __forceinline__ void rotate_unit(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
+                                            int64_t pair, int64_t pairs, const opmath* c1, const opmath* s1,
+                                            const opmath* c2, const opmath* s2) {
+  if constexpr (V == 1) {
+    const int64_t a = kLayout == RopeLayout::Neox ? pair : 2 * pair;
+    const int64_t z = kLayout == RopeLayout::Neox ? pair + pairs : 2 * pair + 1;
+    const opmath x1 = to_opmath(in[a * in_step]);
+    const opmath x2 = to_opmath(in[z * in_step]);
+    out[a * out_step] = from_opmath<scalar_t>(rotate_first(x1, x2, c1[0], s1[0]));
+    out[z * out_step] = from_opmath<scalar_t>(rotate_second(x1, x2, c2[0], s2[0]));
+  } else if constexpr (kLayout == RopeLayout::Neox) {
+    const auto x1 = load_vec<V>(in + pair);
+    const auto x2 = load_vec<V>(in + pairs + pair);
+    Vec<scalar_t, V> y1;
+    Vec<scalar_t, V> y2;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const opmath a = to_opmath(x1.v[k]);
+      const opmath b = to_opmath(x2.v[k]);
+      y1.v[k] = from_opmath<scalar_t>(rotate_first(a, b, c1[k], s1[k]));
+      y2.v[k] = from_opmath<scalar_t>(rotate_second(a, b, c2[k], s2[k]));
+    }
+    store_vec<V>(out + pair, y1);
+    store_vec<V>(out + pairs + pair, y2);
+  } else {  // gptj: 2V channels from channel 2 * pair, as two vectors of V / 2 pairs each
+    Vec<scalar_t, V> x[2] = {load_vec<V>(in + 2 * pair), load_vec<V>(in + 2 * pair + V)};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int k = 0; k < V / 2; ++k) {
+        const int j = half * (V / 2) + k;
+        const opmath a = to_opmath(x[half].v[2 * k]);
+        const opmath b = to_opmath(x[half].v[2 * k + 1]);
+        x[half].v[2 * k] = from_opmath<scalar_t>(rotate_first(a, b, c1[j], s1[j]));
+        x[half].v[2 * k + 1] = from_opmath<scalar_t>(rotate_second(a, b, c2[j], s2[j]));
+      }
+    }
+    store_vec<V>(out + 2 * pair, x[0]);
+    store_vec<V>(out + 2 * pair + V, x[1]);
+  }
+}
+
+// Channels [channel, channel + V) copied (the channels past rotary_dim of a functional output).
+template <int V, typename scalar_t>
+__device__ __forceinline__ void copy_unit(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
+                                          int64_t channel) {
+  if constexpr (V == 1) {
+    out[channel * out_step] = in[channel * in_step];
+  } else {
+    store_vec<V>(out + channel, load_vec<V>(in + channel));
+  }
+}
+
+// One or two views (x; or q and k), rotated token by token. Every thread of a block runs the same token loop:
+// the coefficient fills are separated by barriers. The views are read in place from the parameter space
+// (__grid_constant__), so choosing one by a run-time condition makes no local copy.
+template <RopeLayout kLayout, int V, typename scalar_t, typename Coeffs>
+__global__ void __launch_bounds__(kThreads)
+    rotary_kernel(const __grid_constant__ RotaryView<scalar_t> v0, const __grid_constant__ RotaryView<scalar_t> v1,
+                  int num_views, int64_t batch, int64_t seq, int64_t pairs, const __grid_constant__ Coeffs coeffs) {
+  using opmath = opmath_t<scalar_t>;
+  __shared__ alignas(32) opmath shared[4][kChunkPairs];
+  const double local_max = coeffs.max_frequency();
+  const int64_t tokens = batch * seq;
+  const int64_t stride = int64_t{gridDim.y} * blockDim.x;
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    const int64_t b = token / seq;
+    const int64_t s = token - b * seq;
+    const auto state = coeffs.token(b, s, local_max);
+    for (int64_t first_pair = 0; first_pair < pairs; first_pair += kChunkPairs) {
+      const int64_t n = pairs - first_pair < kChunkPairs ? pairs - first_pair : kChunkPairs;
+      __syncthreads();  // the previous chunk's readers are done
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        coeffs.fill(state, first_pair + i, shared[0][i], shared[1][i], shared[2][i], shared[3][i]);
+      }
+      __syncthreads();
+      const int64_t per_head = n / V;
+      const int64_t units0 = v0.heads * per_head;
+      const int64_t units = units0 + (num_views > 1 ? v1.heads * per_head : 0);
+      for (int64_t u = blockIdx.y * int64_t{blockDim.x} + threadIdx.x; u < units; u += stride) {
+        const bool second = u >= units0;
+        const int64_t w = second ? u - units0 : u;
+        const int64_t h = w / per_head;
+        const int64_t local = (w - h * per_head) * V;
+        const auto& v = second ? v1 : v0;
+        rotate_unit<kLayout, V>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2], v.in_stride[3],
+                                v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2],
+                                v.out_stride[3], first_pair + local, pairs, shared[0] + local, shared[1] + local,
+                                shared[2] + local, shared[3] + local);
+      }
+    }
+    if (v0.in == v0.out) continue;  // in place: the channels past rotary_dim are already there
+    const int64_t rest0 = (v0.head_dim - 2 * pairs) / V;
+    const int64_t rest1 = num_views > 1 ? (v1.head_dim - 2 * pairs) / V : 0;
+    const int64_t units0 = v0.heads * rest0;
+    const int64_t units = units0 + (num_views > 1 ? v1.heads * rest1 : 0);
+    for (int64_t u = blockIdx.y * int64_t{blockDim.x} + threadIdx.x; u < units; u += stride) {
+      const bool second = u >= units0;
+      const int64_t w = second ? u - units0 : u;
+      const int64_t per_head = second ? rest1 : rest0;
+      const int64_t h = w / per_head;
+      const int64_t channel = 2 * pairs + (w - h * per_head) * V;
+      const auto& v = second ? v1 : v0;
+      copy_unit<V>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2], v.in_stride[3],
+                   v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2], v.out_stride[3], channel);
+    }
+  }
+}
+
+// V = 16 bytes / element size where every row of every view is contiguous and 16-byte aligned and both the
+// rotated and the copied channels split into whole vectors; else 1.
+template <typename scalar_t>
+int vector_width(const std::vector<RotaryView<scalar_t>>& views, int64_t pairs) {
+  constexpr int V = kMaxVec<scalar_t>;
+  if (pairs % V != 0) return 1;
+  for (const auto& v : views) {
+    if (v.head_dim % V != 0 || v.in_stride[3] != 1 || v.out_stride[3] != 1 || !aligned(v.in) || !aligned(v.out)) {
+      return 1;
+    }
+    for (int d = 0; d < 3; ++d) {
+      if (v.in_stride[d] % V != 0 || v.out_stride[d] % V != 0) return 1;
+    }
+  }
+  return V;
+}
+
+template <RopeLayout kLayout, int V, typename scalar_t, typename Coeffs>
+void launch_layout(const std::vector<RotaryView<scalar_t>>& views, int64_t batch, int64_t seq, int64_t pairs,
+                   const Coeffs& coeffs) {
+  const int64_t tokens = batch * seq;
+  int64_t units = 0;  // a token's units in its largest chunk
+  for (const auto& v : views) units += v.heads * std::max(std::min(pairs, kChunkPairs), v.head_dim - 2 * pairs) / V;
+  const int64_t wanted = ceil_div(int64_t{multiprocessors()} * 8, tokens);
+  const int64_t split = std::clamp<int64_t>(std::min(wanted, ceil_div(units, kThreads)), 1, 65535);
+  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>(tokens, 0x7FFFFFFF)), static_cast<unsigned int>(split));
+  rotary_kernel<kLayout, V, scalar_t><<<grid, kThreads, 0, current_stream()>>>(
+      views[0], views.size() > 1 ? views[1] : views[0], static_cast<int>(views.size()), batch, seq, pairs, coeffs);
+  POSENC_CUDA_LAUNCH_CHECK();
+}
+
+template <typename scalar_t, typename Coeffs>
+void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch, int64_t seq, int64_t pairs,
+                   RopeLayout layout, const Coeffs& coeffs) {
+  if (views.empty() || batch * seq == 0) return;
+  constexpr int V = kMaxVec<scalar_t>;
+  const bool vectorized = vector_width(views, pairs) == V;
+  if (layout == RopeLayout::Neox) {
+    vectorized ? launch_layout<RopeLayout::Neox, V>(views, batch, seq, pairs, coeffs)
+               : launch_layout<RopeLayout::Neox, 1>(views, batch, seq, pairs, coeffs);
+  } else {
+    vectorized ? launch_layout<RopeLayout::Gptj, V>(views, batch, seq, pairs, coeffs)
+               : launch_layout<RopeLayout::Gptj, 1>(views, batch, seq, pairs, coeffs);
+  }
+}
+
+// Rotates inputs[v] into outputs[v] (the same tensor in place) by the angles of the positions: the shared body
+// of rope, rope_backward, rope_ and the qk variants.
+void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+            const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+  const c10::cuda::CUDAGuard guard(inputs[0].device());
+  const auto order = rope_dim_order(args.format);
+  const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
+  const int64_t seq = inputs[0].size(order[1]);
+  const auto pos = angle_positions(op, positions, seq, offset, cu_seqlens);
+  bool empty = true;
+  for (const auto& t : inputs) empty = empty && t.numel() == 0;
+  if (empty) return;
+  const auto freq = inv_freq.to(at::kDouble).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
+    using opmath = opmath_t<scalar_t>;
+    std::vector<RotaryView<scalar_t>> views;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].numel() > 0) views.push_back(rotary_view<scalar_t>(inputs[i], outputs[i], args.format));
+    }
+    const auto scale = static_cast<opmath>(attention_scale);
+    const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr, offset,
+                                     args.shared_positions, seq, freq.const_data_ptr<double>(), freq.numel(), scale,
+                                     inverse ? -scale : scale};
+    launch_rotary(views, batch, seq, freq.numel(), args.layout, coeffs);
+  });
+}
+
+at::Tensor rope_cuda_impl(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                          const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
+                          c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                          bool inverse) {
+  const auto args = check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+  auto out = at::empty(x.sizes(), x.options());
+  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  return out;
+}
+
+at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                     const std::optional<at::Tensor>& cu_seqlens) {
+  return rope_cuda_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, false);
+}
+
+at::Tensor rope_backward_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
+                              const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
+                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+  return rope_cuda_impl("rope_backward", grad, positions, inv_freq, attention_scale, layout, format, offset,
+                        cu_seqlens, true);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_cuda_impl(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                                     const std::optional<at::Tensor>& positions,
+                                                     const at::Tensor& inv_freq, double attention_scale,
+                                                     c10::string_view layout, c10::string_view format, int64_t offset,
+                                                     const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+  const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
+                               inv_freq, layout, format, cu_seqlens);
+  auto q_out = at::empty(q.sizes(), q.options());
+  auto k_out = at::empty(k.sizes(), k.options());
+  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  return {q_out, k_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                                double attention_scale, c10::string_view layout,
+                                                c10::string_view format, int64_t offset,
+                                                const std::optional<at::Tensor>& cu_seqlens) {
+  return rope_qk_cuda_impl("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                           false);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk_backward_cuda(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                         const std::optional<at::Tensor>& positions,
+                                                         const at::Tensor& inv_freq, double attention_scale,
+                                                         c10::string_view layout, c10::string_view format,
+                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+  return rope_qk_cuda_impl("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
+                           offset, cu_seqlens, true);
+}
+
+void rope__cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                const std::optional<at::Tensor>& cu_seqlens) {
+  constexpr const char* op = "rope_";
+  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+  check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
+  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, false);
+}
+
+at::Tensor rope_cos_sin_cuda_impl(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                  c10::string_view layout, c10::string_view format, bool transpose) {
+  const auto args = check_rope_cos_sin(op, transpose ? "grad" : "x", x, cos, sin, layout, format);
+  auto out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto order = rope_dim_order(args.format);
+  const int64_t pairs = cos.size(-1) / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_rope_cos_sin_cuda", [&] {
+    using opmath = opmath_t<scalar_t>;
+    const auto cos_table = cos.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
+    const auto sin_table = sin.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
+    const int64_t seq = x.size(order[1]);
+    const bool neox = args.layout == RopeLayout::Neox;
+    const TableCoeffs<opmath> coeffs{cos_table.const_data_ptr<opmath>(), sin_table.const_data_ptr<opmath>(),
+                                     args.shared_positions, seq, cos.size(-1), neox ? 1 : 2, neox ? pairs : 1,
+                                     transpose};
+    launch_rotary<scalar_t>({rotary_view<scalar_t>(x, out, args.format)}, order[0] < 0 ? 1 : x.size(order[0]), seq,
+                            pairs, args.layout, coeffs);
+  });
+  return out;
+}
+
+at::Tensor rope_cos_sin_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                             c10::string_view layout, c10::string_view format) {
+  return rope_cos_sin_cuda_impl("rope_cos_sin", x, cos, sin, layout, format, false);
+}
+
+at::Tensor rope_cos_sin_backward_cuda(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                      c10::string_view layout, c10::string_view format) {
+  return rope_cos_sin_cuda_impl("rope_cos_sin_backward", grad, cos, sin, layout, format, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope", TORCH_FN(rope_cuda));
+  m.impl("rope_backward", TORCH_FN(rope_backward_cuda));
+  m.impl("rope_qk", TORCH_FN(rope_qk_cuda));
+  m.impl("rope_qk_backward", TORCH_FN(rope_qk_backward_cuda));
+  m.impl("rope_", TORCH_FN(rope__cuda));
+  m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_cuda));
+  m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_backward_cuda));
+}
+
+}  // namespace posenc::cuda

@@ -1,0 +1,250 @@
+// CUDA ops of the T5 relative bias: the CPU op layer's checks and outputs, the shared bucketing (kernels/t5.h).
+//
+// T5 buckets distances with a float32 logarithm, which the GPU's log may round differently from the host's; so
+// the host tabulates, with the CPU's own t5_bucket, the least distance of each log-spaced bucket, and the GPU
+// buckets by counting the thresholds below a distance (t5_bucket_tabulated): the CPU's buckets on any device.
+// The thresholds travel in the kernel's parameters (no copy, nothing to synchronize, safe under graph capture).
+//
+// The bias is constant along each diagonal j - i, as on the CPU: its Q + K - 1 diagonal values per head are
+// gathered once, every output row is a slice of them; the backward sums every diagonal over its rows in row
+// order, then each bucket its diagonals in diagonal order, in float64: the CPU's sums, the CPU's bits.
+#include "common/t5.h"
+#include "cuda/utils.cuh"
+#include "kernels/t5.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace posenc::cuda {
+namespace {
+
+using kernels::T5Buckets;
+
+// The bucketing of one call: T5's constants and the thresholds of its log-spaced buckets, held in the kernel
+// parameters up to kInlineThresholds (a bidirectional num_buckets up to 1028), else in device memory.
+constexpr int kInlineThresholds = 256;
+
+struct T5Table {
+  T5Buckets t5;
+  int64_t count;
+  const int64_t* spilled;  // device copy when count > kInlineThresholds
+  int64_t inline_values[kInlineThresholds];
+
+  __device__ int64_t bucket(int64_t relative_position) const {
+    const int64_t* thresholds = count > kInlineThresholds ? spilled : inline_values;
+    return kernels::t5_bucket_tabulated(t5, thresholds, count, relative_position);
+  }
+};
+
+// The table and, when it does not fit the parameters, the device memory that holds it.
+struct T5Thresholds {
+  T5Table table;
+  at::Tensor storage;
+};
+
+T5Thresholds tabulate(bool bidirectional, int64_t num_buckets, int64_t max_distance, const at::Device& device) {
+  T5Thresholds out{};
+  out.table.t5 = kernels::make_t5_buckets(bidirectional, num_buckets, max_distance);
+  const auto values = kernels::t5_log_thresholds(out.table.t5);
+  out.table.count = static_cast<int64_t>(values.size());
+  if (out.table.count <= kInlineThresholds) {
+    std::copy(values.begin(), values.end(), out.table.inline_values);
+  } else {
+    out.storage = at::tensor(values, at::TensorOptions(at::kLong)).to(device);
+    out.table.spilled = out.storage.const_data_ptr<int64_t>();
+  }
+  return out;
+}
+
+template <typename index_t>
+__global__ void relative_bucket_kernel(const __grid_constant__ T5Table table, const index_t* relative_position,
+                                       int64_t numel, int64_t* out) {
+  for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < numel; n += int64_t{gridDim.x} * blockDim.x) {
+    out[n] = table.bucket(static_cast<int64_t>(relative_position[n]));
+  }
+}
+
+// Bucket of diagonal r = j - i + (q_len - 1), whose relative position is first + r, first = -(q_len - 1) - q_offset.
+__global__ void diagonal_buckets_kernel(const __grid_constant__ T5Table table, int64_t diagonals, int64_t first,
+                                        int64_t* buckets) {
+  for (int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; r < diagonals; r += int64_t{gridDim.x} * blockDim.x) {
+    buckets[r] = table.bucket(first + r);
+  }
+}
+
+// diag[h, r] = weight[bucket[r], h] (weight any strides).
+template <typename scalar_t>
+__global__ void diagonal_values_kernel(const scalar_t* weight, int64_t stride_bucket, int64_t stride_head,
+                                       int64_t heads, const int64_t* buckets, int64_t diagonals, scalar_t* diag) {
+  const int64_t total = heads * diagonals;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t h = e / diagonals;
+    const int64_t r = e - h * diagonals;
+    diag[e] = weight[buckets[r] * stride_bucket + h * stride_head];
+  }
+}
+
+// out[h, i, j0 .. j0 + V) = diag[h, q_len - 1 - i + j0 ..]: the slices are read element by element (they start
+// anywhere), the output row is written in vectors.
+template <int V, typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    bias_rows_kernel(const scalar_t* __restrict__ diag, int64_t diagonals, int64_t heads, int64_t q_len,
+                     int64_t k_len, int64_t chunks, scalar_t* __restrict__ out) {
+  const int64_t work = heads * q_len * chunks;
+  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < work; w += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t n = w / chunks;  // row h * q_len + i
+    const int64_t j0 = (w - n * chunks) * V;
+    const int64_t h = n / q_len;
+    const int64_t i = n - h * q_len;
+    const scalar_t* src = diag + h * diagonals + (q_len - 1 - i) + j0;
+    Vec<scalar_t, V> y;
+#pragma unroll
+    for (int k = 0; k < V; ++k) y.v[k] = src[k];
+    store_vec<V>(out + n * k_len + j0, y);
+  }
+}
+
+// sums[h, r] = sum over the rows i of diagonal r, in increasing i, of grad[h, i, r - (q_len - 1 - i)], in
+// float64 from 0. Neighbouring threads take neighbouring diagonals: each step reads neighbouring keys of a row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    diagonal_sums_kernel(const scalar_t* __restrict__ grad, int64_t heads, int64_t q_len, int64_t k_len,
+                         int64_t diagonals, double* __restrict__ sums) {
+  const int64_t total = heads * diagonals;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t h = e / diagonals;
+    const int64_t r = e - h * diagonals;
+    const int64_t i_begin = q_len - 1 - r > 0 ? q_len - 1 - r : 0;
+    const int64_t i_end = q_len - 1 - r + k_len < q_len ? q_len - 1 - r + k_len : q_len;
+    const scalar_t* head = grad + h * q_len * k_len;
+    double sum = 0.0;
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      sum += static_cast<double>(kernels::to_opmath(head[i * k_len + r - (q_len - 1 - i)]));
+    }
+    sums[e] = sum;
+  }
+}
+
+// grad_weight[h, b] = the sums of the diagonals of bucket b, in increasing diagonal order, from 0.
+__global__ void bucket_sums_kernel(const double* sums, const int64_t* buckets, int64_t heads, int64_t diagonals,
+                                   int64_t num_buckets, double* grad_weight) {
+  const int64_t total = heads * num_buckets;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t h = e / num_buckets;
+    const int64_t b = e - h * num_buckets;
+    double sum = 0.0;
+    for (int64_t r = 0; r < diagonals; ++r) {
+      if (buckets[r] == b) sum += sums[h * diagonals + r];
+    }
+    grad_weight[e] = sum;
+  }
+}
+
+// Relative positions j - i - q_offset must not overflow int64 (the sizes are far below 2^62).
+void check_q_offset(const char* op, int64_t q_offset) {
+  constexpr int64_t limit = int64_t{1} << 62;
+  TORCH_CHECK(q_offset >= -limit && q_offset <= limit, "posenc.", op, ": q_offset ", q_offset,
+              " is outside [-2^62, 2^62]");
+}
+
+at::Tensor diagonal_buckets(const T5Table& table, int64_t q_len, int64_t k_len, int64_t q_offset,
+                            const at::TensorOptions& options) {
+  const int64_t diagonals = q_len + k_len - 1;
+  auto buckets = at::empty({diagonals}, options.dtype(at::kLong));
+  diagonal_buckets_kernel<<<grid_size(diagonals, kThreads), kThreads, 0, current_stream()>>>(
+      table, diagonals, -(q_len - 1) - q_offset, buckets.mutable_data_ptr<int64_t>());
+  POSENC_CUDA_LAUNCH_CHECK();
+  return buckets;
+}
+
+at::Tensor relative_position_bucket_cuda(const at::Tensor& relative_position, bool bidirectional, int64_t num_buckets,
+                                         int64_t max_distance) {
+  check_relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance);
+  const c10::cuda::CUDAGuard guard(relative_position.device());
+  const auto input = relative_position.contiguous();
+  auto out = at::empty(input.sizes(), input.options().dtype(at::kLong));
+  if (out.numel() == 0) return out;
+  const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, input.device());
+  AT_DISPATCH_INDEX_TYPES(input.scalar_type(), "posenc_relative_position_bucket_cuda", [&] {
+    relative_bucket_kernel<index_t><<<grid_size(input.numel(), kThreads), kThreads, 0, current_stream()>>>(
+        thresholds.table, input.const_data_ptr<index_t>(), input.numel(), out.mutable_data_ptr<int64_t>());
+    POSENC_CUDA_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor t5_bias_cuda(const at::Tensor& weight, int64_t q_len, int64_t k_len, bool bidirectional,
+                        int64_t num_buckets, int64_t max_distance, int64_t q_offset) {
+  check_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance);
+  check_q_offset("t5_bias", q_offset);
+  auto out = at::empty({1, weight.size(1), q_len, k_len}, weight.options());
+  if (out.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, weight.device());
+  const auto buckets = diagonal_buckets(thresholds.table, q_len, k_len, q_offset, weight.options());
+  const int64_t heads = weight.size(1);
+  const int64_t diagonals = q_len + k_len - 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_t5_bias_cuda", [&] {
+    auto diag = at::empty({heads, diagonals}, weight.options());
+    diagonal_values_kernel<<<grid_size(heads * diagonals, kThreads), kThreads, 0, current_stream()>>>(
+        weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), heads,
+        buckets.const_data_ptr<int64_t>(), diagonals, diag.mutable_data_ptr<scalar_t>());
+    POSENC_CUDA_LAUNCH_CHECK();
+    constexpr int V = kMaxVec<scalar_t>;
+    const bool vectorized = k_len % V == 0 && aligned(out.const_data_ptr());
+    const int64_t chunks = vectorized ? k_len / V : k_len;
+    const auto blocks = grid_size(heads * q_len * chunks, kThreads);
+    if (vectorized) {
+      bias_rows_kernel<V, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(
+          diag.const_data_ptr<scalar_t>(), diagonals, heads, q_len, k_len, chunks, out.mutable_data_ptr<scalar_t>());
+    } else {
+      bias_rows_kernel<1, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(
+          diag.const_data_ptr<scalar_t>(), diagonals, heads, q_len, k_len, chunks, out.mutable_data_ptr<scalar_t>());
+    }
+    POSENC_CUDA_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor t5_bias_backward_cuda(const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
+                                 int64_t max_distance, int64_t q_offset) {
+  check_t5_bias_backward(grad, bidirectional, num_buckets, max_distance);
+  check_q_offset("t5_bias_backward", q_offset);
+  const int64_t heads = grad.size(1);
+  auto acc = at::zeros({heads, num_buckets}, grad.options().dtype(at::kDouble));
+  if (grad.numel() > 0) {
+    const c10::cuda::CUDAGuard guard(grad.device());
+    const int64_t q_len = grad.size(2);
+    const int64_t k_len = grad.size(3);
+    const int64_t diagonals = q_len + k_len - 1;
+    const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, grad.device());
+    const auto buckets = diagonal_buckets(thresholds.table, q_len, k_len, q_offset, grad.options());
+    const auto rows = grad.contiguous();
+    auto sums = at::empty({heads, diagonals}, grad.options().dtype(at::kDouble));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_t5_bias_backward_cuda", [&] {
+      diagonal_sums_kernel<<<grid_size(heads * diagonals, kThreads), kThreads, 0, current_stream()>>>(
+          rows.const_data_ptr<scalar_t>(), heads, q_len, k_len, diagonals, sums.mutable_data_ptr<double>());
+      POSENC_CUDA_LAUNCH_CHECK();
+    });
+    bucket_sums_kernel<<<grid_size(heads * num_buckets, kThreads), kThreads, 0, current_stream()>>>(
+        sums.const_data_ptr<double>(), buckets.const_data_ptr<int64_t>(), heads, diagonals, num_buckets,
+        acc.mutable_data_ptr<double>());
+    POSENC_CUDA_LAUNCH_CHECK();
+  }
+  return acc.t().contiguous().to(grad.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("relative_position_bucket", TORCH_FN(relative_position_bucket_cuda));
+  m.impl("t5_bias", TORCH_FN(t5_bias_cuda));
+  m.impl("t5_bias_backward", TORCH_FN(t5_bias_backward_cuda));
+}
+
+}  // namespace posenc::cuda

@@ -1,0 +1,415 @@
+"""CUDA kernels against the CPU kernels: every op, forward and backward, over dtypes, layouts, formats, strides,
+alignments and position kinds, with the same bits wherever both compute the same operations (every op but the
+float64 sin/cos of float64 data and of far angles); the CPU's errors for bad index data; streams and CUDA-graph
+capture. The comparisons need a GPU and skip without one; opcheck, torch.compile and torch.export run on every
+device of the `device` fixture (the CPU everywhere, CUDA where present)."""
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import posenc  # noqa: F401
+from posenc import frequencies as FQ
+from posenc import functional as PF
+
+ops = torch.ops.posenc
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def to_cuda(t):
+    """t on the GPU with its sizes, strides and storage offset (so the GPU reads the same layout)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach()
+    if t.numel() == 0:
+        return t.cuda()
+    base = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage())
+    return base.cuda().as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def same(actual, expected, angles=False):
+    """CUDA results equal the CPU's: bit for bit, or (angles: float64 sin/cos) to the last bits of float64."""
+    if isinstance(expected, (tuple, list)):
+        for a, e in zip(actual, expected):
+            same(a, e, angles)
+        return
+    assert actual.is_cuda and actual.shape == expected.shape and actual.dtype == expected.dtype
+    if angles and expected.dtype == torch.float64:
+        assert_close(actual.cpu(), expected, rtol=1e-13, atol=1e-13, equal_nan=True)
+    else:
+        assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def run_both(op, *args, angles=False, **kwargs):
+    expected = op(*args, **kwargs)
+    actual = op(*[to_cuda(a) for a in args], **{k: to_cuda(v) for k, v in kwargs.items()})
+    same(actual, expected, angles)
+    return expected
+
+
+# ---------------------------------------------------------------- registration
+
+@cuda_only
+def test_every_op_has_a_cuda_kernel():
+    names = ["embedding_backward", "sinusoidal", "add_sinusoidal", "embed_sinusoidal", "learned", "add_learned",
+             "embed_learned", "make_positions", "positions_from_mask", "rope", "rope_backward", "rope_qk",
+             "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward", "alibi_bias", "add_alibi",
+             "add_alibi_", "alibi_backward", "relative_position_bucket", "t5_bias", "t5_bias_backward"]
+    missing = [n for n in names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{n}", "CUDA")]
+    assert not missing, f"no CUDA kernel for {missing}: was posenc built with POSENC_CUDA?"
+
+
+# ---------------------------------------------------------------- rotary
+
+def rope_input(fmt, dtype, batch=2, seq=5, heads=3, head_dim=16, layout_view="contiguous"):
+    """x in `fmt` as contiguous data, a transposed view (channel stride 1, other strides permuted), a channel-strided
+    view (V = 1 path) or a view one element off 16-byte alignment."""
+    shape = {"bshd": (batch, seq, heads, head_dim), "bhsd": (batch, heads, seq, head_dim),
+             "sbhd": (seq, batch, heads, head_dim), "thd": (seq, heads, head_dim)}[fmt]
+    if layout_view == "channel_strided":
+        return torch.randn(*shape[:-1], 2 * head_dim, dtype=dtype)[..., ::2]
+    if layout_view == "unaligned":
+        flat = torch.randn(math.prod(shape) + 1, dtype=dtype)
+        return flat[1:].view(shape)
+    if layout_view == "transposed" and fmt != "thd":
+        return torch.randn(*shape, dtype=dtype).transpose(0, 1).contiguous().transpose(0, 1)
+    return torch.randn(*shape, dtype=dtype)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd", "sbhd", "thd"])
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "channel_strided", "unaligned"])
+def test_rope_forward_backward_and_in_place(dtype, layout, fmt, view):
+    x = rope_input(fmt, dtype, head_dim=32, layout_view=view)
+    batch, seq = (1, x.shape[0]) if fmt == "thd" else (x.shape[PERM_B[fmt]], x.shape[PERM_S[fmt]])
+    # Every channel rotated; 16 of 32 (whole vectors of pairs and of copied channels); 12 of 32 (pairs that fill
+    # no whole vector: element by element).
+    for rotary_dim in (32, 16, 12):
+        inv_freq, _ = FQ.rope(rotary_dim)
+        for positions in [None, torch.randint(0, 4096, (seq,)), torch.randint(-50, 50, (seq,), dtype=torch.int32)]:
+            for op in (ops.rope, ops.rope_backward):
+                run_both(op, x, positions, inv_freq, 0.75, layout, fmt, 3, angles=True)
+        if fmt != "thd":
+            per_row = torch.randint(0, 10**6, (batch, seq))
+            run_both(ops.rope, x, per_row, inv_freq, 1.0, layout, fmt, 0, angles=True)
+        expected = x.clone()
+        ops.rope_(expected, None, inv_freq, 1.0, layout, fmt, 7)
+        actual = to_cuda(x)
+        ops.rope_(actual, None, inv_freq.cuda(), 1.0, layout, fmt, 7)
+        same(actual, expected, angles=True)
+
+
+PERM_B = {"bshd": 0, "bhsd": 0, "sbhd": 1}
+PERM_S = {"bshd": 1, "bhsd": 2, "sbhd": 0}
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rope_qk_gqa_long_heads_and_decoding(dtype):
+    # GQA head counts, head dims past one block of coefficients (600 pairs > 256), and a decoding step
+    # (B = 8, S = 1: few tokens, split over several blocks).
+    inv_freq, scale = FQ.rope(1200, 500000.0, {"rope_type": "llama3", "factor": 8.0})
+    q, k = torch.randn(2, 3, 8, 1200, dtype=dtype), torch.randn(2, 3, 2, 1232, dtype=dtype)
+    for op in (ops.rope_qk, ops.rope_qk_backward):
+        run_both(op, q, k, torch.arange(3) + 100, inv_freq, scale, "neox", "bshd", 0, angles=True)
+    inv_freq, _ = FQ.rope(128)
+    q, k = torch.randn(8, 1, 32, 128, dtype=dtype), torch.randn(8, 1, 8, 128, dtype=dtype)
+    run_both(ops.rope_qk, q, k, torch.randint(0, 8192, (8, 1)), inv_freq, 1.0, "gptj", "bshd", 0, angles=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_far_positions_take_float64_sin_and_cos(dtype):
+    # |p * w| > 2^26: both devices take float64 sin/cos (CUDA's and libm's may differ in the last float64 bit,
+    # which float32 rounding hides but for rare ties).
+    x = torch.randn(1, 4, 2, 8, dtype=dtype)
+    inv_freq, _ = FQ.rope(8, 1.0)
+    positions = torch.tensor([2**40, -(2**45), 3, 2**52])
+    expected = ops.rope(x, positions, inv_freq)
+    actual = ops.rope(x.cuda(), positions.cuda(), inv_freq.cuda())
+    assert_close(actual.cpu(), expected, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rope_varlen_cu_seqlens(dtype):
+    x = torch.randn(11, 4, 32, dtype=dtype)
+    inv_freq, _ = FQ.rope(32)
+    for cu in [torch.tensor([0, 3, 3, 11]), torch.tensor([0, 11], dtype=torch.int32)]:
+        run_both(ops.rope, x, None, inv_freq, 1.0, "neox", "thd", 5, cu, angles=True)
+        run_both(ops.rope, x, torch.arange(11), inv_freq, 1.0, "gptj", "thd", 0, cu, angles=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_rope_cos_sin_and_transpose(dtype, layout):
+    x = torch.randn(2, 6, 3, 16, dtype=dtype)
+    for table_shape in [(6, 12), (1, 6, 12), (2, 6, 12)]:
+        cos, sin = torch.randn(table_shape), torch.randn(table_shape)
+        run_both(ops.rope_cos_sin, x, cos, sin, layout, "bshd")
+        run_both(ops.rope_cos_sin_backward, x, cos.double(), sin.half(), layout, "bshd")
+
+
+# ---------------------------------------------------------------- sinusoidal and learned
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", ["interleaved", "half", "half_cos_first"])
+def test_sinusoidal_family(dtype, layout):
+    inv_freq = FQ.sinusoidal(64)
+    run_both(ops.sinusoidal, torch.rand(3, 7) * 1000, inv_freq, layout, dtype, 2, angles=True)
+    run_both(ops.sinusoidal, torch.randint(-100, 5000, (9,), dtype=torch.int16), inv_freq, layout, dtype, 0,
+             angles=True)
+    for width in (64, 65):  # even: 16-byte vectors; odd: the unencoded last channel, element by element
+        x = torch.randn(2, 5, width, dtype=dtype)
+        for positions in [None, torch.randint(0, 100, (5,)), torch.randint(0, 100, (2, 5), dtype=torch.int32)]:
+            run_both(ops.add_sinusoidal, x, positions, inv_freq, 8.0, layout, 3, angles=True)
+        run_both(ops.add_sinusoidal, x[:, 1:], None, inv_freq, 1.0, layout, 0, angles=True)  # a sliced view
+        table = torch.randn(30, width, dtype=dtype)
+        tokens = torch.randint(0, 30, (2, 5))
+        run_both(ops.embed_sinusoidal, tokens, table, None, inv_freq, 2.0, 1, layout, 4, angles=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_learned_family(dtype):
+    for width in (64, 63):
+        weight = torch.randn(40, width, dtype=dtype)
+        x = torch.randn(3, 6, width, dtype=dtype)
+        run_both(ops.learned, weight, torch.randint(0, 38, (4, 5)), 2, None)
+        for positions in [None, torch.randint(0, 30, (6,)), torch.randint(0, 30, (3, 6), dtype=torch.int32)]:
+            run_both(ops.add_learned, x, weight, positions, 1, None)
+            run_both(ops.embed_learned, torch.randint(0, 40, (3, 6)), weight, weight[:35], positions, 0.5, None, 2, None)
+        run_both(ops.add_learned, x[:, :, : width - 1], weight[:, : width - 1], None, 0, None)  # unaligned rows
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]])
+    run_both(ops.positions_from_mask, mask, -1)
+    run_both(ops.positions_from_mask, mask.bool(), 0)
+    run_both(ops.make_positions, torch.tensor([[1, 1, 5, 6], [7, 8, 9, 1]]), 1)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("width", [64, 33])
+def test_embedding_backward_same_bits(dtype, width):
+    grad = torch.randn(4, 50, width, dtype=dtype)
+    ids = torch.randint(0, 20, (4, 50))
+    ids[:, ::3] = 7  # a frequent row: a long ordered sum
+    for indices in [ids, ids[0]]:  # per row, and shared by the batch
+        for padding_idx in [None, 7]:
+            run_both(ops.embedding_backward, grad, indices, 25, 1.5, padding_idx)
+    run_both(ops.embedding_backward, grad.transpose(0, 1), ids.t().int(), 25, 1.0, None)
+
+
+# ---------------------------------------------------------------- ALiBi and T5
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("mode", ["causal", "symmetric"])
+def test_alibi_family(dtype, mode):
+    slopes = PF.alibi_slopes(8)
+    run_both(ops.alibi_bias, slopes, 5, 9, mode, 2, 4, dtype)
+    run_both(ops.alibi_bias, torch.rand(3, 8).to(dtype), 4, 4, mode, 0, None, None)
+    for k_len in (40, 37):  # whole vectors, and not
+        scores = torch.randn(2, 4, 6, k_len, dtype=dtype)
+        run_both(ops.add_alibi, scores, slopes, mode, 4)
+        run_both(ops.add_alibi, scores.transpose(2, 3).contiguous().transpose(2, 3), slopes, mode, 0)  # key stride
+        expected = scores.clone()
+        ops.add_alibi_(expected[:, 1:], slopes, mode, 1)  # in place through a view
+        actual = to_cuda(scores)
+        ops.add_alibi_(actual[:, 1:], slopes.cuda(), mode, 1)
+        same(actual, expected)
+        grad = torch.randn(2, 4, 6, k_len, dtype=dtype)
+        run_both(ops.alibi_backward, grad, slopes.to(dtype), mode, 4)
+        run_both(ops.alibi_backward, grad, torch.rand(2, 4).to(dtype), mode, 0)
+        run_both(ops.alibi_backward, grad.transpose(2, 3).contiguous().transpose(2, 3), slopes, mode, 0)
+
+
+@cuda_only
+@pytest.mark.parametrize("bidirectional, num_buckets, max_distance",
+                         [(True, 32, 128), (False, 32, 128), (True, 64, 1000), (False, 5, 7), (True, 1200, 5000),
+                          (True, 8, 2**40)])
+def test_t5_buckets_and_bias(bidirectional, num_buckets, max_distance):
+    # (True, 1200, ...): more log buckets than the kernel parameters hold (the device-memory table).
+    relative = torch.cat([torch.arange(-3000, 3000), torch.tensor([2**62, -(2**62), -(2**63), 2**63 - 1, 2**41])])
+    run_both(ops.relative_position_bucket, relative, bidirectional, num_buckets, max_distance)
+    run_both(ops.relative_position_bucket, relative[:6000].int(), bidirectional, num_buckets, max_distance)
+    for dtype in FLOATS:
+        weight = torch.randn(num_buckets, 3, dtype=dtype)
+        run_both(ops.t5_bias, weight, 7, 12, bidirectional, num_buckets, max_distance, 5)
+        run_both(ops.t5_bias, weight.t().contiguous().t(), 16, 16, bidirectional, num_buckets, max_distance, 0)
+        run_both(ops.t5_bias_backward, torch.randn(1, 3, 7, 12, dtype=dtype), bidirectional, num_buckets,
+                 max_distance, -4)
+
+
+# ---------------------------------------------------------------- gradients end to end
+
+@cuda_only
+def test_autograd_gradients_match_the_cpu():
+    torch.manual_seed(1)
+    inv_freq, _ = FQ.rope(16)
+    q = torch.randn(2, 5, 4, 16, requires_grad=True)
+    k = torch.randn(2, 5, 2, 16, requires_grad=True)
+    wte = torch.randn(30, 16, requires_grad=True)
+    wpe = torch.randn(10, 16, requires_grad=True)
+    slopes = torch.rand(4, requires_grad=True)
+    table = torch.randn(32, 4, requires_grad=True)
+    tokens = torch.randint(0, 30, (2, 5))
+
+    sin_freq = FQ.sinusoidal(16)
+
+    def loss(q, k, wte, wpe, slopes, table, tokens, inv_freq, sin_freq):
+        rq, rk = PF.rope_qk(q, k, None, inv_freq)
+        h = PF.embed_learned(tokens, wte, wpe, None)
+        scores = rq.transpose(1, 2) @ rk.repeat_interleave(2, 2).transpose(1, 2).transpose(-1, -2)  # [2, 4, 5, 5]
+        scores = PF.add_alibi(scores, slopes) + PF.t5_bias(table, 5, 5, True, 32, 128)
+        return scores.square().sum() + PF.add_sinusoidal(h, None, sin_freq, 2.0).square().sum()
+
+    inputs = [q, k, wte, wpe, slopes, table]
+    expected = torch.autograd.grad(loss(*inputs, tokens, inv_freq, sin_freq), inputs)
+    cuda_inputs = [t.detach().cuda().requires_grad_() for t in inputs]
+    actual = torch.autograd.grad(loss(*cuda_inputs, tokens.cuda(), inv_freq.cuda(), sin_freq.cuda()), cuda_inputs)
+    for a, e in zip(actual, expected):
+        assert_close(a.cpu(), e, rtol=1e-5, atol=1e-5)  # the matmul and sums differ between the devices
+
+
+# ---------------------------------------------------------------- bad index data
+
+@cuda_only
+def test_bad_index_data_raises_the_cpu_errors():
+    inv_freq, _ = FQ.rope(8)
+    x = torch.randn(2, 3, 2, 8)
+    table = torch.randn(10, 8)
+    cases = [
+        (ops.rope, (x, torch.tensor([0, 2**53 + 1, 3]), inv_freq)),
+        (ops.rope, (x, None, inv_freq, 1.0, "neox", "bshd", 2**63 - 2)),
+        (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 2, 1]))),
+        (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 2]))),
+        (ops.add_learned, (torch.randn(2, 3, 8), table, torch.tensor([0, 10, 1]))),
+        (ops.add_learned, (torch.randn(2, 3, 8), table, None, 8)),
+        (ops.learned, (table, torch.tensor([[1, -1]]), 0)),
+        (ops.embed_learned, (torch.tensor([[1, 10]]), table, table, None)),
+        (ops.embed_sinusoidal, (torch.tensor([[-1, 2]]), table, None, FQ.sinusoidal(8))),
+        (ops.embedding_backward, (torch.randn(2, 8), torch.tensor([3, 10]), 10)),
+        (ops.add_sinusoidal, (torch.randn(2, 8), torch.tensor([2.0**60, 1.0]), FQ.sinusoidal(8))),
+        (ops.sinusoidal, (torch.tensor([2**62, 1]), FQ.sinusoidal(8), "interleaved", None, 2**62)),
+    ]
+    for op, args in cases:
+        with pytest.raises(RuntimeError) as cpu_error:
+            op(*args)
+        with pytest.raises(RuntimeError) as cuda_error:
+            op(*[to_cuda(a) for a in args])
+        assert str(cuda_error.value).splitlines()[0] == str(cpu_error.value).splitlines()[0], op
+
+
+# ---------------------------------------------------------------- streams and graphs
+
+@cuda_only
+def test_ops_run_on_the_current_stream_and_under_graph_capture():
+    inv_freq, _ = FQ.rope(64)
+    q, k = torch.randn(2, 16, 4, 64, device="cuda"), torch.randn(2, 16, 4, 64, device="cuda")
+    positions = torch.randint(0, 1000, (2, 16), device="cuda")
+    tokens = torch.randint(0, 50, (2, 16), device="cuda")
+    wte, wpe = torch.randn(50, 64, device="cuda"), torch.randn(40, 64, device="cuda")
+
+    inv_freq = inv_freq.cuda()  # (a host-to-device copy cannot be captured)
+
+    def step():
+        rq, rk = ops.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bshd", 3)
+        return rq, rk, ops.embed_learned(tokens, wte, wpe, positions % 40, 1.0, None, 0, None)
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = step()
+    torch.cuda.current_stream().wait_stream(side)
+    for a, e in zip(on_side, eager):
+        assert torch.equal(a, e)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):  # warm up on the capture stream
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = step()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, step()):
+        assert torch.equal(a, e)
+
+
+# ---------------------------------------------------------------- opcheck, compile, export on every device
+
+def opcheck_samples(device):
+    inv_freq, _ = FQ.rope(8)
+    x = torch.randn(2, 3, 2, 8, device=device, requires_grad=True)
+    slopes = PF.alibi_slopes(2).to(device)
+    table = torch.randn(6, 8, device=device, requires_grad=True)
+    inv = inv_freq.to(device)
+    return [
+        (ops.rope, (x, torch.tensor([1, 2, 3], device=device), inv), {}),
+        (ops.rope_qk, (x, x.detach()[:, :, :1].clone().requires_grad_(), None, inv), {}),
+        (ops.rope_, (x.detach().clone(), None, inv), {}),
+        (ops.rope_cos_sin, (x, torch.randn(3, 8, device=device), torch.randn(3, 8, device=device)), {}),
+        (ops.add_sinusoidal, (torch.randn(2, 3, 8, device=device, requires_grad=True), None,
+                              FQ.sinusoidal(8).to(device)), {}),
+        (ops.embed_learned, (torch.randint(0, 6, (2, 3), device=device), table, table, None), {}),
+        (ops.embedding_backward, (torch.randn(2, 3, 8, device=device), torch.randint(0, 6, (2, 3), device=device), 6),
+         {}),
+        (ops.add_alibi, (torch.randn(1, 2, 3, 4, device=device, requires_grad=True), slopes), {}),
+        (ops.add_alibi_, (torch.randn(1, 2, 3, 4, device=device), slopes), {}),
+        (ops.t5_bias, (torch.randn(32, 2, device=device, requires_grad=True), 3, 5, True, 32, 128), {}),
+        (ops.relative_position_bucket, (torch.arange(-5, 5, device=device),), {}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_opcheck_on_each_device(device, index):
+    op, args, kwargs = opcheck_samples(device)[index]
+    torch.library.opcheck(op, args, kwargs)
+
+
+def test_compile_inductor_on_each_device(device):
+    torch._dynamo.reset()
+    inv_freq, _ = FQ.rope(32)
+    inv_freq = inv_freq.to(device)
+    slopes = PF.alibi_slopes(4).to(device)
+    table = torch.randn(32, 4, device=device, requires_grad=True)
+
+    def attend(q, k, x):
+        q, k = PF.rope_qk(q, k, None, inv_freq)
+        scores = PF.add_alibi(q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2), slopes)
+        scores = scores + PF.t5_bias(table, q.shape[1], k.shape[1], True, 32, 128)
+        return scores.softmax(-1).sum() + PF.add_sinusoidal(x, None, FQ.sinusoidal(32).to(device)).square().sum()
+
+    q = torch.randn(2, 6, 4, 32, device=device, requires_grad=True)
+    k = torch.randn(2, 6, 4, 32, device=device, requires_grad=True)
+    x = torch.randn(2, 6, 32, device=device, requires_grad=True)
+    # Inductor generates Triton kernels on CUDA; on the CPU (C++ code generation, slow to build) the AOT graphs run.
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    expected, actual = attend(q, k, x), compiled(q, k, x)
+    assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    for a, e in zip(torch.autograd.grad(actual, (q, k, x, table)), torch.autograd.grad(expected, (q, k, x, table))):
+        assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_export_on_each_device(device):
+    model = posenc.nn.RotaryEmbedding(16).to(device)
+
+    class Rotate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary = model
+
+        def forward(self, q, k):
+            return self.rotary(q, k)
+
+    q, k = torch.randn(2, 5, 2, 16, device=device), torch.randn(2, 5, 2, 16, device=device)
+    program = torch.export.export(Rotate(), (q, k))
+    for a, e in zip(program.module()(q, k), model(q, k)):
+        assert torch.equal(a, e)
