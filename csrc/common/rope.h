@@ -1,9 +1,11 @@
 #pragma once
-// Checks of the rotary family, shared by its CPU and Meta kernels (metadata only, SymInt-aware).
+// Checks of the rotary family, shared by its CPU, CUDA and Meta kernels (metadata only, SymInt-aware), and the
+// check of pair_axis's values that the CPU and CUDA ops run on a host copy of it.
 #include "common/checks.h"
 
 #include <array>
 #include <string>
+#include <vector>
 
 namespace posenc {
 
@@ -167,6 +169,20 @@ inline RopeArgs check_rope_cos_sin(const char* op, const char* arg, const at::Te
   TORCH_CHECK(batch_ok && cos.sym_size(-2) == sizes[1], "posenc.", op, ": cos has shape ", cos.sym_sizes(),
               " which does not match ", arg, " of shape ", x.sym_sizes(), " in format \"", format, "\"");
   return {pair_layout, rope_format, cos.dim() == 2 || cos.sym_size(0) == 1};
+}
+
+// The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it;
+// pair_axis on the host (the CUDA ops read a copy of it).
+inline std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
+  const auto values = pair_axis.to(at::kLong).contiguous();
+  const int64_t* axis = values.const_data_ptr<int64_t>();
+  std::vector<int32_t> out(values.numel());
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
+                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
+    out[i] = static_cast<int32_t>(axis[i]);
+  }
+  return out;
 }
 
 // x (and its output, the same tensor in place) as the kernels read it: [batch, seq, heads, head_dim] strides.

@@ -14,19 +14,6 @@
 namespace posenc {
 namespace {
 
-// The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it.
-std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
-  const auto values = pair_axis.to(at::kLong).contiguous();
-  const int64_t* axis = values.const_data_ptr<int64_t>();
-  std::vector<int32_t> out(values.numel());
-  for (int64_t i = 0; i < values.numel(); ++i) {
-    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
-                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
-    out[i] = static_cast<int32_t>(axis[i]);
-  }
-  return out;
-}
-
 // Multi-axis positions as read, axis by axis ([n_axes, tokens]), reordered token by token ([tokens, n_axes]), so
 // that the angle engine finds a token's positions side by side.
 std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n_axes) {

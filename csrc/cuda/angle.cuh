@@ -1,9 +1,10 @@
 #pragma once
-// The angle engine on the GPU, choosing per position as the CPU's sincos_row does: for float32 maths, a
-// position whose angles all lie within kFastAngle (|p| * max_i |inv_freq[i]| <= kFastAngle) takes the shared
-// quarter-turn reduction (kernels/angle.h), any other the float64 sin and cos of the angle; float64 maths
-// always takes float64 sin and cos. The fast path gives the CPU's bits; float64 sin/cos (CUDA's, within 2 ulp
-// in float64) round to the CPU's float32 result but for rare ties, and are not bitwise float64 results.
+// The angle engine on the GPU, choosing per token as the CPU's sincos_row (sincos_row_axes) does: for float32
+// maths, a token whose angles all lie within kFastAngle (|p| * max_i |inv_freq[i]| <= kFastAngle for each of
+// its positions) takes the shared quarter-turn reduction (kernels/angle.h), any other the float64 sin and cos of
+// the angle; float64 maths always takes float64 sin and cos. The fast path gives the CPU's bits; float64 sin/cos
+// (CUDA's, within 2 ulp in float64) round to the CPU's float32 result but for rare ties, and are not bitwise
+// float64 results.
 #include "kernels/angle.h"
 
 #include <type_traits>
@@ -21,15 +22,25 @@ __device__ __forceinline__ double max_frequency(const double* inv_freq, int64_t 
   return local;
 }
 
-// Whether a position takes float64 sin/cos: decided by the whole block from every thread's share of the
-// frequencies, so every thread of the block must call it. The comparison is the CPU's (a NaN product is slow).
+// Whether a token takes float64 sin/cos: decided by the whole block from every thread's share of the
+// frequencies, so every thread of the block must call it. `positions` holds the token's n_axes positions (one
+// without pair_axis); as the CPU's sincos_row_axes, the token is fast only when every one of them is. The
+// comparison is the CPU's (a NaN product is slow).
 template <typename opmath>
-__device__ __forceinline__ bool slow_angles(double position, double local_max) {
+__device__ __forceinline__ bool slow_angles(const double* positions, int64_t n_axes, double local_max) {
   if constexpr (std::is_same_v<opmath, float>) {
-    return __syncthreads_or(!(fabs(position) * local_max <= kernels::kFastAngle));
+    bool slow = false;
+    for (int64_t a = 0; a < n_axes; ++a) slow = slow || !(fabs(positions[a]) * local_max <= kernels::kFastAngle);
+    return __syncthreads_or(slow);
   } else {
     return true;
   }
+}
+
+// One position (sinusoidal encodings, one-axis rotary).
+template <typename opmath>
+__device__ __forceinline__ bool slow_angles(double position, double local_max) {
+  return slow_angles<opmath>(&position, 1, local_max);
 }
 
 template <typename opmath>

@@ -7,6 +7,10 @@
 // is contiguous and 16-byte aligned (one load and one store per half for neox, two adjacent vectors for gptj),
 // else V = 1 with the strides as they are. When there are fewer tokens than the device has room for (decoding),
 // a token's heads are split over several blocks (gridDim.y), each forming the coefficients itself.
+//
+// Multi-axis rotary (pair_axis): the positions [n_axes, ...] are checked and offset as one-axis positions are
+// (cuda/positions.cuh), then reordered token by token, so that a block finds its token's n_axes positions side
+// by side, as the CPU's angle engine does; pair_axis is checked on a host copy, as the CPU checks it.
 #include "common/positions.h"
 #include "common/rope.h"
 #include "cuda/angle.cuh"
@@ -35,20 +39,25 @@ constexpr int64_t kChunkPairs = 256;
 
 // Coefficients from the angle engine, as the CPU forms them: c = a cos(p w_i), s = +-a sin(p w_i) with the
 // attention scale a rounded to the maths type first. For float32 maths a token's angles take the fast
-// reduction when |p| * max_i |w_i| <= kFastAngle, else float64 sin/cos: the CPU's choice, made per token.
+// reduction when |p| * max_i |w_i| <= kFastAngle (for each of its positions), else float64 sin/cos: the CPU's
+// choice, made per token. Multi-axis (pair_axis not null): a token has n_axes positions side by side, and pair
+// i's angle is the shared pair_angle, the position of axis pair_axis[i] times w_i.
 template <typename opmath>
 struct AngleCoeffs {
-  const double* positions;  // per token (shared: per sequence index); null: offset + s
+  const double* positions;  // per token (shared: per sequence index), n_axes each; null: offset + s
   int64_t offset;
   bool shared;
   int64_t seq;
+  int64_t n_axes;            // 1 without pair_axis
+  const int32_t* pair_axis;  // [pairs], or null: every pair follows the token's one position
   const double* inv_freq;
   int64_t pairs;
   opmath scale;
   opmath sin_scale;
 
   struct Token {
-    double position;
+    double position;          // one axis
+    const double* positions;  // multi-axis: the token's n_axes positions
     bool slow;
   };
 
@@ -56,14 +65,26 @@ struct AngleCoeffs {
 
   // Called by every thread of the block.
   __device__ Token token(int64_t b, int64_t s, double local_max) const {
+    if (pair_axis != nullptr) {
+      const double* p = positions + (shared ? s : b * seq + s) * n_axes;
+      return {0.0, p, slow_angles<opmath>(p, n_axes, local_max)};
+    }
     const double p = positions == nullptr ? static_cast<double>(offset + s) : positions[shared ? s : b * seq + s];
-    return {p, slow_angles<opmath>(p, local_max)};
+    return {p, nullptr, slow_angles<opmath>(p, local_max)};
+  }
+
+  // The host checks pair_axis but under graph capture; an axis outside [0, n_axes) then gives a NaN angle
+  // rather than a read past the token's positions.
+  __device__ double angle(const Token& t, int64_t i) const {
+    if (pair_axis == nullptr) return t.position * inv_freq[i];
+    const int32_t axis = pair_axis[i];
+    return axis >= 0 && axis < n_axes ? kernels::pair_angle(t.positions, pair_axis, inv_freq, i) : quiet_nan<double>();
   }
 
   __device__ void fill(const Token& t, int64_t i, opmath& c1, opmath& s1, opmath& c2, opmath& s2) const {
     opmath sin_value;
     opmath cos_value;
-    angle_sincos(t.position * inv_freq[i], t.slow, sin_value, cos_value);
+    angle_sincos(angle(t, i), t.slow, sin_value, cos_value);
     c1 = c2 = cos_value * scale;
     s1 = s2 = sin_value * sin_scale;
   }
@@ -261,15 +282,26 @@ void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch
 // of rope, rope_backward, rope_ and the qk variants.
 void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
             const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+            const std::optional<at::Tensor>& pair_axis, bool inverse) {
   const c10::cuda::CUDAGuard guard(inputs[0].device());
   const auto order = rope_dim_order(args.format);
   const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
   const int64_t seq = inputs[0].size(order[1]);
-  const auto pos = angle_positions(op, positions, seq, offset, cu_seqlens);
+  const int64_t n_axes = pair_axis ? positions->size(0) : 1;
+  // The CPU's checks in the CPU's order (cu_seqlens, pair_axis, positions), on host copies of the small index
+  // tensors; none can be read under graph capture.
+  if (pair_axis && !capturing()) {
+    if (cu_seqlens) check_cu_seqlens_values(op, cu_seqlens->cpu(), seq);
+    read_pair_axis(op, pair_axis->cpu(), n_axes);
+  }
+  auto pos = angle_positions(op, positions, seq, offset, cu_seqlens);
+  // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
+  if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
   bool empty = true;
   for (const auto& t : inputs) empty = empty && t.numel() == 0;
   if (empty) return;
+  const auto axes = pair_axis ? pair_axis->to(at::kInt).contiguous() : at::Tensor();
   const auto freq = inv_freq.to(at::kDouble).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
     using opmath = opmath_t<scalar_t>;
@@ -278,8 +310,15 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
       if (inputs[i].numel() > 0) views.push_back(rotary_view<scalar_t>(inputs[i], outputs[i], args.format));
     }
     const auto scale = static_cast<opmath>(attention_scale);
-    const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr, offset,
-                                     args.shared_positions, seq, freq.const_data_ptr<double>(), freq.numel(), scale,
+    const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
+                                     offset,
+                                     args.shared_positions,
+                                     seq,
+                                     n_axes,
+                                     axes.defined() ? axes.const_data_ptr<int32_t>() : nullptr,
+                                     freq.const_data_ptr<double>(),
+                                     freq.numel(),
+                                     scale,
                                      inverse ? -scale : scale};
     launch_rotary(views, batch, seq, freq.numel(), args.layout, coeffs);
   });
@@ -288,36 +327,41 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
 at::Tensor rope_cuda_impl(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                           const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                           c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                          bool inverse) {
-  const auto args = check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+                          const std::optional<at::Tensor>& pair_axis, bool inverse) {
+  const auto args =
+      check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   auto out = at::empty(x.sizes(), x.options());
-  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, inverse);
   return out;
 }
 
 at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                      double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                     const std::optional<at::Tensor>& cu_seqlens) {
-  return rope_cuda_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, false);
+                     const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  return rope_cuda_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                        pair_axis, false);
 }
 
 at::Tensor rope_backward_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
                               const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                              const std::optional<at::Tensor>& pair_axis) {
   return rope_cuda_impl("rope_backward", grad, positions, inv_freq, attention_scale, layout, format, offset,
-                        cu_seqlens, true);
+                        cu_seqlens, pair_axis, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_cuda_impl(const char* op, const at::Tensor& q, const at::Tensor& k,
                                                      const std::optional<at::Tensor>& positions,
                                                      const at::Tensor& inv_freq, double attention_scale,
                                                      c10::string_view layout, c10::string_view format, int64_t offset,
-                                                     const std::optional<at::Tensor>& cu_seqlens, bool inverse) {
+                                                     const std::optional<at::Tensor>& cu_seqlens,
+                                                     const std::optional<at::Tensor>& pair_axis, bool inverse) {
   const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
-                               inv_freq, layout, format, cu_seqlens);
+                               inv_freq, layout, format, cu_seqlens, pair_axis);
   auto q_out = at::empty(q.sizes(), q.options());
   auto k_out = at::empty(k.sizes(), k.options());
-  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, inverse);
+  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
+         inverse);
   return {q_out, k_out};
 }
 
@@ -325,27 +369,29 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                                 double attention_scale, c10::string_view layout,
                                                 c10::string_view format, int64_t offset,
-                                                const std::optional<at::Tensor>& cu_seqlens) {
+                                                const std::optional<at::Tensor>& cu_seqlens,
+                                                const std::optional<at::Tensor>& pair_axis) {
   return rope_qk_cuda_impl("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                           false);
+                           pair_axis, false);
 }
 
 std::tuple<at::Tensor, at::Tensor> rope_qk_backward_cuda(const at::Tensor& grad_q, const at::Tensor& grad_k,
                                                          const std::optional<at::Tensor>& positions,
                                                          const at::Tensor& inv_freq, double attention_scale,
                                                          c10::string_view layout, c10::string_view format,
-                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens) {
+                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                                                         const std::optional<at::Tensor>& pair_axis) {
   return rope_qk_cuda_impl("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                           offset, cu_seqlens, true);
+                           offset, cu_seqlens, pair_axis, true);
 }
 
 void rope__cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                 double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                const std::optional<at::Tensor>& cu_seqlens) {
+                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
   constexpr const char* op = "rope_";
-  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens);
+  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
   check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
-  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, false);
+  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, false);
 }
 
 at::Tensor rope_cos_sin_cuda_impl(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
