@@ -10,42 +10,13 @@
 #include <posenc/frequencies.h>
 #include <posenc/rope.h>
 
+#include "common/rope_scaling.h"
+
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace posenc {
 namespace {
-
-using frequencies::RopeScaling;
-
-// The scaling keywords shared by rope_inv_freq and rope_inv_freq_for_length, in schema order.
-RopeScaling make_scaling(c10::string_view rope_type, std::optional<double> rope_theta, std::optional<double> factor,
-                         std::optional<double> alpha, std::optional<double> original_max_position_embeddings,
-                         std::optional<double> max_position_embeddings, std::optional<double> attention_factor,
-                         std::optional<double> beta_fast, std::optional<double> beta_slow,
-                         std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
-                         std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-                         std::optional<c10::ArrayRef<double>> short_factor,
-                         std::optional<c10::ArrayRef<double>> long_factor) {
-  RopeScaling scaling;
-  scaling.rope_type = std::string(rope_type);
-  scaling.rope_theta = rope_theta;
-  scaling.factor = factor;
-  scaling.alpha = alpha;
-  scaling.original_max_position_embeddings = original_max_position_embeddings;
-  scaling.max_position_embeddings = max_position_embeddings;
-  scaling.attention_factor = attention_factor;
-  scaling.beta_fast = beta_fast;
-  scaling.beta_slow = beta_slow;
-  scaling.mscale = mscale;
-  scaling.mscale_all_dim = mscale_all_dim;
-  scaling.truncate = truncate;
-  scaling.low_freq_factor = low_freq_factor;
-  scaling.high_freq_factor = high_freq_factor;
-  if (short_factor) scaling.short_factor = short_factor->vec();
-  if (long_factor) scaling.long_factor = long_factor->vec();
-  return scaling;
-}
 
 std::tuple<at::Tensor, double> rope_inv_freq_composite(
     int64_t rotary_dim, double base, c10::string_view rope_type, std::optional<double> rope_theta,

@@ -2,6 +2,8 @@
 // registered in frequencies_ops.cpp and, through those ops, Python's posenc.frequencies all compute here.
 #include <posenc/frequencies.h>
 
+#include "common/rope_scaling.h"
+
 #include <ATen/ops/arange.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/tensor.h>
@@ -281,6 +283,13 @@ at::Tensor rope_for_length(int64_t rotary_dim, double base, const RopeScaling& s
 void check_rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len) {
   plan(rotary_dim, base, scaling);
   check_length(seq_len);
+}
+
+LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling) {
+  const auto p = plan(rotary_dim, base, scaling);
+  if (p.type == "dynamic") return {LengthDependence::kGrowing, p.context};
+  if (p.type == "longrope") return {LengthDependence::kStep, p.context};
+  return {LengthDependence::kNone, p.context};
 }
 
 }  // namespace frequencies

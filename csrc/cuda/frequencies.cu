@@ -1,0 +1,109 @@
+// CUDA kernels of the constant-computing ops that take a tensor: the frequencies for a length held on the GPU
+// (rope_inv_freq_for_length) and the context-parallel split of packed sequences (zigzag_positions_varlen). The
+// ops without a tensor argument (rope_inv_freq, sinusoidal_inv_freq, alibi_slopes, and zigzag_positions, whose
+// device argument picks where its arange runs) keep their CompositeExplicitAutograd kernels on every device.
+#include "common/rope_scaling.h"
+#include "cuda/utils.cuh"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <tuple>
+
+namespace posenc::cuda {
+namespace {
+
+// Frequencies formed on the host travel to the GPU in the kernel's parameters: no copy and no synchronization,
+// and a CUDA graph captures them with the launch. Two sets of 240 float64 fit the 4 KiB of parameters that
+// every GPU takes; longer sets take several launches.
+constexpr int64_t kParamValues = 240;
+
+struct HostFrequencies {
+  double within[kParamValues];  // those of every length up to the context
+  double beyond[kParamValues];  // kStep: those of every length past it
+};
+
+// out[i] for the length on the device: within[i] up to the context, past it beyond[i] (kStep) or computed[i]
+// (kGrowing, where a NaN length is past it, as the CPU's clamp makes it); no length (kNone): within[i].
+__global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencies values, int64_t n,
+                                          const double* length, double context, bool growing,
+                                          const double* computed, double* out) {
+  const int64_t i = threadIdx.x;
+  if (i >= n) return;
+  bool past = false;
+  if (length != nullptr) past = growing ? !(*length <= context) : *length > context;
+  out[i] = !past ? values.within[i] : growing ? computed[i] : values.beyond[i];
+}
+
+// The frequencies of the length in seq_len (a 0-d tensor on the GPU), as the CPU's rope_for_length gives them,
+// without reading the length: whatever does not vary with it is the CPU's code run on the host (the frequencies
+// of every length up to the context, and LongRoPE's long ones past it), and one kernel picks by the length. Past
+// the context, dynamic NTK's frequencies are a function of the length, formed by the same tensor operations on
+// the GPU: CUDA's pow, log and exp, within a few float64 ulp of the CPU's rather than its bits.
+at::Tensor rope_inv_freq_for_length_cuda(
+    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
+    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
+    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
+    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
+    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
+    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
+    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
+  using frequencies::LengthDependence;
+  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
+                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
+                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
+                                    long_factor);
+  frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);  // the CPU's checks, in its order
+  const auto dependence = frequencies::length_dependence(rotary_dim, base, scaling);
+  const auto host_length = [](double length) { return at::scalar_tensor(length, at::TensorOptions().dtype(at::kDouble)); };
+  const auto within = frequencies::rope_for_length(rotary_dim, base, scaling, host_length(0.0)).contiguous();
+  const auto beyond = dependence.kind == LengthDependence::kStep
+                          ? frequencies::rope_for_length(rotary_dim, base, scaling,
+                                                         host_length(std::numeric_limits<double>::infinity()))
+                                .contiguous()
+                          : within;
+
+  const c10::cuda::CUDAGuard guard(seq_len.device());
+  auto out = at::empty({within.numel()}, seq_len.options().dtype(at::kDouble));
+  const auto length = dependence.kind == LengthDependence::kNone ? at::Tensor() : seq_len.to(at::kDouble);
+  const bool growing = dependence.kind == LengthDependence::kGrowing;
+  const auto computed =
+      growing ? frequencies::rope_for_length(rotary_dim, base, scaling, seq_len).contiguous() : at::Tensor();
+  const double* within_values = within.const_data_ptr<double>();
+  const double* beyond_values = beyond.const_data_ptr<double>();
+  for (int64_t first = 0; first < within.numel(); first += kParamValues) {
+    const int64_t n = std::min(kParamValues, within.numel() - first);
+    HostFrequencies values{};
+    std::copy(within_values + first, within_values + first + n, values.within);
+    std::copy(beyond_values + first, beyond_values + first + n, values.beyond);
+    select_frequencies_kernel<<<1, kThreads, 0, current_stream()>>>(
+        values, n, length.defined() ? length.const_data_ptr<double>() : nullptr, dependence.context, growing,
+        growing ? computed.const_data_ptr<double>() + first : nullptr, out.mutable_data_ptr<double>() + first);
+    POSENC_CUDA_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+// The CPU's kernel on a host copy of cu_seqlens (a few values, which the sizes of the outputs depend on: one
+// read is unavoidable), its outputs copied to cu_seqlens' device; its errors are the CPU's, word for word.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen_cuda(const at::Tensor& cu_seqlens,
+                                                                            int64_t cp_size, int64_t cp_rank) {
+  static const auto cpu_op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("posenc::zigzag_positions_varlen", "")
+                                 .typed<decltype(zigzag_positions_varlen_cuda)>();
+  const auto [positions, indices, local_cu_seqlens] = cpu_op.call(cu_seqlens.cpu(), cp_size, cp_rank);
+  const auto device = cu_seqlens.device();
+  return {positions.to(device), indices.to(device), local_cu_seqlens.to(device)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_cuda));
+  m.impl("zigzag_positions_varlen", TORCH_FN(zigzag_positions_varlen_cuda));
+}
+
+}  // namespace posenc::cuda
