@@ -10,6 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc  # noqa: F401
+from conftest import tensor_ops
 from posenc import frequencies as FQ
 from posenc import functional as PF
 
@@ -53,10 +54,10 @@ def run_both(op, *args, angles=False, **kwargs):
 
 @cuda_only
 def test_every_op_has_a_cuda_kernel():
-    names = ["embedding_backward", "sinusoidal", "add_sinusoidal", "embed_sinusoidal", "learned", "add_learned",
-             "embed_learned", "make_positions", "positions_from_mask", "rope", "rope_backward", "rope_qk",
-             "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward", "alibi_bias", "add_alibi",
-             "add_alibi_", "alibi_backward", "relative_position_bucket", "t5_bias", "t5_bias_backward"]
+    # Every op with a tensor argument has a kernel of its own at the CUDA key; the ops without one (frequencies,
+    # slopes, zigzag_positions) dispatch to their CompositeExplicitAutograd kernel on every device.
+    names = tensor_ops()
+    assert {"rope", "mrope_positions", "rope_inv_freq_for_length", "zigzag_positions_varlen"} <= set(names)
     missing = [n for n in names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{n}", "CUDA")]
     assert not missing, f"no CUDA kernel for {missing}: was posenc built with POSENC_CUDA?"
 
@@ -142,6 +143,66 @@ def test_rope_varlen_cu_seqlens(dtype):
     for cu in [torch.tensor([0, 3, 3, 11]), torch.tensor([0, 11], dtype=torch.int32)]:
         run_both(ops.rope, x, None, inv_freq, 1.0, "neox", "thd", 5, cu, angles=True)
         run_both(ops.rope, x, torch.arange(11), inv_freq, 1.0, "gptj", "thd", 0, cu, angles=True)
+
+
+# Multi-axis rotary: pair i rotates by the position of axis pair_axis[i].
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd", "sbhd", "thd"])
+@pytest.mark.parametrize("view", ["contiguous", "channel_strided", "unaligned"])
+def test_rope_pair_axis(dtype, layout, fmt, view):
+    x = rope_input(fmt, dtype, head_dim=32, layout_view=view)
+    batch, seq = (1, x.shape[0]) if fmt == "thd" else (x.shape[PERM_B[fmt]], x.shape[PERM_S[fmt]])
+    # M-RoPE's three sections (16 pairs: vector paths), interleaved sections, and 6 pairs of 16 channels (no whole
+    # vector of pairs: element by element, the rest copied); int32 and int64 axes.
+    cases = [FQ.mrope(32, [4, 6, 6], 1e4), FQ.mrope(32, [6, 5, 5], 1e4, interleaved=True),
+             (FQ.rope(12)[0], torch.tensor([1, 0, 1, 1, 0, 1]))]
+    for inv_freq, pair_axis in cases:
+        n_axes = int(pair_axis.max()) + 1
+        for positions in [torch.randint(0, 4096, (n_axes, seq)), torch.randint(-50, 50, (n_axes, seq), dtype=torch.int32)]:
+            for op in (ops.rope, ops.rope_backward):
+                run_both(op, x, positions, inv_freq, 0.75, layout, fmt, 3, None, pair_axis, angles=True)
+        if fmt != "thd":
+            per_row = torch.randint(0, 10**6, (n_axes, batch, seq))
+            run_both(ops.rope, x, per_row, inv_freq, 1.0, layout, fmt, 0, None, pair_axis.int(), angles=True)
+        else:
+            cu = torch.tensor([0, 2, seq])
+            run_both(ops.rope, x, torch.randint(0, 99, (n_axes, seq)), inv_freq, 1.0, layout, fmt, 1, cu, pair_axis,
+                     angles=True)
+        positions = torch.randint(0, 4096, (n_axes, seq))
+        expected = x.clone()
+        ops.rope_(expected, positions, inv_freq, 1.0, layout, fmt, 7, None, pair_axis)
+        actual = to_cuda(x)
+        ops.rope_(actual, positions.cuda(), inv_freq.cuda(), 1.0, layout, fmt, 7, None, pair_axis.cuda())
+        same(actual, expected, angles=True)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rope_qk_pair_axis_long_heads_far_axes_and_one_axis(dtype):
+    # 300 pairs (more than one block of coefficients), GQA, per-row positions.
+    inv_freq, pair_axis = FQ.mrope(600, [100, 100, 100], 1e6)
+    q, k = torch.randn(2, 3, 4, 600, dtype=dtype), torch.randn(2, 3, 2, 632, dtype=dtype)
+    positions = torch.randint(0, 10**5, (3, 2, 3))
+    for op in (ops.rope_qk, ops.rope_qk_backward):
+        run_both(op, q, k, positions, inv_freq, 0.5, "neox", "bshd", 0, None, pair_axis, angles=True)
+    # One far axis sends the whole token to float64 sin/cos (the CPU's choice per token, whatever the axis).
+    inv_freq, pair_axis = FQ.axial(16, 2, 1.0)
+    x = torch.randn(1, 3, 2, 16, dtype=dtype)
+    positions = torch.tensor([[0, 5, 2**40], [2**30, 7, 3]])
+    expected = ops.rope(x, positions, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis)
+    actual = ops.rope(x.cuda(), positions.cuda(), inv_freq.cuda(), 1.0, "neox", "bshd", 0, None, pair_axis.cuda())
+    assert_close(actual.cpu(), expected, rtol=1e-6 if dtype in (torch.float32, torch.float64) else 1e-2, atol=1e-6)
+    # A single axis is the one-axis rotation, bit for bit.
+    inv_freq, _ = FQ.rope(16)
+    x = torch.randn(2, 5, 2, 16, dtype=dtype)
+    positions = torch.randint(0, 1000, (5,))
+    one_axis = ops.rope(x.cuda(), positions.cuda(), inv_freq.cuda())
+    axes = ops.rope(x.cuda(), positions[None].cuda(), inv_freq.cuda(), 1.0, "neox", "bshd", 0, None,
+                    torch.zeros(8, dtype=torch.long, device="cuda"))
+    same(axes, one_axis.cpu())
 
 
 @cuda_only
@@ -297,13 +358,78 @@ def test_bad_index_data_raises_the_cpu_errors():
         (ops.embedding_backward, (torch.randn(2, 8), torch.tensor([3, 10]), 10)),
         (ops.add_sinusoidal, (torch.randn(2, 8), torch.tensor([2.0**60, 1.0]), FQ.sinusoidal(8))),
         (ops.sinusoidal, (torch.tensor([2**62, 1]), FQ.sinusoidal(8), "interleaved", None, 2**62)),
+        # pair_axis: its values, then cu_seqlens before them, then the positions after them, as the CPU orders them.
+        (ops.rope, (x, torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox", "bshd", 0, None,
+                    torch.tensor([0, 1, 2, 1]))),
+        (ops.rope, (x[0], torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox", "thd", 0,
+                    torch.tensor([0, 2]), torch.tensor([0, 1, 2, 1]))),
+        (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0, "neox", "bshd", 1, None,
+                    torch.tensor([0, 1, -1, 1]))),
+        (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0, "neox", "bshd", 1, None,
+                    torch.tensor([0, 1, 1, 1]))),
+        (ops.mrope_positions, (torch.tensor([[0, 1, 1]]), torch.tensor([[1, 2, 2]]))),
+        (ops.mrope_positions, (torch.tensor([[0, 3]]),)),
+        (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 3]), 2, 0)),
+        (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 10]), 2, 0)),
     ]
     for op, args in cases:
-        with pytest.raises(RuntimeError) as cpu_error:
+        with pytest.raises(Exception) as cpu_error:
             op(*args)
-        with pytest.raises(RuntimeError) as cuda_error:
+        with pytest.raises(type(cpu_error.value)) as cuda_error:
             op(*[to_cuda(a) for a in args])
         assert str(cuda_error.value).splitlines()[0] == str(cpu_error.value).splitlines()[0], op
+
+
+# ---------------------------------------------------------------- positions and frequencies
+
+@cuda_only
+def test_mrope_positions_on_the_inputs_device():
+    row = [0] * 3 + [1] * 6 + [0] * 2 + [2] * 12 + [0] * 4
+    token_types = torch.tensor([row, [0] * 2 + row[:-2]], dtype=torch.int32)
+    mask = torch.ones_like(token_types)
+    mask[1, :2] = 0
+    grids = torch.tensor([[1, 4, 6], [1, 4, 6]]), torch.tensor([[3, 4, 4], [3, 4, 4]])
+    run_both(ops.mrope_positions, token_types, *grids, mask, 2, 2.0, torch.tensor([0.5, 1.0 / 3.0]))
+    run_both(ops.mrope_positions, token_types, *grids, mask.bool(), 2, None, None)
+    run_both(ops.mrope_positions, torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="image_grid_thw is on cpu but the other inputs are on cuda"):
+        ops.mrope_positions(token_types.cuda(), grids[0])
+
+
+@cuda_only
+@pytest.mark.parametrize("scaling", [
+    {}, {"rope_type": "linear", "factor": 4.0}, {"rope_type": "llama3", "factor": 8.0,
+                                                 "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(300)],
+     "long_factor": [2.0 + 0.5 * i for i in range(300)], "original_max_position_embeddings": 1024,
+     "max_position_embeddings": 8192},
+    {"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 1024}])
+def test_rope_inv_freq_for_length_on_the_lengths_device(scaling):
+    # 300 pairs: more than one launch's worth of frequencies in the kernel's parameters.
+    rope_type, keywords = FQ.rope_arguments(scaling)
+    for length in [torch.tensor(0), torch.tensor(1000, dtype=torch.int32), torch.tensor(1024.0),
+                   torch.tensor(1025), torch.tensor(5000.5, dtype=torch.float64), torch.tensor(float("nan"))]:
+        expected = ops.rope_inv_freq_for_length(length, 600, 5e5, rope_type, **keywords)
+        actual = ops.rope_inv_freq_for_length(length.cuda(), 600, 5e5, rope_type, **keywords)
+        assert actual.is_cuda and actual.dtype == torch.float64
+        if rope_type == "dynamic" and not length <= 1024:
+            # Past its context, dynamic NTK's frequencies are a function of the length: CUDA's pow, log and exp.
+            assert_close(actual.cpu(), expected, rtol=1e-14, atol=0, equal_nan=True)
+        else:
+            same(actual, expected)
+    with pytest.raises(RuntimeError, match=r"seq_len must be a 0-d tensor, got shape \[1\]"):
+        ops.rope_inv_freq_for_length(torch.tensor([5], device="cuda"), 8, 1e4)
+
+
+@cuda_only
+def test_zigzag_positions_on_cuda():
+    for seq_len, cp_size, rank in [(12, 3, 2), (0, 2, 1), (16, 2, 0)]:
+        expected = ops.zigzag_positions(seq_len, cp_size, rank, None)
+        actual = ops.zigzag_positions(seq_len, cp_size, rank, torch.device("cuda"))
+        same(actual, expected)
+    for cu in [torch.tensor([0, 4, 12]), torch.tensor([0, 8, 8, 16], dtype=torch.int32), torch.tensor([0])]:
+        run_both(ops.zigzag_positions_varlen, cu, 2, 1)
 
 
 # ---------------------------------------------------------------- streams and graphs
@@ -341,6 +467,43 @@ def test_ops_run_on_the_current_stream_and_under_graph_capture():
     torch.cuda.synchronize()
     for a, e in zip(captured, step()):
         assert torch.equal(a, e)
+
+
+@cuda_only
+def test_multiaxis_rope_and_per_length_frequencies_under_graph_capture():
+    # Neither reads anything back under capture: pair_axis is checked on the host only outside it, and the
+    # frequencies for a length travel in the kernel's parameters.
+    inv_freq, pair_axis = FQ.mrope(32, [4, 6, 6])
+    inv_freq, pair_axis = inv_freq.cuda(), pair_axis.cuda()
+    q = torch.randn(2, 16, 4, 32, device="cuda")
+    positions = torch.randint(0, 1000, (3, 2, 16), device="cuda")
+    length = torch.tensor(900, device="cuda")
+    rope_type, keywords = FQ.rope_arguments({"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                             "long_factor": [4.0] * 16, "original_max_position_embeddings": 1024,
+                                             "max_position_embeddings": 4096})
+
+    def step():
+        freq = ops.rope_inv_freq_for_length(length, 32, 1e4, rope_type, **keywords)
+        return ops.rope(q, positions, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis), freq
+
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, eager):
+        assert torch.equal(a, e)
+    length.fill_(2000)  # past the original context: the long factors, chosen on the device at replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[1].cpu(), ops.rope_inv_freq_for_length(torch.tensor(2000), 32, 1e4, rope_type,
+                                                                       **keywords))
 
 
 # ---------------------------------------------------------------- opcheck, compile, export on every device
