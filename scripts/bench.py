@@ -723,6 +723,17 @@ def bench_cuda_rope(repeat: int, quick: bool) -> List[dict]:
             buffer_view = buffer.clone().transpose(1, 2)  # q and k stacked: rotate each half once
             in_place["Liger"] = lambda: liger(buffer_view[:batch], buffer_view[batch:], cos, sin)
         table.add(shape, dtype, "fwd in place", lambda: PF.rope_(buffer, None, inv_freq), in_place, both, copies=1)
+    # Multi-axis rotary (M-RoPE, as Qwen2-VL): three position axes, against the one-axis rotation given positions of
+    # its own (each call checks its positions on the GPU and reads a flag back; the multi-axis one reads pair_axis).
+    mrope_freq, pair_axis = posenc.frequencies.mrope(head_dim, [16, 24, 24])
+    mrope_freq, pair_axis = mrope_freq.cuda(), pair_axis.cuda()
+    q = torch.randn(batch, seq, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn_like(q)
+    positions = torch.arange(seq, device="cuda").expand(batch, seq).contiguous()
+    axes = positions.expand(3, batch, seq).contiguous()
+    table.add(f"q,k [{batch}, {seq}, {heads}, {head_dim}]", torch.bfloat16, "fwd 3 axes",
+              lambda: PF.rope_qk(q, k, axes, mrope_freq, pair_axis=pair_axis),
+              {"one axis": lambda: PF.rope_qk(q, k, positions, inv_freq)}, torch.cat([q, k]), copies=1)
     return table.rows
 
 

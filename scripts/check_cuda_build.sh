@@ -22,7 +22,7 @@ fi
 torch_version=$("$py" -c 'import torch; print(torch.__version__)')
 "$py" -c 'import torch; assert torch.version.cuda, "check_cuda_build.sh needs a CUDA build of torch"'
 echo "torch==${torch_version%%+*}" > "$VENV/posenc-constraints.txt"   # nothing may move torch
-"$py" -m pip install -q -c "$VENV/posenc-constraints.txt" pytest transformers==5.24.0 rotary-embedding-torch==0.9.1
+"$py" -m pip install -q -c "$VENV/posenc-constraints.txt" -r tests/requirements.txt
 build=${POSENC_CUDA_BUILD_DIR:-$ROOT/build/cuda-torch-$torch_version}
 
 echo "== build with CUDA kernels against torch $torch_version"

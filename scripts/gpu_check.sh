@@ -79,8 +79,8 @@ built=$?
 export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 
 if [ $built = 0 ]; then
-  step test_cuda 110 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
-  step bench 170 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 \
+  step test_cuda 150 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
+  step bench 150 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 \
     --json "$OUT/bench_cuda.json" --markdown "$OUT/bench_cuda.md"
   [ $gtest = ON ] && step ctest 60 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
   step suite 180 "$OUT/suite.log" env POSENC_SHADOW=cuda "$PYTHON" -m pytest tests/python -q -p no:cacheprovider \
