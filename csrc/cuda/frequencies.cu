@@ -58,7 +58,9 @@ at::Tensor rope_inv_freq_for_length_cuda(
                                     long_factor);
   frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);  // the CPU's checks, in its order
   const auto dependence = frequencies::length_dependence(rotary_dim, base, scaling);
-  const auto host_length = [](double length) { return at::scalar_tensor(length, at::TensorOptions().dtype(at::kDouble)); };
+  const auto host_length = [](double length) {
+    return at::scalar_tensor(length, at::TensorOptions().dtype(at::kDouble));
+  };
   const auto within = frequencies::rope_for_length(rotary_dim, base, scaling, host_length(0.0)).contiguous();
   const auto beyond = dependence.kind == LengthDependence::kStep
                           ? frequencies::rope_for_length(rotary_dim, base, scaling,

@@ -73,12 +73,13 @@ struct AngleCoeffs {
     return {p, nullptr, slow_angles<opmath>(p, local_max)};
   }
 
-  // The host checks pair_axis but under graph capture; an axis outside [0, n_axes) then gives a NaN angle
+  // The host checks pair_axis except under graph capture; an axis outside [0, n_axes) then gives a NaN angle
   // rather than a read past the token's positions.
   __device__ double angle(const Token& t, int64_t i) const {
     if (pair_axis == nullptr) return t.position * inv_freq[i];
     const int32_t axis = pair_axis[i];
-    return axis >= 0 && axis < n_axes ? kernels::pair_angle(t.positions, pair_axis, inv_freq, i) : quiet_nan<double>();
+    if (axis < 0 || axis >= n_axes) return quiet_nan<double>();
+    return kernels::pair_angle(t.positions, pair_axis, inv_freq, i);
   }
 
   __device__ void fill(const Token& t, int64_t i, opmath& c1, opmath& s1, opmath& c2, opmath& s2) const {

@@ -161,7 +161,8 @@ def test_rope_pair_axis(dtype, layout, fmt, view):
              (FQ.rope(12)[0], torch.tensor([1, 0, 1, 1, 0, 1]))]
     for inv_freq, pair_axis in cases:
         n_axes = int(pair_axis.max()) + 1
-        for positions in [torch.randint(0, 4096, (n_axes, seq)), torch.randint(-50, 50, (n_axes, seq), dtype=torch.int32)]:
+        for positions in [torch.randint(0, 4096, (n_axes, seq)),
+                          torch.randint(-50, 50, (n_axes, seq), dtype=torch.int32)]:
             for op in (ops.rope, ops.rope_backward):
                 run_both(op, x, positions, inv_freq, 0.75, layout, fmt, 3, None, pair_axis, angles=True)
         if fmt != "thd":
@@ -543,12 +544,13 @@ def test_compile_inductor_on_each_device(device):
     inv_freq = inv_freq.to(device)
     slopes = PF.alibi_slopes(4).to(device)
     table = torch.randn(32, 4, device=device, requires_grad=True)
+    sin_freq = FQ.sinusoidal(32).to(device)  # a model's constant, formed once outside the compiled step
 
     def attend(q, k, x):
         q, k = PF.rope_qk(q, k, None, inv_freq)
         scores = PF.add_alibi(q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2), slopes)
         scores = scores + PF.t5_bias(table, q.shape[1], k.shape[1], True, 32, 128)
-        return scores.softmax(-1).sum() + PF.add_sinusoidal(x, None, FQ.sinusoidal(32).to(device)).square().sum()
+        return scores.softmax(-1).sum() + PF.add_sinusoidal(x, None, sin_freq).square().sum()
 
     q = torch.randn(2, 6, 4, 32, device=device, requires_grad=True)
     k = torch.randn(2, 6, 4, 32, device=device, requires_grad=True)
