@@ -48,7 +48,7 @@ def embedding_backward(grad: Tensor, indices: Tensor, num_rows: int, scale: floa
     return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
 
 
-# Learned absolute (SPEC 4.2). A position p reads row p + offset of its table; every row must lie in
+# Learned absolute. A position p reads row p + offset of its table; every row must lie in
 # [0, L_max), L_max = the table's row count, or the op raises an error naming the position and L_max.
 
 def learned(weight: Tensor, positions: Tensor, offset: int = 0, padding_idx: Optional[int] = None) -> Tensor:
@@ -101,7 +101,7 @@ def positions_from_mask(attention_mask: Tensor, pad_position: int = 0) -> Tensor
 __all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask"]
 
 
-# ---------------------------------------------------------------- ALiBi (SPEC 4.4)
+# ---------------------------------------------------------------- ALiBi
 
 __all__ += ["alibi_slopes", "alibi_bias", "add_alibi", "add_alibi_", "alibi_backward"]
 
@@ -154,7 +154,7 @@ def alibi_backward(grad: Tensor, slopes: Tensor, mode: str = "causal", head_offs
     return torch.ops.posenc.alibi_backward(grad, slopes, mode, head_offset)
 
 
-# ---------------------------------------------------------------- T5 relative bias (SPEC 4.5)
+# ---------------------------------------------------------------- T5 relative bias
 
 __all__ += ["relative_position_bucket", "t5_bias", "t5_bias_backward"]
 
@@ -189,7 +189,7 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
     return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
 
 
-# Rotary (SPEC 4.3). inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
+# Rotary. inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
 
 def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
          layout: str = "neox", format: str = "bshd", offset: int = 0,

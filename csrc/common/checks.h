@@ -1,6 +1,6 @@
 #pragma once
 // Argument checks shared by every family. Each error names the op, the argument and the value
-// (SPEC section 5); every check reads metadata only, so CPU and Meta kernels run the same ones.
+// (see docs/errors.md); every check reads metadata only, so CPU and Meta kernels run the same ones.
 #include "kernels/types.h"
 
 #include <ATen/core/Tensor.h>
