@@ -42,6 +42,14 @@ TORCH_LIBRARY(posenc, m) {
   // Context parallelism, dual-chunk (zigzag) split: this rank's positions (and, packed, its token indices).
   m.def("zigzag_positions(int seq_len, int cp_size, int cp_rank, Device? device=None) -> Tensor");
   m.def("zigzag_positions_varlen(Tensor cu_seqlens, int cp_size, int cp_rank) -> (Tensor positions, Tensor indices, Tensor local_cu_seqlens)");
+  // Multi-axis frequencies: inv_freq float64 [pairs] with pair_axis int64 [pairs], the axis driving each pair.
+  m.def("multiaxis_inv_freq(int[] axes_dim, float[] bases) -> (Tensor inv_freq, Tensor pair_axis)");
+  m.def("axial_inv_freq(int rotary_dim, int n_axes=2, float base=10000.0) -> (Tensor inv_freq, Tensor pair_axis)");
+  m.def("mrope_pair_axis(int[] mrope_section, bool interleaved=False) -> Tensor");
+  m.def("mrope_inv_freq(int rotary_dim, int[] mrope_section, float base=10000.0, bool interleaved=False) -> (Tensor inv_freq, Tensor pair_axis)");
+  // Patch positions of an image [2, H * W] (row, column) and of a video [3, F * H * W] (time, row, column).
+  m.def("image_positions(int height, int width, Device? device=None) -> Tensor");
+  m.def("video_positions(int frames, int height, int width, float time_interval=1.0, Device? device=None) -> Tensor");
   // Qwen2-VL's M-RoPE positions [3, B, S] (and rope_deltas [B, 1]) of text and vision tokens.
   m.def("mrope_positions(Tensor token_types, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, Tensor? attention_mask=None, int spatial_merge_size=2, float? tokens_per_second=None, Tensor? second_per_grid_ts=None, bool split_video_frames=False) -> (Tensor, Tensor)");
 

@@ -300,11 +300,7 @@ def image_positions(height: int, width: int, device: Optional[torch.device] = No
 
     Pass them to :func:`rope` / :func:`rope_qk` with the ``pair_axis`` of :func:`posenc.frequencies.axial`.
     """
-    if height < 0 or width < 0:
-        raise ValueError(f"posenc.image_positions: height {height} and width {width} must not be negative")
-    rows = torch.arange(height, device=device).repeat_interleave(width)
-    columns = torch.arange(width, device=device).repeat(height)
-    return torch.stack([rows, columns])
+    return torch.ops.posenc.image_positions(height, width, device)
 
 
 def video_positions(frames: int, height: int, width: int, time_interval: float = 1.0,
@@ -312,14 +308,7 @@ def video_positions(frames: int, height: int, width: int, time_interval: float =
     """Positions of a video's patches, frame by frame in row-major order, int64 ``[3, frames * height * width]``:
     (time, row, column) with time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second times the
     seconds of a temporal patch)."""
-    if frames < 0 or height < 0 or width < 0:
-        raise ValueError(f"posenc.video_positions: frames {frames}, height {height} and width {width} must not be "
-                         f"negative")
-    if time_interval < 0:
-        raise ValueError(f"posenc.video_positions: time_interval must not be negative, got {time_interval}")
-    time = (torch.arange(frames, device=device, dtype=torch.float64) * time_interval).trunc().long()
-    grid = image_positions(height, width, device)
-    return torch.cat([time.repeat_interleave(height * width)[None], grid.repeat(1, frames)])
+    return torch.ops.posenc.video_positions(frames, height, width, float(time_interval), device)
 
 
 def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
