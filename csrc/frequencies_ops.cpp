@@ -86,11 +86,20 @@ at::Tensor rope_inv_freq_for_length_kernel(
   }
 }
 
-at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift) {
-  return frequencies::sinusoidal(dim, base, shift);
+// Computed on the CPU, then moved. Ops that return one tensor and take none count as tensor constructors for
+// torch.compile and torch.export, which trace them by calling them with device=meta.
+at::Tensor on_device(at::Tensor cpu, std::optional<at::Device> device) {
+  return device ? cpu.to(*device) : cpu;
 }
 
-at::Tensor alibi_slopes_composite(int64_t num_heads, at::ScalarType dtype) { return alibi_slopes(num_heads, dtype); }
+at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift, std::optional<at::Device> device) {
+  return on_device(frequencies::sinusoidal(dim, base, shift), device);
+}
+
+at::Tensor alibi_slopes_composite(int64_t num_heads, std::optional<at::ScalarType> dtype,
+                                  std::optional<at::Device> device) {
+  return on_device(alibi_slopes(num_heads, dtype.value_or(at::kFloat)), device);
+}
 
 at::Tensor zigzag_positions_composite(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
                                       std::optional<at::Device> device) {
@@ -110,8 +119,9 @@ std::tuple<at::Tensor, at::Tensor> axial_inv_freq_composite(int64_t rotary_dim, 
   return unpack(frequencies::axial(rotary_dim, n_axes, base));
 }
 
-at::Tensor mrope_pair_axis_composite(c10::IntArrayRef mrope_section, bool interleaved) {
-  return frequencies::mrope_pair_axis(mrope_section.vec(), interleaved);
+at::Tensor mrope_pair_axis_composite(c10::IntArrayRef mrope_section, bool interleaved,
+                                     std::optional<at::Device> device) {
+  return on_device(frequencies::mrope_pair_axis(mrope_section.vec(), interleaved), device);
 }
 
 std::tuple<at::Tensor, at::Tensor> mrope_inv_freq_composite(int64_t rotary_dim, c10::IntArrayRef mrope_section,

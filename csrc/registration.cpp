@@ -12,7 +12,7 @@ TORCH_LIBRARY(posenc, m) {
 
   // Sinusoidal.
   // float64 frequencies base^(-i / (dim // 2 - shift)), i < dim // 2.
-  m.def("sinusoidal_inv_freq(int dim, float base=10000.0, int shift=0) -> Tensor");
+  m.def("sinusoidal_inv_freq(int dim, float base=10000.0, int shift=0, Device? device=None) -> Tensor");
   m.def("sinusoidal(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor");
   m.def("add_sinusoidal(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor");
   m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
@@ -45,7 +45,7 @@ TORCH_LIBRARY(posenc, m) {
   // Multi-axis frequencies: inv_freq float64 [pairs] with pair_axis int64 [pairs], the axis driving each pair.
   m.def("multiaxis_inv_freq(int[] axes_dim, float[] bases) -> (Tensor inv_freq, Tensor pair_axis)");
   m.def("axial_inv_freq(int rotary_dim, int n_axes=2, float base=10000.0) -> (Tensor inv_freq, Tensor pair_axis)");
-  m.def("mrope_pair_axis(int[] mrope_section, bool interleaved=False) -> Tensor");
+  m.def("mrope_pair_axis(int[] mrope_section, bool interleaved=False, Device? device=None) -> Tensor");
   m.def("mrope_inv_freq(int rotary_dim, int[] mrope_section, float base=10000.0, bool interleaved=False) -> (Tensor inv_freq, Tensor pair_axis)");
   // Patch positions of an image [2, H * W] (row, column) and of a video [3, F * H * W] (time, row, column).
   m.def("image_positions(int height, int width, Device? device=None) -> Tensor");
@@ -54,7 +54,8 @@ TORCH_LIBRARY(posenc, m) {
   m.def("mrope_positions(Tensor token_types, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, Tensor? attention_mask=None, int spatial_merge_size=2, float? tokens_per_second=None, Tensor? second_per_grid_ts=None, bool split_video_frames=False) -> (Tensor, Tensor)");
 
   // ALiBi.
-  m.def("alibi_slopes(int num_heads, ScalarType dtype=float32) -> Tensor");
+  // dtype None is float32 (an optional: AOTInductor cannot replay a ScalarType argument's default).
+  m.def("alibi_slopes(int num_heads, ScalarType? dtype=None, Device? device=None) -> Tensor");
   m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");
   m.def("add_alibi(Tensor scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
   // `alibi_mode`, not `mode`: torch.compile's auto_functionalized passes a mutable op's arguments as keywords

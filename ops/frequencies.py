@@ -7,6 +7,7 @@ float64 on the CPU. Invalid values raise ``ValueError`` naming the key and the v
 where the key is absent (or None), never to a zero. Modules keep the results out of reach of
 ``module.to(torch.bfloat16)`` and ``.half()``: see ``docs/frequencies.md``.
 """
+import functools
 import numbers
 import operator
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -17,6 +18,22 @@ from torch import Tensor
 __all__ = ["sinusoidal", "rope", "rope_arguments", "ROPE_TYPES"]
 
 
+def _fake_constants(*args, op, **kwargs):
+    # The value computed for real (the arguments are configuration, never data), its tensors as the tracer's
+    # fakes: torch.export's non-strict tracing then records the op, and its float outputs as the constants they are.
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        real = op(*args, **kwargs)
+    return tuple(torch.empty(t.shape, dtype=t.dtype) if isinstance(t, Tensor) else t for t in real)
+
+
+# The ops that return several values and take no tensor: torch.compile evaluates the functions below while
+# tracing (torch.compiler.assume_constant_result), torch.export traces the ops through these fakes.
+for _name in ("rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq", "mrope_inv_freq"):
+    _op = getattr(torch.ops.posenc, _name).default
+    torch.library.register_fake(f"posenc::{_name}")(functools.partial(_fake_constants, op=_op))
+
+
+@torch.compiler.assume_constant_result
 def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     """omega_i = base ** (-i / (dim // 2 - shift)) for i < dim // 2, float64 ``[dim // 2]``.
 
@@ -73,6 +90,7 @@ def rope_arguments(scaling: Optional[Dict[str, Any]]) -> Tuple[str, Dict[str, An
     return rope_type, keywords
 
 
+@torch.compiler.assume_constant_result
 def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None,
          seq_len: Optional[int] = None) -> Tuple[Tensor, float]:
     """RoPE frequencies: ``(inv_freq float64 [rotary_dim // 2], attention_scale)``.
@@ -115,6 +133,7 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
 # Multi-axis rotary: (inv_freq float64 [pairs], pair_axis int64 [pairs]) for rope / rope_qk's pair_axis, the axis
 # whose position drives each frequency pair; computed by the C++ implementation like rope's.
 
+@torch.compiler.assume_constant_result
 def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 10000.0) -> Tuple[Tensor, Tensor]:
     """Per-axis widths with their own frequencies: axis a rotates ``axes_dim[a]`` channels, its
     ``axes_dim[a] // 2`` pairs following those of the axes before it, with ``rope(axes_dim[a], base_a)``'s
@@ -127,6 +146,7 @@ def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 100
     return torch.ops.posenc.multiaxis_inv_freq([operator.index(d) for d in axes_dim], bases)
 
 
+@torch.compiler.assume_constant_result
 def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tensor, Tensor]:
     """The axial scheme of vision transformers: ``rotary_dim`` split evenly among ``n_axes`` axes (it must divide
     by 2 * n_axes), each with the frequencies base ** (-2 * n_axes * i / rotary_dim).
@@ -137,6 +157,7 @@ def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tens
     return torch.ops.posenc.axial_inv_freq(rotary_dim, n_axes, float(base))
 
 
+@torch.compiler.assume_constant_result
 def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> Tensor:
     """M-RoPE's axis of each frequency pair (int64 ``[sum(mrope_section)]``) from ``mrope_section``, the pairs of
     each axis (time, height, width).
@@ -148,6 +169,7 @@ def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> 
     return torch.ops.posenc.mrope_pair_axis([operator.index(s) for s in mrope_section], interleaved)
 
 
+@torch.compiler.assume_constant_result
 def mrope(rotary_dim: int, mrope_section: Sequence[int], base: float = 10000.0,
           interleaved: bool = False) -> Tuple[Tensor, Tensor]:
     """M-RoPE frequencies: ``rope(rotary_dim, base)`` with :func:`mrope_pair_axis` (``sum(mrope_section)`` must be

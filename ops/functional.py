@@ -106,15 +106,15 @@ __all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positi
 __all__ += ["alibi_slopes", "alibi_bias", "add_alibi", "add_alibi_", "alibi_backward"]
 
 
-def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> Tensor:
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> Tensor:
     """The ALiBi slopes ``[num_heads]`` of the paper and BLOOM, for any head count.
 
     With n = 2 ** floor(log2(num_heads)): m_k = 2 ** (-8k / n) for k = 1..n, then, past n heads,
     2 ** (-4(2j - 1) / n) for j = 1..num_heads - n (every other slope of the 2n-head series). Computed in
     float64 by the C++ implementation (``torch.ops.posenc.alibi_slopes``, C++ ``posenc::alibi_slopes``) and
-    returned as ``dtype``. ``ValueError`` unless num_heads is positive and dtype floating.
+    returned as ``dtype`` on ``device``. ``ValueError`` unless num_heads is positive and dtype floating.
     """
-    return torch.ops.posenc.alibi_slopes(num_heads, dtype)
+    return torch.ops.posenc.alibi_slopes(num_heads, dtype, device)
 
 
 def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", head_offset: int = 0,
