@@ -1,13 +1,14 @@
-// Kernels of the ops that compute a configuration's constants: frequencies, ALiBi slopes and context-parallel
-// positions. Each kernel unpacks the op's arguments and calls the C++ API, which holds the only implementation of
-// every formula; Python's posenc.frequencies and posenc.functional call these ops, so both languages compute the
-// same values with the same code.
+// Kernels of the ops that compute a configuration's constants: frequencies, ALiBi slopes, context-parallel
+// positions and the position grids of images and video. Each kernel unpacks the op's arguments and calls the C++
+// API, which holds the only implementation of every formula; Python's posenc.frequencies and posenc.functional
+// call these ops, so both languages compute the same values with the same code.
 //
 // Ops without a tensor argument dispatch on no key: the dispatcher then runs the kernel registered at
 // CompositeExplicitAutograd. rope_inv_freq_for_length reads its tensor's metadata only (the length stays on its
 // device), and its Meta kernel lets torch.compile and torch.export trace it as one node whatever the length.
 #include <posenc/alibi.h>
 #include <posenc/frequencies.h>
+#include <posenc/multiaxis.h>
 #include <posenc/rope.h>
 
 #include "common/rope_scaling.h"
@@ -56,15 +57,56 @@ at::Tensor rope_inv_freq_for_length_kernel(
   }
 }
 
-at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift) {
-  return frequencies::sinusoidal(dim, base, shift);
+// Computed on the CPU, then moved. Ops that return one tensor and take none count as tensor constructors for
+// torch.compile and torch.export, which trace them by calling them with device=meta.
+at::Tensor on_device(at::Tensor cpu, std::optional<at::Device> device) {
+  return device ? cpu.to(*device) : cpu;
 }
 
-at::Tensor alibi_slopes_composite(int64_t num_heads, at::ScalarType dtype) { return alibi_slopes(num_heads, dtype); }
+at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift, std::optional<at::Device> device) {
+  return on_device(frequencies::sinusoidal(dim, base, shift), device);
+}
+
+at::Tensor alibi_slopes_composite(int64_t num_heads, std::optional<at::ScalarType> dtype,
+                                  std::optional<at::Device> device) {
+  return on_device(alibi_slopes(num_heads, dtype.value_or(at::kFloat)), device);
+}
 
 at::Tensor zigzag_positions_composite(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
                                       std::optional<at::Device> device) {
   return zigzag_positions(seq_len, cp_size, cp_rank, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+std::tuple<at::Tensor, at::Tensor> unpack(frequencies::AxisFrequencies freqs) {
+  return {std::move(freqs.inv_freq), std::move(freqs.pair_axis)};
+}
+
+std::tuple<at::Tensor, at::Tensor> multiaxis_inv_freq_composite(c10::IntArrayRef axes_dim,
+                                                                c10::ArrayRef<double> bases) {
+  return unpack(frequencies::multiaxis(axes_dim.vec(), bases.vec()));
+}
+
+std::tuple<at::Tensor, at::Tensor> axial_inv_freq_composite(int64_t rotary_dim, int64_t n_axes, double base) {
+  return unpack(frequencies::axial(rotary_dim, n_axes, base));
+}
+
+at::Tensor mrope_pair_axis_composite(c10::IntArrayRef mrope_section, bool interleaved,
+                                     std::optional<at::Device> device) {
+  return on_device(frequencies::mrope_pair_axis(mrope_section.vec(), interleaved), device);
+}
+
+std::tuple<at::Tensor, at::Tensor> mrope_inv_freq_composite(int64_t rotary_dim, c10::IntArrayRef mrope_section,
+                                                            double base, bool interleaved) {
+  return unpack(frequencies::mrope(rotary_dim, mrope_section.vec(), base, interleaved));
+}
+
+at::Tensor image_positions_composite(int64_t height, int64_t width, std::optional<at::Device> device) {
+  return image_positions(height, width, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+at::Tensor video_positions_composite(int64_t frames, int64_t height, int64_t width, double time_interval,
+                                     std::optional<at::Device> device) {
+  return video_positions(frames, height, width, time_interval, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
 }  // namespace
@@ -77,6 +119,12 @@ TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("zigzag_positions", TORCH_FN(zigzag_positions_composite));
   // The output size depends on cu_seqlens' values: no Meta kernel can know it.
   m.impl("zigzag_positions_varlen", TORCH_FN(zigzag_positions_varlen));
+  m.impl("multiaxis_inv_freq", TORCH_FN(multiaxis_inv_freq_composite));
+  m.impl("axial_inv_freq", TORCH_FN(axial_inv_freq_composite));
+  m.impl("mrope_pair_axis", TORCH_FN(mrope_pair_axis_composite));
+  m.impl("mrope_inv_freq", TORCH_FN(mrope_inv_freq_composite));
+  m.impl("image_positions", TORCH_FN(image_positions_composite));
+  m.impl("video_positions", TORCH_FN(video_positions_composite));
 }
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {

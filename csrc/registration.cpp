@@ -10,21 +10,21 @@ TORCH_LIBRARY(posenc, m) {
   // Shared: deterministic scatter-add of row gradients into an embedding table.
   m.def("embedding_backward(Tensor grad, Tensor indices, SymInt num_rows, float scale=1.0, int? padding_idx=None) -> Tensor");
 
-  // Sinusoidal (SPEC 4.1).
+  // Sinusoidal.
   // float64 frequencies base^(-i / (dim // 2 - shift)), i < dim // 2.
-  m.def("sinusoidal_inv_freq(int dim, float base=10000.0, int shift=0) -> Tensor");
+  m.def("sinusoidal_inv_freq(int dim, float base=10000.0, int shift=0, Device? device=None) -> Tensor");
   m.def("sinusoidal(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor");
   m.def("add_sinusoidal(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor");
   m.def("embed_sinusoidal(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor");
 
-  // Learned absolute (SPEC 4.2).
+  // Learned absolute.
   m.def("learned(Tensor weight, Tensor positions, int offset=0, int? padding_idx=None) -> Tensor");
   m.def("add_learned(Tensor x, Tensor weight, Tensor? positions, int offset=0, int? padding_idx=None) -> Tensor");
   m.def("embed_learned(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor");
   m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
   m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
-  // Rotary (SPEC 4.3).
+  // Rotary.
   // pair_axis [pairs]: multi-axis positions ([n_axes, S], [n_axes, B, S] or [n_axes, T]; images, video, multimodal
   // text), frequency pair i rotating by the position of axis pair_axis[i].
   m.def("rope(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor");
@@ -42,11 +42,20 @@ TORCH_LIBRARY(posenc, m) {
   // Context parallelism, dual-chunk (zigzag) split: this rank's positions (and, packed, its token indices).
   m.def("zigzag_positions(int seq_len, int cp_size, int cp_rank, Device? device=None) -> Tensor");
   m.def("zigzag_positions_varlen(Tensor cu_seqlens, int cp_size, int cp_rank) -> (Tensor positions, Tensor indices, Tensor local_cu_seqlens)");
+  // Multi-axis frequencies: inv_freq float64 [pairs] with pair_axis int64 [pairs], the axis driving each pair.
+  m.def("multiaxis_inv_freq(int[] axes_dim, float[] bases) -> (Tensor inv_freq, Tensor pair_axis)");
+  m.def("axial_inv_freq(int rotary_dim, int n_axes=2, float base=10000.0) -> (Tensor inv_freq, Tensor pair_axis)");
+  m.def("mrope_pair_axis(int[] mrope_section, bool interleaved=False, Device? device=None) -> Tensor");
+  m.def("mrope_inv_freq(int rotary_dim, int[] mrope_section, float base=10000.0, bool interleaved=False) -> (Tensor inv_freq, Tensor pair_axis)");
+  // Patch positions of an image [2, H * W] (row, column) and of a video [3, F * H * W] (time, row, column).
+  m.def("image_positions(int height, int width, Device? device=None) -> Tensor");
+  m.def("video_positions(int frames, int height, int width, float time_interval=1.0, Device? device=None) -> Tensor");
   // Qwen2-VL's M-RoPE positions [3, B, S] (and rope_deltas [B, 1]) of text and vision tokens.
   m.def("mrope_positions(Tensor token_types, Tensor? image_grid_thw=None, Tensor? video_grid_thw=None, Tensor? attention_mask=None, int spatial_merge_size=2, float? tokens_per_second=None, Tensor? second_per_grid_ts=None, bool split_video_frames=False) -> (Tensor, Tensor)");
 
-  // ALiBi (SPEC 4.4).
-  m.def("alibi_slopes(int num_heads, ScalarType dtype=float32) -> Tensor");
+  // ALiBi.
+  // dtype None is float32 (an optional: AOTInductor cannot replay a ScalarType argument's default).
+  m.def("alibi_slopes(int num_heads, ScalarType? dtype=None, Device? device=None) -> Tensor");
   m.def("alibi_bias(Tensor slopes, SymInt q_len, SymInt k_len, str mode=\"causal\", int head_offset=0, SymInt? num_heads=None, ScalarType? dtype=None) -> Tensor");
   m.def("add_alibi(Tensor scores, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
   // `alibi_mode`, not `mode`: torch.compile's auto_functionalized passes a mutable op's arguments as keywords
@@ -54,7 +63,7 @@ TORCH_LIBRARY(posenc, m) {
   m.def("add_alibi_(Tensor(a!) scores, Tensor slopes, str alibi_mode=\"causal\", int head_offset=0) -> ()");
   m.def("alibi_backward(Tensor grad, Tensor slopes, str mode=\"causal\", int head_offset=0) -> Tensor");
 
-  // T5 relative bias (SPEC 4.5).
+  // T5 relative bias.
   m.def("relative_position_bucket(Tensor relative_position, bool bidirectional=True, int num_buckets=32, int max_distance=128) -> Tensor");
   m.def("t5_bias(Tensor weight, SymInt q_len, SymInt k_len, bool bidirectional, int num_buckets, int max_distance, SymInt q_offset=0) -> Tensor");
   m.def("t5_bias_backward(Tensor grad, bool bidirectional, int num_buckets, int max_distance, SymInt q_offset=0) -> Tensor");

@@ -7,6 +7,7 @@ float64 on the CPU. Invalid values raise ``ValueError`` naming the key and the v
 where the key is absent (or None), never to a zero. Modules keep the results out of reach of
 ``module.to(torch.bfloat16)`` and ``.half()``: see ``docs/frequencies.md``.
 """
+import functools
 import numbers
 import operator
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -17,6 +18,22 @@ from torch import Tensor
 __all__ = ["sinusoidal", "rope", "rope_arguments", "ROPE_TYPES"]
 
 
+def _fake_constants(*args, op, **kwargs):
+    # The value computed for real (the arguments are configuration, never data), its tensors as the tracer's
+    # fakes: torch.export's non-strict tracing then records the op, and its float outputs as the constants they are.
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        real = op(*args, **kwargs)
+    return tuple(torch.empty(t.shape, dtype=t.dtype) if isinstance(t, Tensor) else t for t in real)
+
+
+# The ops that return several values and take no tensor: torch.compile evaluates the functions below while
+# tracing (torch.compiler.assume_constant_result), torch.export traces the ops through these fakes.
+for _name in ("rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq", "mrope_inv_freq"):
+    _op = getattr(torch.ops.posenc, _name).default
+    torch.library.register_fake(f"posenc::{_name}")(functools.partial(_fake_constants, op=_op))
+
+
+@torch.compiler.assume_constant_result
 def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     """omega_i = base ** (-i / (dim // 2 - shift)) for i < dim // 2, float64 ``[dim // 2]``.
 
@@ -73,6 +90,7 @@ def rope_arguments(scaling: Optional[Dict[str, Any]]) -> Tuple[str, Dict[str, An
     return rope_type, keywords
 
 
+@torch.compiler.assume_constant_result
 def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None,
          seq_len: Optional[int] = None) -> Tuple[Tensor, float]:
     """RoPE frequencies: ``(inv_freq float64 [rotary_dim // 2], attention_scale)``.
@@ -113,8 +131,9 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
 
 
 # Multi-axis rotary: (inv_freq float64 [pairs], pair_axis int64 [pairs]) for rope / rope_qk's pair_axis, the axis
-# whose position drives each frequency pair.
+# whose position drives each frequency pair; computed by the C++ implementation like rope's.
 
+@torch.compiler.assume_constant_result
 def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 10000.0) -> Tuple[Tensor, Tensor]:
     """Per-axis widths with their own frequencies: axis a rotates ``axes_dim[a]`` channels, its
     ``axes_dim[a] // 2`` pairs following those of the axes before it, with ``rope(axes_dim[a], base_a)``'s
@@ -123,22 +142,11 @@ def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 100
     Flux: ``multiaxis([16, 56, 56], 10000.0)`` with layout ``"gptj"`` and positions ``img_ids.T`` (diffusers'
     ``FluxPosEmbed``).
     """
-    axes = [int(d) for d in axes_dim]
-    bases = [float(base)] * len(axes) if isinstance(base, (int, float)) else [float(b) for b in base]
-    if not axes:
-        raise ValueError("posenc.frequencies.multiaxis: axes_dim is empty; at least one axis is needed")
-    if len(bases) != len(axes):
-        raise ValueError(f"posenc.frequencies.multiaxis: got {len(bases)} bases for {len(axes)} axes; give one base "
-                         f"or one per axis")
-    inv_freq, pair_axis = [], []
-    for a, (dim, theta) in enumerate(zip(axes, bases)):
-        if dim < 2 or dim % 2:
-            raise ValueError(f"posenc.frequencies.multiaxis: axes_dim[{a}] must be even and at least 2, got {dim}")
-        inv_freq.append(rope(dim, theta)[0])
-        pair_axis.append(torch.full((dim // 2,), a, dtype=torch.int64))
-    return torch.cat(inv_freq), torch.cat(pair_axis)
+    bases = [float(base)] if isinstance(base, numbers.Real) else [float(b) for b in base]
+    return torch.ops.posenc.multiaxis_inv_freq([operator.index(d) for d in axes_dim], bases)
 
 
+@torch.compiler.assume_constant_result
 def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tensor, Tensor]:
     """The axial scheme of vision transformers: ``rotary_dim`` split evenly among ``n_axes`` axes (it must divide
     by 2 * n_axes), each with the frequencies base ** (-2 * n_axes * i / rotary_dim).
@@ -146,14 +154,10 @@ def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tens
     With :func:`posenc.functional.image_positions` (row, column) the first rotary_dim // (2 * n_axes) pairs follow
     the rows: Qwen2-VL's vision tower (neox), EVA-02 (gptj); SAM 2 puts columns first (flip the positions).
     """
-    if n_axes < 1:
-        raise ValueError(f"posenc.frequencies.axial: n_axes must be at least 1, got {n_axes}")
-    if rotary_dim <= 0 or rotary_dim % (2 * n_axes):
-        raise ValueError(f"posenc.frequencies.axial: rotary_dim {rotary_dim} must be a positive multiple of "
-                         f"2 * n_axes = {2 * n_axes}")
-    return multiaxis([rotary_dim // n_axes] * n_axes, base)
+    return torch.ops.posenc.axial_inv_freq(rotary_dim, n_axes, float(base))
 
 
+@torch.compiler.assume_constant_result
 def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> Tensor:
     """M-RoPE's axis of each frequency pair (int64 ``[sum(mrope_section)]``) from ``mrope_section``, the pairs of
     each axis (time, height, width).
@@ -162,35 +166,18 @@ def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> 
     ``mrope_section[1]`` axis 1, ... Interleaved (Qwen3-VL): with n axes, pair i follows axis a = i % n when
     a > 0 and i < n * mrope_section[a], else axis 0.
     """
-    sections = [int(s) for s in mrope_section]
-    op = "posenc.frequencies.mrope_pair_axis"
-    if not sections:
-        raise ValueError(f"{op}: mrope_section is empty; at least one axis is needed")
-    for a, size in enumerate(sections):
-        if size < 0:
-            raise ValueError(f"{op}: mrope_section[{a}] must not be negative, got {size}")
-    pairs, n_axes = sum(sections), len(sections)
-    if pairs == 0:
-        raise ValueError(f"{op}: mrope_section {sections} holds no frequency pair")
-    if not interleaved:
-        return torch.repeat_interleave(torch.arange(n_axes), torch.tensor(sections))
-    pair_axis = torch.zeros(pairs, dtype=torch.int64)
-    for a in range(1, n_axes):
-        pair_axis[a:min(pairs, n_axes * sections[a]):n_axes] = a
-    return pair_axis
+    return torch.ops.posenc.mrope_pair_axis([operator.index(s) for s in mrope_section], interleaved)
 
 
+@torch.compiler.assume_constant_result
 def mrope(rotary_dim: int, mrope_section: Sequence[int], base: float = 10000.0,
           interleaved: bool = False) -> Tuple[Tensor, Tensor]:
     """M-RoPE frequencies: ``rope(rotary_dim, base)`` with :func:`mrope_pair_axis` (``sum(mrope_section)`` must be
     rotary_dim // 2). Qwen2-VL / Qwen2.5-VL: ``mrope(128, [16, 24, 24], rope_theta)``; Qwen3-VL:
     ``mrope(128, [24, 20, 20], rope_theta, interleaved=True)``. With a scaling dict, take inv_freq and
     attention_scale from :func:`rope` instead."""
-    pair_axis = mrope_pair_axis(mrope_section, interleaved)
-    if 2 * pair_axis.numel() != rotary_dim:
-        raise ValueError(f"posenc.frequencies.mrope: mrope_section {list(mrope_section)} holds {pair_axis.numel()} "
-                         f"frequency pairs but rotary_dim {rotary_dim} has {rotary_dim // 2}")
-    return rope(rotary_dim, base)[0], pair_axis
+    return torch.ops.posenc.mrope_inv_freq(rotary_dim, [operator.index(s) for s in mrope_section], float(base),
+                                           interleaved)
 
 
 __all__ += ["multiaxis", "axial", "mrope_pair_axis", "mrope"]

@@ -48,7 +48,7 @@ def embedding_backward(grad: Tensor, indices: Tensor, num_rows: int, scale: floa
     return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
 
 
-# Learned absolute (SPEC 4.2). A position p reads row p + offset of its table; every row must lie in
+# Learned absolute. A position p reads row p + offset of its table; every row must lie in
 # [0, L_max), L_max = the table's row count, or the op raises an error naming the position and L_max.
 
 def learned(weight: Tensor, positions: Tensor, offset: int = 0, padding_idx: Optional[int] = None) -> Tensor:
@@ -101,20 +101,20 @@ def positions_from_mask(attention_mask: Tensor, pad_position: int = 0) -> Tensor
 __all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask"]
 
 
-# ---------------------------------------------------------------- ALiBi (SPEC 4.4)
+# ---------------------------------------------------------------- ALiBi
 
 __all__ += ["alibi_slopes", "alibi_bias", "add_alibi", "add_alibi_", "alibi_backward"]
 
 
-def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32) -> Tensor:
+def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> Tensor:
     """The ALiBi slopes ``[num_heads]`` of the paper and BLOOM, for any head count.
 
     With n = 2 ** floor(log2(num_heads)): m_k = 2 ** (-8k / n) for k = 1..n, then, past n heads,
     2 ** (-4(2j - 1) / n) for j = 1..num_heads - n (every other slope of the 2n-head series). Computed in
     float64 by the C++ implementation (``torch.ops.posenc.alibi_slopes``, C++ ``posenc::alibi_slopes``) and
-    returned as ``dtype``. ``ValueError`` unless num_heads is positive and dtype floating.
+    returned as ``dtype`` on ``device``. ``ValueError`` unless num_heads is positive and dtype floating.
     """
-    return torch.ops.posenc.alibi_slopes(num_heads, dtype)
+    return torch.ops.posenc.alibi_slopes(num_heads, dtype, device)
 
 
 def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", head_offset: int = 0,
@@ -154,7 +154,7 @@ def alibi_backward(grad: Tensor, slopes: Tensor, mode: str = "causal", head_offs
     return torch.ops.posenc.alibi_backward(grad, slopes, mode, head_offset)
 
 
-# ---------------------------------------------------------------- T5 relative bias (SPEC 4.5)
+# ---------------------------------------------------------------- T5 relative bias
 
 __all__ += ["relative_position_bucket", "t5_bias", "t5_bias_backward"]
 
@@ -189,7 +189,7 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
     return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
 
 
-# Rotary (SPEC 4.3). inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
+# Rotary. inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
 
 def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
          layout: str = "neox", format: str = "bshd", offset: int = 0,
@@ -300,11 +300,7 @@ def image_positions(height: int, width: int, device: Optional[torch.device] = No
 
     Pass them to :func:`rope` / :func:`rope_qk` with the ``pair_axis`` of :func:`posenc.frequencies.axial`.
     """
-    if height < 0 or width < 0:
-        raise ValueError(f"posenc.image_positions: height {height} and width {width} must not be negative")
-    rows = torch.arange(height, device=device).repeat_interleave(width)
-    columns = torch.arange(width, device=device).repeat(height)
-    return torch.stack([rows, columns])
+    return torch.ops.posenc.image_positions(height, width, device)
 
 
 def video_positions(frames: int, height: int, width: int, time_interval: float = 1.0,
@@ -312,14 +308,7 @@ def video_positions(frames: int, height: int, width: int, time_interval: float =
     """Positions of a video's patches, frame by frame in row-major order, int64 ``[3, frames * height * width]``:
     (time, row, column) with time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second times the
     seconds of a temporal patch)."""
-    if frames < 0 or height < 0 or width < 0:
-        raise ValueError(f"posenc.video_positions: frames {frames}, height {height} and width {width} must not be "
-                         f"negative")
-    if time_interval < 0:
-        raise ValueError(f"posenc.video_positions: time_interval must not be negative, got {time_interval}")
-    time = (torch.arange(frames, device=device, dtype=torch.float64) * time_interval).trunc().long()
-    grid = image_positions(height, width, device)
-    return torch.cat([time.repeat_interleave(height * width)[None], grid.repeat(1, frames)])
+    return torch.ops.posenc.video_positions(frames, height, width, float(time_interval), device)
 
 
 def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,

@@ -37,7 +37,7 @@ class _ExactFrequencies(torch.nn.Module):
 
 
 class SinusoidalPositionalEncoding(_ExactFrequencies):
-    """``x * x_scale + PE`` for x ``[..., S, dim]`` (SPEC 4.1); odd ``dim`` gets a zero last column.
+    """``x * x_scale + PE`` for x ``[..., S, dim]``; odd ``dim`` gets a zero last column.
 
     ``shift=1`` with ``layout="half"`` is the fairseq / Whisper convention; the defaults are the paper's.
     """
@@ -116,7 +116,7 @@ def _init_table(table: Tensor, std: float, padding_idx: Optional[int]) -> None:
 
 
 class LearnedPositionalEmbedding(torch.nn.Module):
-    """``x + weight[positions + offset]`` for x ``[..., S, dim]`` (SPEC 4.2), a trainable position table.
+    """``x + weight[positions + offset]`` for x ``[..., S, dim]``, a trainable position table.
 
     ``weight`` is ``[max_positions + offset, dim]``: the first ``offset`` rows hold no position of their
     own (OPT: ``offset=2``). Initialisation: N(0, ``init_std ** 2``), 0.02 as in GPT-2, BERT and OPT,
@@ -196,7 +196,7 @@ __all__ += ["ALiBi", "T5RelativeBias"]
 
 
 class ALiBi(_ExactFrequencies):
-    """Adds ALiBi to attention scores ``[B, num_local_heads, Q, K]`` (SPEC 4.4); scriptable.
+    """Adds ALiBi to attention scores ``[B, num_local_heads, Q, K]``; scriptable.
 
     The slopes cover all ``num_heads`` heads of the model; this module's heads are ``head_offset ..
     head_offset + num_local_heads - 1`` (a tensor-parallel shard; by default every head from ``head_offset``
@@ -245,7 +245,7 @@ class ALiBi(_ExactFrequencies):
 
 
 class T5RelativeBias(torch.nn.Module):
-    """The learned bucket table of a T5 attention layer (SPEC 4.5); scriptable.
+    """The learned bucket table of a T5 attention layer; scriptable.
 
     ``weight [num_buckets, num_heads]`` has the layout of Hugging Face's ``relative_attention_bias.weight`` (a
     state dict loads as is) and is initialised N(0, 1) like the ``nn.Embedding`` it replaces. ``forward(q_len,

@@ -6,7 +6,7 @@
 For every op and shape: our median time, each baseline's median time and its ratio to ours (> 1: we are
 faster), and two bounds, each with our time over it:
   copy   the same bytes moved by `out.copy_(x)` into a tensor allocated once (one copy for a forward pass,
-         two for forward + backward): the bandwidth bound of SPEC section 6;
+         two for forward + backward): the memory-bandwidth bound;
   fresh  the same copies into freshly allocated tensors (`x.clone()`): the least any op that returns a new
          tensor pays, ours and the baselines alike.
 Ours, the baselines and the bounds of a row are timed round-robin (every repetition runs each once), so a

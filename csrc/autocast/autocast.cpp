@@ -94,8 +94,6 @@ void register_policy(torch::Library& m) {
   same_dtypes_as_given("learned");
   m.impl("add_learned", TORCH_FN(add_learned_autocast<kAutocast>));
   m.impl("embed_learned", TORCH_FN(embed_learned_autocast<kAutocast>));
-  // No tensor at all.
-  same_dtypes_as_given("cpu_capability");
   // Integer positions and buckets.
   for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket", "mrope_positions"}) {
     same_dtypes_as_given(op);
@@ -103,7 +101,8 @@ void register_policy(torch::Library& m) {
   // Configuration constants (frequencies, slopes, context-parallel positions): float64 or int64 whatever the
   // autocast state, as the constants a model holds are; cpu_capability returns a string.
   for (const char* op : {"sinusoidal_inv_freq", "rope_inv_freq", "rope_inv_freq_for_length", "alibi_slopes",
-                         "zigzag_positions", "zigzag_positions_varlen", "cpu_capability"}) {
+                         "zigzag_positions", "zigzag_positions_varlen", "multiaxis_inv_freq", "axial_inv_freq",
+                         "mrope_pair_axis", "mrope_inv_freq", "image_positions", "video_positions", "cpu_capability"}) {
     same_dtypes_as_given(op);
   }
   // ALiBi ~ scores + a bias of constant slopes (in scores' dtype); T5 ~ embedding(weight).

@@ -4,6 +4,8 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <string>
+
 namespace posenc {
 
 // Causal agrees with symmetric wherever j <= i + (k_len - q_len); past it, it continues the same line.
@@ -14,6 +16,14 @@ inline AlibiMode parse_alibi_mode(const char* op, std::string_view mode) {
   TORCH_CHECK(false, "posenc.", op, ": mode must be \"causal\" or \"symmetric\", got \"", mode, "\"");
 }
 
+// head_offset + num_heads for a message, exact where it passes int64 (both are non-negative here).
+inline std::string heads_end(int64_t head_offset, const c10::SymInt& num_heads) {
+  if (const auto n = num_heads.maybe_as_int()) {
+    return std::to_string(static_cast<uint64_t>(head_offset) + static_cast<uint64_t>(*n));
+  }
+  return c10::str(num_heads + head_offset);
+}
+
 // slopes is [H] (shared by the batch) or [B, H] (per batch row), H the global head count; a call uses
 // heads [head_offset, head_offset + num_heads), so a tensor-parallel shard indexes its global heads.
 inline void check_slopes(const char* op, const at::Tensor& slopes, int64_t head_offset, const c10::SymInt& num_heads) {
@@ -22,8 +32,10 @@ inline void check_slopes(const char* op, const at::Tensor& slopes, int64_t head_
               slopes.sym_sizes());
   TORCH_CHECK(head_offset >= 0, "posenc.", op, ": head_offset must be non-negative, got ", head_offset);
   TORCH_CHECK(num_heads >= 0, "posenc.", op, ": num_heads must be non-negative, got ", num_heads);
-  TORCH_CHECK(num_heads + head_offset <= slopes.sym_size(-1), "posenc.", op, ": heads [", head_offset, ", ",
-              num_heads + head_offset, ") need that many slopes but slopes has ", slopes.sym_size(-1), " heads");
+  // Compared without forming head_offset + num_heads, which overflows int64 for a head_offset near its maximum.
+  const auto available = slopes.sym_size(-1);
+  TORCH_CHECK(num_heads <= available && head_offset <= available - num_heads, "posenc.", op, ": heads [", head_offset,
+              ", ", heads_end(head_offset, num_heads), ") need that many slopes but slopes has ", available, " heads");
 }
 
 // scores (or a gradient like it) is [B, H_local, Q, K]; per-batch slopes must match B.

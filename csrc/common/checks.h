@@ -1,6 +1,6 @@
 #pragma once
 // Argument checks shared by every family. Each error names the op, the argument and the value
-// (SPEC section 5); every check reads metadata only, so CPU and Meta kernels run the same ones.
+// (see docs/errors.md); every check reads metadata only, so CPU and Meta kernels run the same ones.
 #include "kernels/types.h"
 
 #include <ATen/core/Tensor.h>
@@ -82,6 +82,22 @@ inline bool check_row_positions(const char* op, const char* input_arg, c10::SymI
   return false;
 }
 
+// Whether the (stride, size) dimensions give every element its own offset, by listing all of them: memory and
+// time of the order of the element count, spent only on views whose strides interleave.
+inline bool offsets_are_distinct(const std::vector<std::pair<int64_t, int64_t>>& dims) {
+  std::vector<int64_t> offsets{0};
+  for (const auto& [stride, size] : dims) {
+    std::vector<int64_t> next;
+    next.reserve(offsets.size() * size);
+    for (int64_t i = 0; i < size; ++i) {
+      for (const int64_t offset : offsets) next.push_back(offset + i * stride);
+    }
+    offsets = std::move(next);
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end();
+}
+
 // An in-place op writes every element once, so no two elements may share memory (an expanded tensor, an
 // as_strided view whose rows overlap). ATen's check finds expanded dimensions; other strides are sorted, and
 // each must step past everything the smaller ones span, which proves the elements distinct.
@@ -99,6 +115,9 @@ inline void check_no_internal_overlap(const char* op, const char* arg, const at:
       distinct = distinct && stride > span;
       span += (size - 1) * stride;
     }
+    // Strides that interleave (sizes [2, 3], strides [3, 2]) can still give every element its own address: the
+    // test above cannot tell, so list the offsets and look for a repeat.
+    if (!distinct) distinct = offsets_are_distinct(dims);
   }
   TORCH_CHECK(distinct, "posenc.", op, ": ", arg, " has elements that share memory (sizes ", t.sizes(), ", strides ",
               t.strides(), "); ", advice);

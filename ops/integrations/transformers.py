@@ -329,7 +329,7 @@ def _bloom_alibi(self, attention_mask: Tensor, num_heads: int, dtype: torch.dtyp
     real tokens before key j) by a constant per batch row for left or right padding: equal after softmax.
     """
     batch, k_len = attention_mask.shape
-    slopes = PF.alibi_slopes(num_heads).to(attention_mask.device)
+    slopes = PF.alibi_slopes(num_heads, device=attention_mask.device)
     row = PF.alibi_bias(slopes, 1, k_len, "causal", dtype=dtype)
     return row.expand(batch, num_heads, 1, k_len).reshape(batch * num_heads, 1, k_len)
 

@@ -1,5 +1,5 @@
 """ALiBi: slopes and biases against float64 formulas written here, BLOOM where transformers is installed,
-gradients, opcheck, torch.compile, torch.export, TorchScript and the bad inputs of SPEC section 5."""
+gradients, opcheck, torch.compile, torch.export, TorchScript and the bad inputs."""
 import math
 
 import pytest
@@ -374,7 +374,7 @@ def test_export():
     assert "posenc.add_alibi" in str(exported.graph)
 
 
-# ---------------------------------------------------------------- bad input (SPEC 5)
+# ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("call, message", [
     (lambda: PF.alibi_bias(PF.alibi_slopes(4), -1, 3), "posenc.alibi_bias: q_len must be non-negative, got -1"),

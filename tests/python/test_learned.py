@@ -1,4 +1,4 @@
-"""Learned absolute position embeddings (SPEC 4.2): references, gradients, determinism, bad input,
+"""Learned absolute position embeddings: references, gradients, determinism, bad input,
 opcheck, compile, export, TorchScript, and the Hugging Face GPT-2 and OPT conventions."""
 import math
 
@@ -217,7 +217,7 @@ def test_positions_from_mask_left_padding(dtype):
     assert torch.equal(PF.positions_from_mask(mask, pad_position=-1), opt)
 
 
-# --- bad input (SPEC 5) ------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("call, position, limit", [

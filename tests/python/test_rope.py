@@ -1,6 +1,6 @@
 """Rotary family: frequencies of every scaling type, the ops against float64 formulas written here and the
 reference libraries (Hugging Face transformers, rotary-embedding-torch), RoPE's properties, gradients,
-context parallelism, the module, opcheck, torch.compile, torch.export and the bad inputs of SPEC 5."""
+context parallelism, the module, opcheck, torch.compile, torch.export and the bad inputs (docs/errors.md)."""
 import math
 
 import pytest
@@ -197,7 +197,7 @@ def test_frequencies_match_hugging_face(name, seq_len):
     module = posenc.nn.RotaryEmbedding.from_hf_config(config)
     assert module.rotary_dim == 32 and module.head_dim == 64
     ours, scale = FQ.rope(32, 50000.0, module.scaling, seq_len)
-    # HF computes in float32: agreement to its rounding (SPEC 3: <= 1e-6 relative).
+    # HF computes in float32: agreement to its rounding (the float32 accuracy target: <= 1e-6 relative).
     assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(hf_scale, rel=1e-12)
     assert module.attention_scale == pytest.approx(hf_scale, rel=1e-12)
@@ -264,7 +264,8 @@ def test_rope_values(dtype, layout, fmt, kind):
 
 
 def test_rope_accuracy_float32_up_to_2_pow_20():
-    """SPEC 3: max abs error <= 1e-6 against float64 for |p| <= 2^20, where a float32 angle is off by ~1e-1."""
+    """The accuracy target: max abs error <= 1e-6 against float64 for |p| <= 2^20, where a float32 angle is
+    off by ~1e-1."""
     positions = torch.cat([torch.arange(0, 2 ** 20 + 1, 4099), torch.tensor([2 ** 20, -(2 ** 20), 2 ** 20 - 1])])
     inv_freq = FQ.rope(128)[0]
     x = torch.randn(1, positions.numel(), 1, 128, dtype=torch.float64)
@@ -727,7 +728,7 @@ def test_export():
     assert "posenc.rope_qk" in str(exported.graph)
 
 
-# ---------------------------------------------------------------- bad input (SPEC 5)
+# ---------------------------------------------------------------- bad input
 
 X = torch.randn(2, 4, 3, 8)
 INV = FQ.rope(8)[0]

@@ -1,5 +1,5 @@
 """Sinusoidal family: values against float64 formulas written here, the primer's worked example, gradients,
-opcheck, torch.compile, torch.export, TorchScript and the bad inputs of SPEC section 5."""
+opcheck, torch.compile, torch.export, TorchScript and the bad inputs."""
 import math
 
 import pytest
@@ -105,7 +105,8 @@ def test_distinct_encodings_below_10000():
 
 
 def test_accuracy_float32_up_to_2_pow_20():
-    """SPEC 3: max abs error <= 1e-6 against float64 for |p| <= 2^20 (eager float32 is off by ~1e-1 there)."""
+    """The accuracy target: max abs error <= 1e-6 against float64 for |p| <= 2^20 (eager float32 is off by
+    ~1e-1 there)."""
     inv_freq = posenc.frequencies.sinusoidal(256)
     positions = torch.cat([torch.arange(0, 2 ** 20 + 1, 997), torch.tensor([2 ** 20, -(2 ** 20), 2 ** 20 - 1])])
     pe = PF.sinusoidal(positions, inv_freq, dtype=torch.float32)
@@ -417,7 +418,7 @@ def test_export():
     assert "posenc.embed_sinusoidal" in str(exported.graph)
 
 
-# ---------------------------------------------------------------- bad input (SPEC 5)
+# ---------------------------------------------------------------- bad input
 
 def test_bad_width_for_pairs():
     with pytest.raises(RuntimeError, match=r"posenc.add_sinusoidal: x has 7 channels but inv_freq has 2 frequencies"):

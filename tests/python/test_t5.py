@@ -238,7 +238,7 @@ def test_export():
     assert "posenc.t5_bias" in str(exported.graph)
 
 
-# ---------------------------------------------------------------- bad input (SPEC 5)
+# ---------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("call, message", [
     (lambda: PF.relative_position_bucket(torch.arange(4), True, 0),

@@ -1,5 +1,5 @@
 #pragma once
-// ALiBi: linear attention biases (SPEC 4.4).
+// ALiBi: linear attention biases.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

@@ -1,5 +1,5 @@
 #pragma once
-// Learned absolute position embeddings and fused input embeddings (SPEC 4.2).
+// Learned absolute position embeddings and fused input embeddings.
 //
 // A position p reads row p + offset of its table; every row must lie in [0, L_max), L_max = the
 // table's row count, or the op raises an error naming the op, the position and L_max. Positions are

@@ -1,5 +1,5 @@
 #pragma once
-// Rotary position embeddings (SPEC 4.3).
+// Rotary position embeddings.
 #include <posenc/frequencies.h>
 
 #include <ATen/core/Tensor.h>

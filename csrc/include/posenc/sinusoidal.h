@@ -1,5 +1,5 @@
 #pragma once
-// Sinusoidal positional encodings (SPEC 4.1).
+// Sinusoidal positional encodings.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>

@@ -1,5 +1,5 @@
 #pragma once
-// T5 relative position bias (SPEC 4.5).
+// T5 relative position bias.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
