@@ -424,11 +424,17 @@ def test_rope_inv_freq_for_length_on_the_lengths_device(scaling):
 
 
 @cuda_only
-def test_zigzag_positions_on_cuda():
+def test_zigzag_positions_and_the_ops_given_a_device_on_cuda():
     for seq_len, cp_size, rank in [(12, 3, 2), (0, 2, 1), (16, 2, 0)]:
         expected = ops.zigzag_positions(seq_len, cp_size, rank, None)
         actual = ops.zigzag_positions(seq_len, cp_size, rank, torch.device("cuda"))
         same(actual, expected)
+    # The ops without a tensor argument run one composite kernel and place their result on `device`.
+    cuda = torch.device("cuda")
+    for op, args in [(ops.sinusoidal_inv_freq, (64, 1e4, 1)), (ops.alibi_slopes, (12, torch.float64)),
+                     (ops.mrope_pair_axis, ([16, 24, 24], True)), (ops.image_positions, (3, 5)),
+                     (ops.video_positions, (4, 2, 3, 2.5))]:
+        same(op(*args, device=cuda), op(*args))
     for cu in [torch.tensor([0, 4, 12]), torch.tensor([0, 8, 8, 16], dtype=torch.int32), torch.tensor([0])]:
         run_both(ops.zigzag_positions_varlen, cu, 2, 1)
 
