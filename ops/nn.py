@@ -15,9 +15,10 @@ class _ExactFrequencies(torch.nn.Module):
 
     ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` convert parameters and buffers only, in eager mode, in
     TorchScript and in C++ (``torch::jit::Module::to``), so plain attributes are never rounded, and they stay out
-    of the state dict. Device moves: in eager mode ``_apply`` puts the tensors ``_make_frequencies`` gives (computed
-    from the configuration, or the attributes themselves) on the module's new device (``.to(device)``, ``.cuda()``, ``to_empty``); a scripted module's ``.to`` runs no Python,
-    so ``forward`` moves them to its input's device where that differs (once: the moved copy is kept).
+    of the state dict. Device moves: in eager mode ``_apply`` puts the tensors ``_make_frequencies`` gives
+    (computed from the configuration, or the attributes themselves) on the module's new device (``.to(device)``,
+    ``.cuda()``, ``to_empty``); a scripted module's ``.to`` runs no Python, so ``forward`` moves them to its
+    input's device where that differs (once: the moved copy is kept).
     """
 
     def _make_frequencies(self) -> Dict[str, Tensor]:
