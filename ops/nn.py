@@ -15,13 +15,14 @@ class _ExactFrequencies(torch.nn.Module):
 
     ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` convert parameters and buffers only, in eager mode, in
     TorchScript and in C++ (``torch::jit::Module::to``), so plain attributes are never rounded, and they stay out
-    of the state dict. Device moves: in eager mode ``_apply`` recomputes them from the configuration on the
-    module's new device (``.to(device)``, ``.cuda()``, ``to_empty``); a scripted module's ``.to`` runs no Python,
-    so ``forward`` moves them to its input's device where that differs (once: the moved copy is kept).
+    of the state dict. Device moves: in eager mode ``_apply`` puts the tensors ``_make_frequencies`` gives
+    (computed from the configuration, or the attributes themselves) on the module's new device (``.to(device)``,
+    ``.cuda()``, ``to_empty``); a scripted module's ``.to`` runs no Python, so ``forward`` moves them to its
+    input's device where that differs (once: the moved copy is kept).
     """
 
     def _make_frequencies(self) -> Dict[str, Tensor]:
-        """The exact tensors of the module's plain attributes, by attribute name, on the CPU."""
+        """The exact tensors of the module's plain attributes, by attribute name."""
         raise NotImplementedError
 
     def _apply(self, fn, recurse=True):
@@ -437,21 +438,7 @@ def _config_get(config: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-class _AxisFrequencies(torch.nn.Module):
-    """Holds the float64 ``inv_freq`` and int64 ``pair_axis`` of a multi-axis rotation as plain tensor attributes,
-    not buffers: ``.to(dtype)``, ``.half()`` and ``.bfloat16()`` convert parameters and buffers only (in eager
-    mode, TorchScript and C++), so the frequencies stay exact and out of the state dict. Device moves: eager
-    ``.to(device)`` moves them here; a scripted module's forward moves them to its input's device."""
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        device = fn(torch.empty(0, dtype=torch.float64, device=self.inv_freq.device)).device
-        self.inv_freq = self.inv_freq.to(device)
-        self.pair_axis = self.pair_axis.to(device)
-        return self
-
-
-class MultimodalRotaryEmbedding(_AxisFrequencies):
+class MultimodalRotaryEmbedding(_ExactFrequencies):
     """M-RoPE of multimodal text (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rotates q and k (``rope_qk``) by three position
     axes (time, height, width), each driving the frequency pairs of its section.
 
@@ -490,6 +477,9 @@ class MultimodalRotaryEmbedding(_AxisFrequencies):
         self.inv_freq = inv_freq
         self.pair_axis = pair_axis
         self.attention_scale = float(attention_scale)
+
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {"inv_freq": self.inv_freq, "pair_axis": self.pair_axis}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "bshd") -> "MultimodalRotaryEmbedding":
@@ -546,7 +536,7 @@ class MultimodalRotaryEmbedding(_AxisFrequencies):
                 f"scaling={self.scaling}")
 
 
-class AxialRotaryEmbedding(_AxisFrequencies):
+class AxialRotaryEmbedding(_ExactFrequencies):
     """Rotary embedding over several position axes: the axial RoPE of vision transformers and Flux's axes.
 
     ``forward(q, k, positions, offset=0, cu_seqlens=None) -> (q, k)`` with positions ``[n_axes, S]``,
@@ -579,6 +569,9 @@ class AxialRotaryEmbedding(_AxisFrequencies):
         self.layout, self.format = layout, format
         self.inv_freq = inv_freq
         self.pair_axis = pair_axis
+
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        return {"inv_freq": self.inv_freq, "pair_axis": self.pair_axis}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "thd") -> "AxialRotaryEmbedding":

@@ -30,18 +30,22 @@ POSENC_INLINE T5Buckets make_t5_buckets(bool bidirectional, int64_t num_buckets,
           static_cast<float>(per_direction - exact)};
 }
 
-POSENC_INLINE int64_t t5_bucket(const T5Buckets& t5, int64_t relative_position) {
+// The first bucket of relative_position's direction and the distance n that selects a bucket within it.
+struct T5Direction {
+  int64_t first_bucket;
+  uint64_t n;
+};
+
+POSENC_INLINE T5Direction t5_direction(const T5Buckets& t5, int64_t relative_position) {
   // |relative_position| as unsigned: exact even at INT64_MIN, where T5's torch.abs wraps.
   const uint64_t magnitude = relative_position < 0 ? 0 - static_cast<uint64_t>(relative_position)
                                                    : static_cast<uint64_t>(relative_position);
-  int64_t bucket = 0;
-  uint64_t n = 0;
-  if (t5.bidirectional) {
-    bucket = relative_position > 0 ? t5.per_direction : 0;
-    n = magnitude;
-  } else if (relative_position < 0) {
-    n = magnitude;
-  }
+  if (t5.bidirectional) return {relative_position > 0 ? t5.per_direction : 0, magnitude};
+  return {0, relative_position < 0 ? magnitude : 0};
+}
+
+POSENC_INLINE int64_t t5_bucket(const T5Buckets& t5, int64_t relative_position) {
+  const auto [bucket, n] = t5_direction(t5, relative_position);
   if (n < static_cast<uint64_t>(t5.exact)) return bucket + static_cast<int64_t>(n);
   // From max_distance on, T5's log term is at least N' - e and its min() gives the last bucket.
   if (n >= static_cast<uint64_t>(t5.max_distance)) return bucket + t5.per_direction - 1;
@@ -56,16 +60,7 @@ POSENC_INLINE int64_t t5_bucket(const T5Buckets& t5, int64_t relative_position) 
 // count reproduces it. The host tabulates the thresholds with t5_bucket itself (t5_log_thresholds).
 POSENC_INLINE int64_t t5_bucket_tabulated(const T5Buckets& t5, const int64_t* thresholds, int64_t num_thresholds,
                                           int64_t relative_position) {
-  const uint64_t magnitude = relative_position < 0 ? 0 - static_cast<uint64_t>(relative_position)
-                                                   : static_cast<uint64_t>(relative_position);
-  int64_t bucket = 0;
-  uint64_t n = 0;
-  if (t5.bidirectional) {
-    bucket = relative_position > 0 ? t5.per_direction : 0;
-    n = magnitude;
-  } else if (relative_position < 0) {
-    n = magnitude;
-  }
+  const auto [bucket, n] = t5_direction(t5, relative_position);
   if (n < static_cast<uint64_t>(t5.exact)) return bucket + static_cast<int64_t>(n);
   if (n >= static_cast<uint64_t>(t5.max_distance)) return bucket + t5.per_direction - 1;
   int64_t lo = 0;  // the count of thresholds <= n, by bisection

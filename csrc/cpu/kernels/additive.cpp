@@ -151,14 +151,8 @@ POSENC_KERNELS_END
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
-POSENC_REGISTER_KERNEL(sinusoidal_stub<float>, &sinusoidal_kernel<float>);
-POSENC_REGISTER_KERNEL(sinusoidal_stub<double>, &sinusoidal_kernel<double>);
-POSENC_REGISTER_KERNEL(sinusoidal_stub<c10::Half>, &sinusoidal_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(sinusoidal_stub<c10::BFloat16>, &sinusoidal_kernel<c10::BFloat16>);
-POSENC_REGISTER_KERNEL(learned_stub<float>, &learned_kernel<float>);
-POSENC_REGISTER_KERNEL(learned_stub<double>, &learned_kernel<double>);
-POSENC_REGISTER_KERNEL(learned_stub<c10::Half>, &learned_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(learned_stub<c10::BFloat16>, &learned_kernel<c10::BFloat16>);
+POSENC_REGISTER_FLOATING_KERNELS(sinusoidal_stub, sinusoidal_kernel);
+POSENC_REGISTER_FLOATING_KERNELS(learned_stub, learned_kernel);
 POSENC_REGISTER_KERNEL(count_positions_stub, &count_positions_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu

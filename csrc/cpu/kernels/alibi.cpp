@@ -76,13 +76,7 @@ POSENC_KERNELS_END
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
-POSENC_REGISTER_KERNEL(alibi_stub<float>, &alibi_kernel<float>);
-POSENC_REGISTER_KERNEL(alibi_stub<double>, &alibi_kernel<double>);
-POSENC_REGISTER_KERNEL(alibi_stub<c10::Half>, &alibi_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(alibi_stub<c10::BFloat16>, &alibi_kernel<c10::BFloat16>);
-POSENC_REGISTER_KERNEL(alibi_backward_stub<float>, &alibi_backward_kernel<float>);
-POSENC_REGISTER_KERNEL(alibi_backward_stub<double>, &alibi_backward_kernel<double>);
-POSENC_REGISTER_KERNEL(alibi_backward_stub<c10::Half>, &alibi_backward_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(alibi_backward_stub<c10::BFloat16>, &alibi_backward_kernel<c10::BFloat16>);
+POSENC_REGISTER_FLOATING_KERNELS(alibi_stub, alibi_kernel);
+POSENC_REGISTER_FLOATING_KERNELS(alibi_backward_stub, alibi_backward_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu

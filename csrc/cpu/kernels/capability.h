@@ -64,3 +64,9 @@
 #define POSENC_CONCAT(a, b) POSENC_CONCAT_IMPL(a, b)
 #define POSENC_REGISTER_KERNEL(stub, fn) \
   static const bool POSENC_CONCAT(posenc_registered_, __COUNTER__) = ((stub).kernels[POSENC_CPU_CAPABILITY_INDEX] = (fn), true)
+// stub<T> gets kernel<T> for each floating dtype a tensor may hold.
+#define POSENC_REGISTER_FLOATING_KERNELS(stub, kernel)           \
+  POSENC_REGISTER_KERNEL(stub<float>, &kernel<float>);            \
+  POSENC_REGISTER_KERNEL(stub<double>, &kernel<double>);          \
+  POSENC_REGISTER_KERNEL(stub<c10::Half>, &kernel<c10::Half>);    \
+  POSENC_REGISTER_KERNEL(stub<c10::BFloat16>, &kernel<c10::BFloat16>)

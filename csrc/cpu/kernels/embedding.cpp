@@ -87,9 +87,6 @@ POSENC_KERNELS_END
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
-POSENC_REGISTER_KERNEL(embedding_backward_stub<float>, &embedding_backward_kernel<float>);
-POSENC_REGISTER_KERNEL(embedding_backward_stub<double>, &embedding_backward_kernel<double>);
-POSENC_REGISTER_KERNEL(embedding_backward_stub<c10::Half>, &embedding_backward_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(embedding_backward_stub<c10::BFloat16>, &embedding_backward_kernel<c10::BFloat16>);
+POSENC_REGISTER_FLOATING_KERNELS(embedding_backward_stub, embedding_backward_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu

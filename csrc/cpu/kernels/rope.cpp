@@ -118,10 +118,7 @@ POSENC_KERNELS_END
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
-POSENC_REGISTER_KERNEL(rope_stub<float>, &rope_kernel<float>);
-POSENC_REGISTER_KERNEL(rope_stub<double>, &rope_kernel<double>);
-POSENC_REGISTER_KERNEL(rope_stub<c10::Half>, &rope_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(rope_stub<c10::BFloat16>, &rope_kernel<c10::BFloat16>);
+POSENC_REGISTER_FLOATING_KERNELS(rope_stub, rope_kernel);
 POSENC_REGISTER_KERNEL((rope_tables_stub<float, float>), (&rope_tables_kernel<float, float>));
 POSENC_REGISTER_KERNEL((rope_tables_stub<double, double>), (&rope_tables_kernel<double, double>));
 POSENC_REGISTER_KERNEL((rope_tables_stub<c10::Half, float>), (&rope_tables_kernel<c10::Half, float>));

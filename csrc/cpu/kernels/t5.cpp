@@ -107,13 +107,7 @@ namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_KERNEL(relative_bucket_stub<int64_t>, &relative_bucket_kernel<int64_t>);
 POSENC_REGISTER_KERNEL(relative_bucket_stub<int32_t>, &relative_bucket_kernel<int32_t>);
-POSENC_REGISTER_KERNEL(t5_bias_stub<float>, &t5_bias_kernel<float>);
-POSENC_REGISTER_KERNEL(t5_bias_stub<double>, &t5_bias_kernel<double>);
-POSENC_REGISTER_KERNEL(t5_bias_stub<c10::Half>, &t5_bias_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(t5_bias_stub<c10::BFloat16>, &t5_bias_kernel<c10::BFloat16>);
-POSENC_REGISTER_KERNEL(t5_bias_backward_stub<float>, &t5_bias_backward_kernel<float>);
-POSENC_REGISTER_KERNEL(t5_bias_backward_stub<double>, &t5_bias_backward_kernel<double>);
-POSENC_REGISTER_KERNEL(t5_bias_backward_stub<c10::Half>, &t5_bias_backward_kernel<c10::Half>);
-POSENC_REGISTER_KERNEL(t5_bias_backward_stub<c10::BFloat16>, &t5_bias_backward_kernel<c10::BFloat16>);
+POSENC_REGISTER_FLOATING_KERNELS(t5_bias_stub, t5_bias_kernel);
+POSENC_REGISTER_FLOATING_KERNELS(t5_bias_backward_stub, t5_bias_backward_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu
