@@ -14,6 +14,7 @@
 #include "common/rope_scaling.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -58,18 +59,27 @@ at::Tensor rope_inv_freq_for_length_kernel(
 }
 
 // Computed on the CPU, then moved. Ops that return one tensor and take none count as tensor constructors for
-// torch.compile and torch.export, which trace them by calling them with device=meta.
-at::Tensor on_device(at::Tensor cpu, std::optional<at::Device> device) {
+// torch.compile and torch.export, which trace them by calling them with device=meta while the tracer's modes
+// send every ATen call to Python or to the Meta key: the value is computed for real, outside those modes, then
+// moved.
+template <typename Compute>
+at::Tensor on_device(const Compute& compute, std::optional<at::Device> device) {
+  at::Tensor cpu;
+  {
+    // The dispatcher's state outside any mode: the default included and excluded keys.
+    c10::impl::ForceDispatchKeyGuard untraced(c10::default_included_set, c10::default_excluded_set);
+    cpu = compute();
+  }
   return device ? cpu.to(*device) : cpu;
 }
 
 at::Tensor sinusoidal_inv_freq_composite(int64_t dim, double base, int64_t shift, std::optional<at::Device> device) {
-  return on_device(frequencies::sinusoidal(dim, base, shift), device);
+  return on_device([&] { return frequencies::sinusoidal(dim, base, shift); }, device);
 }
 
 at::Tensor alibi_slopes_composite(int64_t num_heads, std::optional<at::ScalarType> dtype,
                                   std::optional<at::Device> device) {
-  return on_device(alibi_slopes(num_heads, dtype.value_or(at::kFloat)), device);
+  return on_device([&] { return alibi_slopes(num_heads, dtype.value_or(at::kFloat)); }, device);
 }
 
 at::Tensor zigzag_positions_composite(int64_t seq_len, int64_t cp_size, int64_t cp_rank,
@@ -92,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> axial_inv_freq_composite(int64_t rotary_dim, 
 
 at::Tensor mrope_pair_axis_composite(c10::IntArrayRef mrope_section, bool interleaved,
                                      std::optional<at::Device> device) {
-  return on_device(frequencies::mrope_pair_axis(mrope_section.vec(), interleaved), device);
+  return on_device([&] { return frequencies::mrope_pair_axis(mrope_section.vec(), interleaved); }, device);
 }
 
 std::tuple<at::Tensor, at::Tensor> mrope_inv_freq_composite(int64_t rotary_dim, c10::IntArrayRef mrope_section,

@@ -27,13 +27,19 @@ def _fake_constants(*args, op, **kwargs):
 
 
 # The ops that return several values and take no tensor: torch.compile evaluates the functions below while
-# tracing (torch.compiler.assume_constant_result), torch.export traces the ops through these fakes.
+# tracing (_constant_under_compile), torch.export traces the ops through these fakes.
 for _name in ("rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq", "mrope_inv_freq"):
     _op = getattr(torch.ops.posenc, _name).default
     torch.library.register_fake(f"posenc::{_name}")(functools.partial(_fake_constants, op=_op))
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn):
+    # torch.compiler.assume_constant_result's mark, set without importing torch._dynamo (1.4 s) at `import posenc`.
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     """omega_i = base ** (-i / (dim // 2 - shift)) for i < dim // 2, float64 ``[dim // 2]``.
 
@@ -90,7 +96,7 @@ def rope_arguments(scaling: Optional[Dict[str, Any]]) -> Tuple[str, Dict[str, An
     return rope_type, keywords
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any]] = None,
          seq_len: Optional[int] = None) -> Tuple[Tensor, float]:
     """RoPE frequencies: ``(inv_freq float64 [rotary_dim // 2], attention_scale)``.
@@ -133,7 +139,7 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
 # Multi-axis rotary: (inv_freq float64 [pairs], pair_axis int64 [pairs]) for rope / rope_qk's pair_axis, the axis
 # whose position drives each frequency pair; computed by the C++ implementation like rope's.
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 10000.0) -> Tuple[Tensor, Tensor]:
     """Per-axis widths with their own frequencies: axis a rotates ``axes_dim[a]`` channels, its
     ``axes_dim[a] // 2`` pairs following those of the axes before it, with ``rope(axes_dim[a], base_a)``'s
@@ -146,7 +152,7 @@ def multiaxis(axes_dim: Sequence[int], base: Union[float, Sequence[float]] = 100
     return torch.ops.posenc.multiaxis_inv_freq([operator.index(d) for d in axes_dim], bases)
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tensor, Tensor]:
     """The axial scheme of vision transformers: ``rotary_dim`` split evenly among ``n_axes`` axes (it must divide
     by 2 * n_axes), each with the frequencies base ** (-2 * n_axes * i / rotary_dim).
@@ -157,7 +163,7 @@ def axial(rotary_dim: int, n_axes: int = 2, base: float = 10000.0) -> Tuple[Tens
     return torch.ops.posenc.axial_inv_freq(rotary_dim, n_axes, float(base))
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> Tensor:
     """M-RoPE's axis of each frequency pair (int64 ``[sum(mrope_section)]``) from ``mrope_section``, the pairs of
     each axis (time, height, width).
@@ -169,7 +175,7 @@ def mrope_pair_axis(mrope_section: Sequence[int], interleaved: bool = False) -> 
     return torch.ops.posenc.mrope_pair_axis([operator.index(s) for s in mrope_section], interleaved)
 
 
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def mrope(rotary_dim: int, mrope_section: Sequence[int], base: float = 10000.0,
           interleaved: bool = False) -> Tuple[Tensor, Tensor]:
     """M-RoPE frequencies: ``rope(rotary_dim, base)`` with :func:`mrope_pair_axis` (``sum(mrope_section)`` must be

@@ -1,6 +1,8 @@
 """Frequencies and slopes: one C++ implementation behind Python, every invalid scaling value refused, frequencies
 that no dtype conversion rounds (eager, TorchScript, TorchScript saved and loaded), and the ops' inv_freq dtype."""
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -334,3 +336,48 @@ def test_zigzag_positions_keep_their_contract():
     assert local_cu.tolist() == [0, 2, 6] and local_cu.dtype == torch.int64
     with pytest.raises(ValueError, match="posenc.zigzag_positions: cp_size must be at least 1, got 0"):
         PF.zigzag_positions(8, 0, 0)
+
+
+
+# ---------------------------------------------------------------- inside compiled and exported code
+
+class _BuildsItsConstants(torch.nn.Module):
+    """Calls every builder in forward: frequencies with a scale, slopes, pair axes, patch positions."""
+
+    def forward(self, x):
+        inv_freq, scale = FQ.rope(8, 500.0, {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64})
+        axial, axial_axis = FQ.axial(8, 2, 100.0)
+        mrope, mrope_axis = FQ.mrope(8, [2, 1, 1], 100.0, interleaved=True)
+        multiaxis, multiaxis_axis = FQ.multiaxis([4, 4], [10.0, 1000.0])
+        return (x + inv_freq.float() * scale, x + FQ.sinusoidal(8).float(), x + axial.float() * axial_axis,
+                x + mrope.float() * mrope_axis, x + multiaxis.float() * multiaxis_axis,
+                x + PF.alibi_slopes(4, device=x.device), x + FQ.mrope_pair_axis([2, 2]), x + PF.image_positions(2, 2))
+
+
+def test_builders_inside_torch_compile_and_torch_export_are_the_eager_constants():
+    """No graph break under torch.compile(fullgraph=True), and torch.export (strict and not) records them."""
+    x = torch.zeros(4)
+    eager = _BuildsItsConstants()(x)
+    i = torch.arange(4, dtype=torch.float64)
+    assert_close(eager[1].double(), 10000.0 ** (-2 * i / 8), rtol=1e-7, atol=0)
+    assert_close(eager[2].double(), 100.0 ** (-torch.tensor([0, 1, 0, 1], dtype=torch.float64) / 2) *
+                 torch.tensor([0, 0, 1, 1]))
+    assert_close(eager[5].double(), 2.0 ** (-2 * (i + 1)))
+    assert eager[6].tolist() == [0, 0, 1, 1]
+    assert eager[7].tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]
+    # (Each output uses x: torch 2.13's compiler cannot return a constant tensor unchanged from a function that
+    # reaches it through a module attribute such as FQ.)
+    torch._dynamo.reset()
+    compiled = torch.compile(_BuildsItsConstants(), fullgraph=True)(x)
+    assert all(torch.equal(c, e) for c, e in zip(compiled, eager))
+    for strict in (True, False):
+        exported = torch.export.export(_BuildsItsConstants(), (x,), strict=strict).module()(x)
+        assert all(torch.equal(c, e) for c, e in zip(exported, eager)), strict
+
+
+def test_import_posenc_loads_neither_dynamo_nor_dtensor():
+    """The builders' compile mark is set without torch._dynamo, whose import costs about a second."""
+    code = "import sys, posenc; print('torch._dynamo' in sys.modules, 'torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
