@@ -96,7 +96,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen(const at:
               ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens.sizes());
   const auto cu = cu_seqlens.to(at::kLong);
   const auto lengths = cu.slice(0, 1).sub(cu.slice(0, 0, -1));
-  TORCH_CHECK_VALUE(cu[0].item<int64_t>() == 0 && lengths.ge(0).all().item<bool>(), "posenc.", op,
+  // Compared, not subtracted: a difference of far-apart values would wrap around.
+  const bool ordered = cu.slice(0, 1).ge(cu.slice(0, 0, -1)).all().item<bool>();
+  TORCH_CHECK_VALUE(cu[0].item<int64_t>() == 0 && ordered, "posenc.", op,
                     ": cu_seqlens must start at 0 and never decrease, got ", cu_seqlens);
   TORCH_CHECK_VALUE(lengths.remainder(2 * cp_size).eq(0).all().item<bool>(), "posenc.", op,
                     ": every sequence length must be a multiple of 2 * cp_size = ", 2 * cp_size, ", got cu_seqlens ",
