@@ -8,6 +8,8 @@
 #include <ATen/ops/repeat_interleave.h>
 #include <ATen/ops/where.h>
 
+#include <limits>
+
 namespace posenc {
 
 at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
@@ -70,6 +72,9 @@ namespace {
 
 void check_cp(const char* op, int64_t cp_size, int64_t cp_rank) {
   TORCH_CHECK_VALUE(cp_size >= 1, "posenc.", op, ": cp_size must be at least 1, got ", cp_size);
+  // The sequence is cut into 2 * cp_size chunks: that count must not overflow.
+  TORCH_CHECK_VALUE(cp_size <= std::numeric_limits<int64_t>::max() / 2, "posenc.", op,
+                    ": cp_size must be at most 2^62, got ", cp_size);
   TORCH_CHECK_VALUE(cp_rank >= 0 && cp_rank < cp_size, "posenc.", op, ": cp_rank ", cp_rank, " is outside [0, ",
                     cp_size, ")");
 }
