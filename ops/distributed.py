@@ -16,6 +16,11 @@ the op cannot split). docs/distributed.md has the table; in short, per mesh dime
   ``add_alibi(local_scores, global_slopes, mode, head_offset=first_global_head)``. Head sharding therefore
   applies when the global call has ``head_offset=0`` and slopes for exactly the scores' heads (and, for
   ``alibi_bias``, ``num_heads=None``); other calls run replicated.
+- Multi-axis rotary (``pair_axis``): the same, with positions ``[n_axes, S]`` shared by the batch and
+  ``[n_axes, B, S]`` sharded over their batch dimension (1) alongside; ``pair_axis`` is replicated.
+- ``mrope_positions`` and ``rope_inv_freq_for_length`` run replicated: each result depends on the whole input
+  (grids handed to the rows in order, a 0-d length). ``zigzag_positions_varlen`` takes plain tensors only (its
+  output length follows the values of cu_seqlens, which DTensor cannot predict).
 - Sinusoidal and learned: data sharded over batch, or over the sequence with explicit positions; learned
   tables also over channels. T5: the table over heads. Gradients of tables from batch-sharded rows (and
   ``alibi_backward`` of ``[H]`` slopes) are partial sums (``Partial()``), reduced when read.
@@ -57,14 +62,16 @@ def _rope_rule(rotated: Sequence[str], a: Dict[str, Any]) -> List[_Strategy]:
         return [(Replicate(), {})]  # the replicated call reports the bad format
     batch, seq, head = _ROPE_DIMS[a["format"]]
     positions, cu_seqlens = a["positions"], a["cu_seqlens"]
+    # Multi-axis positions lead with their axis dimension ([n_axes, S] or [n_axes, B, S]); pair_axis is replicated.
+    axes = 0 if a.get("pair_axis") is None else 1
 
     def strategy(x: Placement, positions: Placement = Replicate()) -> _Strategy:
         return x, {**{name: x for name in rotated}, "positions": positions}
 
     strategies = [strategy(Replicate()), strategy(Shard(head))]
     if batch is not None:
-        strategies.append(strategy(Shard(batch), Shard(0) if positions is not None and positions.ndim == 2
-                                   else Replicate()))
+        per_row = positions is not None and positions.ndim == 2 + axes
+        strategies.append(strategy(Shard(batch), Shard(axes) if per_row else Replicate()))
     # A shard without explicit positions would count from 0; cu_seqlens index the whole token dimension.
     if positions is not None and cu_seqlens is None:
         strategies.append(strategy(Shard(seq), Shard(positions.ndim - 1)))
@@ -166,6 +173,15 @@ def _embedding_backward_rule(a: Dict[str, Any]) -> List[_Strategy]:
     return strategies
 
 
+def _replicated_rule(a: Dict[str, Any]) -> List[_Strategy]:
+    """Builders of positions and frequencies whose result depends on the whole input: mrope_positions hands the
+    grids to the rows in order and numbers each row along its sequence, zigzag_positions_varlen reads every
+    sequence boundary, rope_inv_freq_for_length a 0-d length. They run replicated (a sharded input is gathered).
+    DTensor cannot predict zigzag_positions_varlen's output length (it follows cu_seqlens' values) and refuses a
+    DTensor call of it, naming the op: it takes cu_seqlens as a plain tensor."""
+    return [(Replicate(), {})]
+
+
 def _t5_rule(data: str) -> List[_Strategy]:
     """t5_bias (weight [N, H] -> [1, H, Q, K]) and t5_bias_backward ([1, H, Q, K] -> [N, H]): each head reads
     its own column of the table."""
@@ -196,6 +212,9 @@ _RULES = {
     "add_alibi_": lambda a: _alibi_rule("scores", a),
     "alibi_backward": lambda a: _alibi_rule("grad", a),
     "alibi_bias": _alibi_bias_rule,
+    "mrope_positions": _replicated_rule,
+    "rope_inv_freq_for_length": _replicated_rule,
+    "zigzag_positions_varlen": _replicated_rule,
 }
 
 SUPPORTED_OPS = tuple(_RULES)

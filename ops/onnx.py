@@ -11,7 +11,7 @@ ONNX has no posenc ops, so each forward op is translated into standard ONNX oper
 The translations reproduce the ops' maths: angles = (positions + offset) * inv_freq in float64, sin and cos in
 float64, then the data's maths type (float32 for float16/bfloat16/float32 data, float64 for float64 data) and one
 rounding to the output dtype. ``rope`` and ``rope_qk`` use ONNX's ``RotaryEmbedding`` (new in opset 23), fed with
-per-token cos/sin tables; ``rope_cos_sin`` takes tables of any content, which ``RotaryEmbedding`` cannot (it reads
+per-token cos/sin tables (multi-axis calls gather each pair's position with ``pair_axis`` first); ``rope_cos_sin`` takes tables of any content, which ``RotaryEmbedding`` cannot (it reads
 half tables and assumes they repeat), so it is built from primitives like the others. T5 buckets are read from a
 table of ``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges match exactly.
 Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are fixed at export.
@@ -214,7 +214,16 @@ def _packed_positions(cu_seqlens, tokens, offset: int):
     return op.Add(op.Sub(t, start), op.Constant(value_int=offset))
 
 
-def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, offset: int, cu_seqlens):
+def _axis_angles(positions, inv_freq, offset: int, pair_axis):
+    """Multi-axis angles [(B,) S, F]: pair i by (positions[pair_axis[i], ...] + offset) * inv_freq[i], positions
+    [n_axes, S], [n_axes, B, S] or [n_axes, T]."""
+    per_pair = op.Gather(_positions(positions, None, offset, _DOUBLE), _to(pair_axis, _INT64), axis=0)
+    perm = list(range(1, _rank(positions))) + [0]  # the pair dimension last
+    return op.Mul(op.Transpose(per_pair, perm=perm), _to(inv_freq, _DOUBLE))
+
+
+def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, offset: int, cu_seqlens,
+                 pair_axis=None):
     """cos and sin [B, S, F] (times attention_scale) in x's maths type, as RotaryEmbedding reads them."""
     if format == "thd":
         length = _size(x, 0)
@@ -227,7 +236,8 @@ def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, of
         seq_axis, batch_axis = {"bshd": (1, 0), "bhsd": (2, 0), "sbhd": (0, 1)}[format]
         pos = _positions(positions, _size(x, seq_axis), offset, _DOUBLE)
         batch = op.Shape(x, start=batch_axis, end=batch_axis + 1)
-    angles = _angles(pos, inv_freq)  # [S, F], or [B, S, F] for per-row positions
+    # [S, F], or [B, S, F] for per-row positions
+    angles = _angles(pos, inv_freq) if pair_axis is None else _axis_angles(positions, inv_freq, offset, pair_axis)
     shape = op.Concat(batch, op.Shape(angles, start=-2), axis=0)
     maths = _maths_type(x.dtype)
     tables = []
@@ -263,21 +273,24 @@ def _rotate(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str
 
 
 def _rope(name: str, tensors: Sequence[Any], positions, inv_freq, attention_scale: float, layout: str, format: str,
-          offset: int, cu_seqlens):
+          offset: int, cu_seqlens, pair_axis):
     _check_rope(name, layout, format)
     rotary_dim = 2 * _static(inv_freq, 0, name, "inv_freq length")
-    cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens)
+    if pair_axis is not None and positions is None:
+        raise ValueError(f"posenc.onnx: {name}: pair_axis needs positions [n_axes, ...]")
+    cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens, pair_axis)
     return tuple(_rotate(x, cos, sin, rotary_dim, layout, format, name) for x in tensors)
 
 
 def rope(x, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
-         offset: int = 0, cu_seqlens=None):
-    return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)[0]
+         offset: int = 0, cu_seqlens=None, pair_axis=None):
+    return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)[0]
 
 
 def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
-            offset: int = 0, cu_seqlens=None):
-    return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens)
+            offset: int = 0, cu_seqlens=None, pair_axis=None):
+    return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                 pair_axis)
 
 
 def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):

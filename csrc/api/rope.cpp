@@ -8,6 +8,8 @@
 #include <ATen/ops/repeat_interleave.h>
 #include <ATen/ops/where.h>
 
+#include <limits>
+
 namespace posenc {
 
 at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
@@ -70,6 +72,9 @@ namespace {
 
 void check_cp(const char* op, int64_t cp_size, int64_t cp_rank) {
   TORCH_CHECK_VALUE(cp_size >= 1, "posenc.", op, ": cp_size must be at least 1, got ", cp_size);
+  // The sequence is cut into 2 * cp_size chunks: that count must not overflow.
+  TORCH_CHECK_VALUE(cp_size <= std::numeric_limits<int64_t>::max() / 2, "posenc.", op,
+                    ": cp_size must be at most 2^62, got ", cp_size);
   TORCH_CHECK_VALUE(cp_rank >= 0 && cp_rank < cp_size, "posenc.", op, ": cp_rank ", cp_rank, " is outside [0, ",
                     cp_size, ")");
 }
@@ -96,7 +101,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen(const at:
               ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens.sizes());
   const auto cu = cu_seqlens.to(at::kLong);
   const auto lengths = cu.slice(0, 1).sub(cu.slice(0, 0, -1));
-  TORCH_CHECK_VALUE(cu[0].item<int64_t>() == 0 && lengths.ge(0).all().item<bool>(), "posenc.", op,
+  // Compared, not subtracted: a difference of far-apart values would wrap around.
+  const bool ordered = cu.slice(0, 1).ge(cu.slice(0, 0, -1)).all().item<bool>();
+  TORCH_CHECK_VALUE(cu[0].item<int64_t>() == 0 && ordered, "posenc.", op,
                     ": cu_seqlens must start at 0 and never decrease, got ", cu_seqlens);
   TORCH_CHECK_VALUE(lengths.remainder(2 * cp_size).eq(0).all().item<bool>(), "posenc.", op,
                     ": every sequence length must be a multiple of 2 * cp_size = ", 2 * cp_size, ", got cu_seqlens ",

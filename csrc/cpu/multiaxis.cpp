@@ -4,10 +4,12 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -24,7 +26,9 @@ struct Grid {
   int64_t source;
 };
 
-std::vector<Grid> read_grids(const char* arg, const std::optional<at::Tensor>& grid_thw, bool split_frames) {
+// Only the first `max_runs` grids can be read (one per run of vision tokens): a split video keeps no more frames.
+std::vector<Grid> read_grids(const char* arg, const std::optional<at::Tensor>& grid_thw, bool split_frames,
+                             int64_t max_runs) {
   std::vector<Grid> grids;
   if (!grid_thw) return grids;
   const auto values = grid_thw->to(at::kLong).contiguous();
@@ -34,7 +38,8 @@ std::vector<Grid> read_grids(const char* arg, const std::optional<at::Tensor>& g
     TORCH_CHECK(grid.t >= 1 && grid.h >= 1 && grid.w >= 1, "posenc.", kOp, ": ", arg, "[", n, "] = (", grid.t, ", ",
                 grid.h, ", ", grid.w, ") must be positive");
     if (split_frames) {
-      grids.insert(grids.end(), grid.t, Grid{1, grid.h, grid.w, n});  // Qwen3-VL: every frame its own grid
+      const int64_t frames = std::min(grid.t, max_runs - static_cast<int64_t>(grids.size()));
+      grids.insert(grids.end(), std::max<int64_t>(frames, 0), Grid{1, grid.h, grid.w, n});  // Qwen3-VL: a grid a frame
     } else {
       grids.push_back(grid);
     }
@@ -78,8 +83,8 @@ std::tuple<at::Tensor, at::Tensor> mrope_positions_cpu(const at::Tensor& token_t
   const int64_t* type = types.const_data_ptr<int64_t>();
   const auto mask = attention_mask ? attention_mask->ne(0).contiguous() : at::Tensor();
   const bool* real = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  const auto images = read_grids("image_grid_thw", image_grid_thw, false);
-  const auto videos = read_grids("video_grid_thw", video_grid_thw, split_video_frames);
+  const auto images = read_grids("image_grid_thw", image_grid_thw, false, batch * seq);
+  const auto videos = read_grids("video_grid_thw", video_grid_thw, split_video_frames, batch * seq);
 
   auto positions = at::zeros({3, batch, seq}, at::kLong);
   auto deltas = at::zeros({batch, 1}, at::kLong);
@@ -119,10 +124,14 @@ std::tuple<at::Tensor, at::Tensor> mrope_positions_cpu(const at::Tensor& token_t
         const Grid grid = grids[next++];
         const int64_t height = grid.h / spatial_merge_size;
         const int64_t width = grid.w / spatial_merge_size;
-        TORCH_CHECK(run == grid.t * height * width, "posenc.", kOp, ": row ", b, " has a run of ", run, " ",
+        // A grid whose token count overflows int64 holds more tokens than any run.
+        int64_t grid_tokens = 0;
+        const bool overflows = c10::mul_overflows(grid.t, height, &grid_tokens) ||
+                               c10::mul_overflows(grid_tokens, width, &grid_tokens);
+        TORCH_CHECK(!overflows && run == grid_tokens, "posenc.", kOp, ": row ", b, " has a run of ", run, " ",
                     image ? "image" : "video", " tokens at position ", tokens[start] - b * seq, " but its grid (",
                     grid.t, ", ", grid.h, ", ", grid.w, ") with spatial_merge_size ", spatial_merge_size, " has ",
-                    grid.t * height * width, " tokens");
+                    overflows ? "more than 2^63" : std::to_string(grid_tokens), " tokens");
         // Images' frames are one apart; videos' are spaced by their interval.
         const auto times = image ? frame_times(grid.t, grid.source, std::nullopt, std::nullopt)
                                  : frame_times(grid.t, grid.source, tokens_per_second, second_per_grid_ts);

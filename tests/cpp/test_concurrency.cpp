@@ -68,6 +68,8 @@ struct Inputs {
       sin, scores, scores_grad, grad_scores, slopes, t5_table, relative, mask;
   at::Tensor inv_freq = posenc::frequencies::sinusoidal(128);
   at::Tensor rope_freq = posenc::frequencies::rope(64).inv_freq;
+  posenc::frequencies::AxisFrequencies mrope = posenc::frequencies::mrope(64, {8, 12, 12});
+  at::Tensor mrope_positions = torch::randint(0, 100000, {3, 2, 128});  // [n_axes, B, S], as Qwen2-VL's
 };
 
 Calls op_calls(const Inputs& t) {
@@ -116,6 +118,11 @@ Calls op_calls(const Inputs& t) {
     auto x = t.q.clone();
     posenc::rope_(x, t.rope_positions, t.rope_freq, 1.0, "neox", "bshd", 1);
     return Results{x};
+  };
+  calls["rope_qk multiaxis"] = [&] {
+    auto [q, k] = posenc::rope_qk(t.q, t.k, t.mrope_positions, t.mrope.inv_freq, 1.0, "neox", "bshd", 3, std::nullopt,
+                                  t.mrope.pair_axis);
+    return Results{q, k};
   };
   calls["rope_cos_sin"] = [&] { return Results{posenc::rope_cos_sin(t.q, t.cos, t.sin, "gptj")}; };
   calls["rope_cos_sin_backward"] = [&] { return Results{posenc::rope_cos_sin_backward(t.grad_bshd, t.cos, t.sin)}; };

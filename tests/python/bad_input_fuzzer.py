@@ -175,6 +175,28 @@ def t5_bias_backward(draw):
                 max_distance=128, q_offset=0)
 
 
+def mrope_positions(draw):
+    """Rows of text, an image (grid 1x4x4, merge 2: 4 tokens) and a video (the same grid), one grid of each a row."""
+    batch = small(draw)
+    row = [0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0]
+    return dict(token_types=torch.tensor([row] * batch), image_grid_thw=torch.tensor([[1, 4, 4]] * batch),
+                video_grid_thw=torch.tensor([[1, 4, 4]] * batch), attention_mask=torch.ones(batch, len(row)),
+                spatial_merge_size=2, tokens_per_second=2.0, second_per_grid_ts=torch.ones(batch),
+                split_video_frames=False)
+
+
+def rope_inv_freq_for_length(draw):
+    return dict(seq_len=torch.tensor(small(draw, 0, 8)), rotary_dim=2 * small(draw, 2, 4), base=10000.0,
+                rope_type="dynamic", factor=2.0, max_position_embeddings=4.0)
+
+
+def zigzag_positions_varlen(draw):
+    cp_size = small(draw, 1, 3)
+    lengths = [2 * cp_size * small(draw, 0, 2) for _ in range(small(draw))]
+    return dict(cu_seqlens=torch.tensor([sum(lengths[:n]) for n in range(len(lengths) + 1)]), cp_size=cp_size,
+                cp_rank=cp_size - 1)
+
+
 BASES = {
     "sinusoidal": sinusoidal, "add_sinusoidal": add_sinusoidal, "embed_sinusoidal": embed_sinusoidal,
     "embedding_backward": embedding_backward, "learned": learned, "add_learned": add_learned,
@@ -183,6 +205,8 @@ BASES = {
     "rope_": rope_inplace, "rope_cos_sin": rope_cos_sin, "rope_cos_sin_backward": rope_cos_sin_backward,
     "alibi_bias": alibi_bias, "add_alibi": add_alibi, "add_alibi_": add_alibi_inplace, "alibi_backward": alibi_backward,
     "relative_position_bucket": relative_position_bucket, "t5_bias": t5_bias, "t5_bias_backward": t5_bias_backward,
+    "mrope_positions": mrope_positions, "rope_inv_freq_for_length": rope_inv_freq_for_length,
+    "zigzag_positions_varlen": zigzag_positions_varlen,
 }
 
 
@@ -212,10 +236,10 @@ def wrong_rank(arg, ranks):
 
 
 def grow(arg, dim, by=1):
-    """`by` more entries along `dim` (a size mismatch with the other arguments)."""
+    """`by` more entries along `dim` (a size mismatch with the other arguments); a negative `by`, fewer."""
     def mutate(draw, kw):
         t = kw[arg]
-        kw[arg] = torch.cat([t] + [t.narrow(dim, 0, 1)] * by, dim)
+        kw[arg] = torch.cat([t] + [t.narrow(dim, 0, 1)] * by, dim) if by >= 0 else t.narrow(dim, 0, t.shape[dim] + by)
     return mutate
 
 
@@ -341,6 +365,25 @@ def cu_seqlens_bad(draw, kw):
                         "float": torch.tensor([0.0, float(total)])}[how]
 
 
+def multiaxis(mutate):
+    """A valid multi-axis call (pair_axis over n_axes axes, positions [n_axes, B, S] or [n_axes, S]), then
+    mutate(draw, kw, n_axes) makes one of its parts wrong."""
+    def build(draw, kw):
+        x = next(kw[n] for n in ("x", "grad", "q", "grad_q") if n in kw)
+        n_axes, pairs = small(draw), kw["inv_freq"].numel()
+        kw["pair_axis"] = torch.randint(0, n_axes, (pairs,), dtype=draw(st.sampled_from([torch.long, torch.int])))
+        shape = [n_axes, x.shape[0], x.shape[1]] if draw(st.booleans()) else [n_axes, x.shape[1]]
+        kw["positions"] = torch.randint(0, 100, shape)
+        mutate(draw, kw, n_axes)
+    return build
+
+
+def pair_axis_out_of_range(draw, kw, n_axes):
+    """One pair's axis outside [0, n_axes): n_axes, -1, or its dtype's extremes."""
+    info = torch.iinfo(kw["pair_axis"].dtype)
+    put("pair_axis", [n_axes, -1, info.max, info.min])(draw, kw)
+
+
 def rope_mutations(names, inplace=False):
     first = names[0]
     out = {
@@ -358,6 +401,16 @@ def rope_mutations(names, inplace=False):
         "format_unknown": unknown_string("format", {"bshd", "bhsd", "sbhd", "thd"}),
         "cu_seqlens_invalid": cu_seqlens_bad,
         "positions_beyond_domain": positions_beyond_domain(floating=False),
+        "pair_axis_out_of_range": multiaxis(pair_axis_out_of_range),
+        "pair_axis_wrong_length": multiaxis(lambda draw, kw, n_axes: grow("pair_axis", 0, by=draw(st.sampled_from(
+            [1, -1] if kw["pair_axis"].numel() > 1 else [1])))(draw, kw)),
+        "pair_axis_not_index": multiaxis(lambda draw, kw, n_axes: not_index("pair_axis")(draw, kw)),
+        "pair_axis_wrong_rank": multiaxis(lambda draw, kw, n_axes: kw.update(pair_axis=kw["pair_axis"][None])),
+        # No positions, [n_axes * S...] flattened (rank 1), or one dimension too many (rank 4 or 5).
+        "pair_axis_positions_wrong_rank": multiaxis(lambda draw, kw, n_axes: kw.update(positions=draw(st.sampled_from(
+            [None, kw["positions"].reshape(-1), kw["positions"].reshape(*kw["positions"].shape, 1, 1)])))),
+        "pair_axis_positions_other_seq": multiaxis(lambda draw, kw, n_axes: grow("positions", -1)(draw, kw)),
+        "pair_axis_on_meta": multiaxis(lambda draw, kw, n_axes: on_meta("pair_axis")(draw, kw)),
     }
     if len(names) == 2:
         second = names[1]
@@ -506,6 +559,50 @@ MUTATIONS = {
                              grad_batch_not_1=grow("grad", 0), buckets_invalid=t5_buckets_invalid,
                              q_offset_beyond_2_pow_62=set_value("q_offset", st.sampled_from(
                                  [2 ** 62 + 1, -(2 ** 62) - 1, INT64_MAX, INT64_MIN]))),
+    "mrope_positions": dict(
+        token_types_not_integer=to_dtype("token_types", torch.float32, torch.float64, torch.bool, torch.complex64),
+        token_types_wrong_rank=wrong_rank("token_types", [0, 1, 3]),
+        token_type_unknown=put("token_types", [3, -1, INT64_MAX, INT64_MIN]),
+        grid_not_index=not_index("image_grid_thw"), grid_wrong_shape=grow("video_grid_thw", 1),
+        grid_wrong_rank=wrong_rank("image_grid_thw", [1, 3]),
+        grid_not_positive=put("video_grid_thw", [0, -1, INT64_MIN]),
+        # Sizes whose tokens differ from the run's: too many, too few, or more than int64 counts.
+        grid_does_not_match_its_run=put("image_grid_thw", [2, 3, 6, INT64_MAX, 2 ** 62 + 1]),
+        fewer_grids_than_runs=lambda draw, kw: kw.update(**{draw(st.sampled_from(["image_grid_thw", "video_grid_thw"])):
+                                                            None}),
+        attention_mask_wrong_shape=grow("attention_mask", 1),
+        spatial_merge_size_below_1=set_value("spatial_merge_size", st.sampled_from([0, -1, INT64_MIN])),
+        second_per_grid_ts_too_few=lambda draw, kw: kw.update(second_per_grid_ts=kw["second_per_grid_ts"][:-1]),
+        second_per_grid_ts_wrong_rank=wrong_rank("second_per_grid_ts", [0, 2]),
+        second_per_grid_ts_not_real=to_dtype("second_per_grid_ts", torch.bool, torch.complex64),
+        grid_on_meta=on_meta("image_grid_thw"), attention_mask_on_meta=on_meta("attention_mask")),
+    "rope_inv_freq_for_length": dict(
+        seq_len_not_0d=wrong_rank("seq_len", [1, 2]), seq_len_not_real=to_dtype("seq_len", torch.bool, torch.complex64),
+        rotary_dim_invalid=set_value("rotary_dim", st.sampled_from([0, 1, 2, 3, 7, -2, INT64_MIN])),
+        base_not_positive=set_value("base", st.sampled_from([0.0, -1.0, float("nan"), float("inf")])),
+        rope_type_unknown=unknown_string("rope_type", {"default", "linear", "dynamic", "ntk", "ntk_alpha", "yarn",
+                                                       "llama3", "longrope"}),
+        factor_not_positive=set_value("factor", st.sampled_from([0.0, -2.0, float("nan"), float("inf")])),
+        max_position_embeddings_missing=lambda draw, kw: kw.pop("max_position_embeddings"),
+        longrope_factors_wrong_length=lambda draw, kw: kw.update(
+            rope_type="longrope", original_max_position_embeddings=4.0,
+            short_factor=[1.0] * (kw["rotary_dim"] // 2 + draw(st.sampled_from([1, -1]))),
+            long_factor=[2.0] * (kw["rotary_dim"] // 2))),
+    "zigzag_positions_varlen": dict(
+        cu_seqlens_not_index=not_index("cu_seqlens"), cu_seqlens_wrong_rank=wrong_rank("cu_seqlens", [0, 2]),
+        cu_seqlens_empty=lambda draw, kw: kw.update(cu_seqlens=torch.empty(0, dtype=torch.long)),
+        cu_seqlens_not_from_0=lambda draw, kw: kw.update(cu_seqlens=kw["cu_seqlens"] + draw(st.sampled_from(
+            [1, -2 * kw["cp_size"], INT64_MIN // 2]))),
+        # Decreasing, directly or by a step so large that the difference wraps around.
+        cu_seqlens_decreasing=lambda draw, kw: kw.update(cu_seqlens=torch.cat([kw["cu_seqlens"], torch.tensor(
+            draw(st.sampled_from([[-2 * kw["cp_size"]], [2 ** 62, INT64_MIN + 2 * kw["cp_size"]],
+                                  [INT64_MAX - 1, -2]])))])),
+        length_not_a_multiple=lambda draw, kw: kw.update(cu_seqlens=torch.cat([kw["cu_seqlens"], kw["cu_seqlens"][-1:] +
+                                                                               draw(st.integers(1, 2 * kw["cp_size"] - 1
+                                                                                                ) if kw["cp_size"] > 1
+                                                                                    else st.just(1))])),
+        cp_size_invalid=set_value("cp_size", st.sampled_from([0, -1, INT64_MIN, 2 ** 62 + 1, INT64_MAX])),
+        cp_rank_outside=lambda draw, kw: kw.update(cp_rank=draw(st.sampled_from([-1, kw["cp_size"], INT64_MAX])))),
 }
 # rope_backward and rope_qk_backward take gradients: the first tensor's name differs, nothing else.
 MUTATIONS["rope_cos_sin_backward"] = {k.replace("x_", "grad_", 1) if k.startswith("x_") else k: v
@@ -522,7 +619,7 @@ CHAOS_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, tor
                 torch.uint8, torch.bool, torch.complex64]
 STRINGS = ["interleaved", "half", "half_cos_first", "neox", "gptj", "bshd", "bhsd", "sbhd", "thd", "causal",
            "symmetric", "", "bad"]
-SIZE_ARGS = {"q_len", "k_len", "num_rows", "num_heads"}
+SIZE_ARGS = {"q_len", "k_len", "num_rows", "num_heads", "rotary_dim"}
 SPECIAL_INTS = [INT64_MIN, INT64_MAX, LIMIT, -LIMIT, LIMIT + 1, 2 ** 62, 2 ** 31, -1]
 
 
@@ -561,6 +658,8 @@ def chaos_value(draw, name, type_name):
         return chaos_tensor(draw)
     if name == "dtype":
         return draw(st.sampled_from(CHAOS_DTYPES))
+    if "List[float]" in type_name:
+        return [draw(st.sampled_from([1.0, 2.0, 0.0, -1.0, float("nan")])) for _ in range(draw(st.integers(0, 6)))]
     if "int" in type_name:
         if name in SIZE_ARGS:
             return draw(st.integers(-3, 12))
@@ -612,8 +711,16 @@ def describe(kw):
     return ", ".join(parts)
 
 
+# The name an op's errors carry where it is not posenc.<op>: rope_inv_freq_for_length shares its checks, and their
+# messages, with posenc.frequencies.rope.
+ERROR_NAMES = {"rope_inv_freq_for_length": "frequencies.rope"}
+# Ops whose invalid values raise ValueError (documented), their invalid tensors RuntimeError.
+VALUE_ERROR_OPS = {"rope_inv_freq_for_length", "zigzag_positions_varlen"}
+
+
 def names_op(message, op):
-    return re.search(rf"posenc\.{re.escape(op)}(?![A-Za-z0-9_])", message) is not None
+    name = ERROR_NAMES.get(op, op)
+    return re.search(rf"posenc\.{re.escape(name)}(?![A-Za-z0-9_])", message) is not None
 
 
 def run_case(op, build, may_succeed, examples, derandomize):
@@ -622,9 +729,10 @@ def run_case(op, build, may_succeed, examples, derandomize):
     @given(st.data())
     def check(data):
         kw = build(data.draw)
+        expected = (RuntimeError, ValueError) if op in VALUE_ERROR_OPS else RuntimeError
         try:
             getattr(OPS, op)(**kw)
-        except RuntimeError as error:
+        except expected as error:
             if not names_op(str(error), op):
                 raise AssertionError(f"a RuntimeError that does not name posenc.{op}: "
                                      f"{str(error).splitlines()[0][:400]}\ninputs: {describe(kw)}") from None

@@ -43,6 +43,11 @@ def shared_inputs():
         slopes=PF.alibi_slopes(8).requires_grad_(True), t5_table=randn(32, 8, requires_grad=True),
         relative=randint(2000, 64, 512) - 1000, mask=randint(2, 8, 4096),
         grad_bshd=randn(2, 128, 8, 64), grad_scores=randn(2, 8, 64, 128), grad_x=randn(4, 256, 128),
+        mrope_freq=posenc.frequencies.mrope(64, [8, 12, 12]), mrope_positions=randint(100000, 3, 2, 128),
+        # 64 rows of text, an image (grid 1 x 8 x 8, merge 2: 16 tokens) and text; the last 8 tokens padding.
+        token_types=torch.tensor([[0] * 20 + [1] * 16 + [0] * 92] * 64), vision_mask=(torch.arange(128) < 120)
+        .expand(64, 128), image_grids=torch.tensor([[1, 8, 8]] * 64), seq_len=torch.tensor(5000),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), (randint(100, 2048) * 8).cumsum(0)]),
     )
 
 
@@ -89,6 +94,12 @@ def op_calls(t):
         "t5_bias autograd": lambda: grads(PF.t5_bias(t["t5_table"], 64, 128, False, 32, 128, 3), t["t5_table"],
                                           t["grad_scores"][:1]),
         "t5_bias_backward": lambda: PF.t5_bias_backward(t["grad_scores"][:1], True, 32, 128, 7),
+        "rope_qk multiaxis": lambda: PF.rope_qk(t["q"], t["k"], t["mrope_positions"], t["mrope_freq"][0], 1.0, "neox",
+                                                "bshd", 3, None, t["mrope_freq"][1]),
+        "mrope_positions": lambda: PF.mrope_positions(t["token_types"], t["image_grids"], None, t["vision_mask"]),
+        "rope_inv_freq_for_length": lambda: torch.ops.posenc.rope_inv_freq_for_length(
+            t["seq_len"], 64, 1e4, "dynamic", factor=2.0, max_position_embeddings=4096.0),
+        "zigzag_positions_varlen": lambda: PF.zigzag_positions_varlen(t["cu_seqlens"], 4, 2),
     }
 
 

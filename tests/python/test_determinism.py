@@ -122,6 +122,43 @@ def rope_cases(dtype):
     }
 
 
+def multiaxis_cases(dtype):
+    """Multi-axis rotary (M-RoPE: positions [3, B, S], pair_axis over the three axes) and the position and frequency
+    builders that take tensors."""
+    inv_freq, pair_axis = posenc.frequencies.mrope(128, [16, 24, 24], 1e6)
+    q = randn(2, 512, 16, 128, dtype=dtype, requires_grad=True)
+    positions = randint(100000, 3, 2, 512, seed=3)
+    # 256 rows of text, an image (grid 1 x 16 x 16, merge 2: 64 tokens) and text, the last 40 tokens padding.
+    row = [0] * 100 + [1] * 64 + [0] * (4096 - 164)
+    token_types = torch.tensor([row] * 256)
+    mask = torch.ones_like(token_types)
+    mask[:, -40:] = 0
+    grids = torch.tensor([[1, 16, 16]] * 256)
+    lengths = (randint(50, 4096, seed=4) * 8).tolist()  # 4096 sequences, about 800 k tokens
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(lengths).cumsum(0)])
+    length = torch.tensor(3000)
+    context = {"rope_type": "longrope", "original_max_position_embeddings": 2048.0, "max_position_embeddings": 8192.0,
+               "short_factor": [1.0 + i / 64 for i in range(64)], "long_factor": [4.0 + i for i in range(64)]}
+    rope_type, keywords = posenc.frequencies.rope_arguments(context)
+
+    def rotated(out):  # channel 0 (a time pair) of token 0, head 0: rotated by the time position
+        angle = positions[0, 0, 0].item() * inv_freq[0].item()
+        x0, x64 = q[0, 0, 0, 0].item(), q[0, 0, 0, 64].item()
+        return out[0][0, 0, 0, 0], x0 * math.cos(angle) - x64 * math.sin(angle)
+
+    return {
+        "rope multiaxis": (lambda: with_grads(PF.rope(q, positions, inv_freq, pair_axis=pair_axis), q), rotated),
+        # The image's last patch: (100, 107, 107) with 8 x 8 merged patches; text after it at 100 + 8.
+        "mrope_positions": (lambda: PF.mrope_positions(token_types, grids, None, mask),
+                            lambda out: (out[0][2, 255, 163] + out[0][0, 255, 164] * 1000, 107 + 108 * 1000)),
+        "rope_inv_freq_for_length": (lambda: torch.ops.posenc.rope_inv_freq_for_length(length, 128, 1e4, rope_type,
+                                                                                         **keywords),
+                                     lambda out: (out[0][1], 1e4 ** (-2 / 128) / 5.0)),
+        "zigzag_positions_varlen": (lambda: PF.zigzag_positions_varlen(cu_seqlens, 4, 1),
+                                    lambda out: (out[1][lengths[0] // 8], lengths[0] // 8 * 6)),
+    }
+
+
 def _double_backward(q, positions, inv_freq):
     out = PF.rope(q, positions, inv_freq)
     grad_out = randn(*out.shape, dtype=out.dtype, seed=7, requires_grad=True)
@@ -180,9 +217,13 @@ FAMILIES = {
                  "rope_cos_sin", "rope_cos_sin_backward"],
     bias_cases: ["alibi_bias", "add_alibi", "add_alibi_", "alibi_backward", "relative_position_bucket", "t5_bias",
                  "t5_bias_backward"],
+    multiaxis_cases: ["rope multiaxis", "mrope_positions", "rope_inv_freq_for_length", "zigzag_positions_varlen"],
 }
+# The builders of positions and frequencies take no floating data: one dtype is enough.
+DTYPE_FREE = {"mrope_positions", "rope_inv_freq_for_length", "zigzag_positions_varlen"}
 CASES = {f"{name}-{str(dtype).split('.')[-1]}": (family, name, dtype)
-         for family, names in FAMILIES.items() for name in names for dtype in (torch.float32, torch.bfloat16)}
+         for family, names in FAMILIES.items() for name in names for dtype in (torch.float32, torch.bfloat16)
+         if name not in DTYPE_FREE or dtype == torch.float32}
 
 
 def test_every_op_is_covered():

@@ -179,6 +179,46 @@ def rope_cos_sin_sharded_with_its_tables(mesh):
         _run_sharded(op, mesh, [x, *tables], [x_p, table_p, table_p], grad_wrt=(0,), out_placements=[x_p])
 
 
+@check
+def rope_multiaxis_sharded_over_heads_batch_and_sequence(mesh):
+    # Positions [3, B, S] (Qwen2-VL) go with their batch (dim 1) or sequence (dim 2); [3, S] are shared by the batch.
+    _, Replicate, Shard, _ = _dt()
+    inv_freq, pair_axis = posenc.frequencies.mrope(16, [2, 3, 3])
+    q, k = torch.randn(4, 6, 4, 16), torch.randn(4, 6, 2, 16)
+    per_row, shared = torch.randint(0, 500, (3, 4, 6)), torch.randint(0, 500, (3, 6))
+    rope_qk = lambda q, k, p, f, a: PF.rope_qk(q, k, p, f, 1.0, "neox", "bshd", 2, None, a)  # noqa: E731
+    for x_p, p_p, positions in ((Shard(2), Replicate(), per_row), (Shard(0), Shard(1), per_row),
+                                (Shard(0), Replicate(), shared), (Shard(1), Shard(2), per_row),
+                                (Shard(1), Shard(1), shared)):
+        _run_sharded(rope_qk, mesh, [q, k, positions, inv_freq, pair_axis], [x_p, x_p, p_p, Replicate(), Replicate()],
+                     grad_wrt=(0, 1), out_placements=[x_p, x_p])
+    # thd: [n_axes, T] positions sharded over the tokens with x.
+    rope = lambda x, p, f, a: PF.rope(x, p, f, 1.0, "gptj", "thd", 0, None, a)  # noqa: E731
+    _run_sharded(rope, mesh, [q[0], shared, inv_freq, pair_axis], [Shard(0), Shard(1), Replicate(), Replicate()],
+                 grad_wrt=(0,), out_placements=[Shard(0)])
+
+
+@check
+def position_and_frequency_builders_run_replicated(mesh):
+    # Each result depends on the whole input (grids handed to the rows in order, every sequence boundary): a
+    # sharded input is gathered and the result replicated.
+    _, Replicate, Shard, _ = _dt()
+    row = [0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0]
+    token_types, grids = torch.tensor([row, row[::-1]]), torch.tensor([[1, 4, 4], [1, 4, 4]])
+    mrope = lambda t, i, v: PF.mrope_positions(t, i, v)  # noqa: E731
+    for placement in (Shard(0), Shard(1), Replicate()):
+        _run_sharded(mrope, mesh, [token_types, grids, grids], [placement, Replicate(), Replicate()],
+                     out_placements=[Replicate(), Replicate()])
+    # zigzag_positions_varlen's output length follows cu_seqlens' values, which DTensor's shape propagation cannot
+    # see: a DTensor call is refused naming the op; cu_seqlens are small, the op takes them as a plain tensor.
+    cu_seqlens = torch.tensor([0, 8, 8, 24, 32])
+    with pytest.raises(RuntimeError, match=r"posenc.zigzag_positions_varlen"):
+        _run_sharded(lambda c: PF.zigzag_positions_varlen(c, 2, 1), mesh, [cu_seqlens], [Replicate()])
+    _run_sharded(lambda n: torch.ops.posenc.rope_inv_freq_for_length(n, 16, 1e4, "dynamic", factor=2.0,
+                                                                      max_position_embeddings=64.0),
+                 mesh, [torch.tensor(300)], [Replicate()], out_placements=[Replicate()])
+
+
 # ---------------------------------------------------------------- ALiBi
 
 @check

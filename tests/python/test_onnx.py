@@ -171,6 +171,27 @@ def test_rope_packed_sequences():
                        [(torch.randn(12, 2, 16), torch.tensor([0, 1, 10, 12]), torch.randint(0, 100, (12,)))])
 
 
+def test_rope_multiaxis_gathers_each_pairs_axis():
+    """pair_axis in the graph: M-RoPE positions [3, B, S] and axial [2, S] in each format, rope and rope_qk."""
+    mrope, mrope_axis = posenc.frequencies.mrope(16, [2, 3, 3])
+    axial, axial_axis = posenc.frequencies.axial(12, 2)  # partial rotary: 12 of 16 channels
+
+    def fn(x, k, rows, grid):
+        return (PF.rope(x, rows, mrope, 0.5, "neox", "bshd", 2, None, mrope_axis),
+                *PF.rope_qk(x.transpose(1, 2), k.transpose(1, 2), grid, axial, 1.0, "gptj", "bhsd", 0, None,
+                            axial_axis),
+                PF.rope(x.transpose(0, 1), rows, mrope, 1.0, "gptj", "sbhd", 0, None, mrope_axis.int()),
+                PF.rope(x[0], grid, axial, 1.0, "neox", "thd", 1, torch.tensor([0, 2, x.shape[1]]), axial_axis))
+
+    def inputs(b, s):
+        return torch.randn(b, s, 3, 16), torch.randn(b, s, 1, 16), torch.randint(0, 5000, (3, b, s)), \
+            torch.randint(0, 64, (2, s))
+
+    batch, s = torch.export.Dim("batch", min=2, max=64), seq()
+    export_and_compare(fn, inputs(2, 5), [{0: batch, 1: s}, {0: batch, 1: s}, {1: batch, 2: s}, {1: s}],
+                       [inputs(3, 9)])
+
+
 def test_rope_far_positions_keep_float32_accuracy():
     # Angles in float64, as the op forms them: an eager float32 p * inv_freq is off by far more than 1e-5 here.
     inv_freq = posenc.frequencies.rope(64)[0]

@@ -13,6 +13,7 @@ ending the session; POSENC_PROPERTIES_IN_PROCESS=1 runs the properties in the py
 Profiles (conftest.py): "ci" (default; derandomized, 25 examples per property, 12 per bad-input case) and
 "long" (random, 1000 and 500): POSENC_HYPOTHESIS_PROFILE=long python -m pytest tests/python/test_properties.py
 """
+import itertools
 import json
 import math
 import os
@@ -125,12 +126,14 @@ def absolute_positions(draw, count):
     return [edge - (1 if edge > 0 else -1) * draw(st.integers(0, 40)) for _ in range(count)]
 
 
-def positions_and_offset(draw, shape, floating_ok, shared_ok=True):
-    """Positions for an input whose rows have leading shape `shape` (..., S): absent, [S] (shared) or `shape`,
-    in a random integer (or, if floating_ok, floating) dtype, with an offset; every absolute position lies in
-    [-2^53, 2^53]. Returns (positions or None, offset, absolute float64 positions broadcastable to `shape`)."""
+def positions_and_offset(draw, shape, floating_ok, shared_ok=True, required=False):
+    """Positions for an input whose rows have leading shape `shape` (..., S): absent, [S] (shared) or `shape`
+    (only `shape` when `required`), in a random integer (or, if floating_ok, floating) dtype, with an offset; every
+    absolute position lies in [-2^53, 2^53]. Returns (positions or None, offset, absolute float64 positions
+    broadcastable to `shape`)."""
     seq = shape[-1] if shape else 1
-    kind = draw(st.sampled_from(["absent", "shared", "per_row"] if shared_ok else ["absent", "per_row"]))
+    kinds = ["per_row"] if required else ["absent", "shared", "per_row"] if shared_ok else ["absent", "per_row"]
+    kind = draw(st.sampled_from(kinds))
     if kind == "absent":
         offset = draw(st.one_of(st.integers(-5, 100), st.sampled_from([LIMIT - seq + 1, -LIMIT]),
                                 st.integers(-LIMIT, LIMIT - seq + 1)))
@@ -211,11 +214,11 @@ def to_meta(value):
     return value
 
 
-def call(op, *args):
+def call(op, *args, **kwargs):
     """Runs torch.ops.posenc.<op> on the arguments, and on Meta copies of them: the Meta kernel must predict
     the output's shape, dtype and strides."""
-    out = getattr(OPS, op)(*args)
-    meta = getattr(OPS, op)(*[to_meta(a) for a in args])
+    out = getattr(OPS, op)(*args, **kwargs)
+    meta = getattr(OPS, op)(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
     outs, metas = (out, meta) if isinstance(out, tuple) else ((out,), (meta,))
     for o, m in zip(outs, metas):
         assert (o.shape, o.dtype, significant_strides(o)) == (m.shape, m.dtype, significant_strides(m)), \
@@ -507,25 +510,39 @@ def rope_input(draw, gen, fmt, batch, seq, heads, head_dim, dtype, expand=True):
     return x, x.permute(order)
 
 
-def rope_positions(draw, gen, fmt, batch, seq):
-    """positions, offset, cu_seqlens, and the absolute positions as float64 [batch, seq]."""
+def rope_positions(draw, gen, fmt, batch, seq, pairs):
+    """positions, offset, cu_seqlens, pair_axis, and the absolute position of each pair as float64
+    [batch or 1, seq, pairs]. A third of the draws are multi-axis: pair_axis [pairs] (int64 or int32) names an
+    axis of positions [n_axes, S], [n_axes, B, S] or, for thd, [n_axes, T] (cu_seqlens do not change given
+    positions)."""
     cu_seqlens = None
     if fmt == "thd" and draw(st.booleans()):
         cuts = sorted(draw(st.lists(st.integers(0, seq), max_size=3)))
         cu_seqlens = torch.tensor([0] + cuts + [seq], dtype=draw(st.sampled_from([torch.long, torch.int])))
-    shape = [seq] if fmt == "thd" else [batch, seq]
-    positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=False)
+    rows = [1, seq] if fmt == "thd" else [batch, seq]
+    if draw(st.integers(0, 2)) == 0:
+        n_axes = draw(st.integers(1, 3))
+        axes = [draw(st.integers(0, n_axes - 1)) for _ in range(pairs)]
+        pair_axis = arrange(draw, torch.tensor(axes, dtype=draw(st.sampled_from([torch.long, torch.int]))),
+                            expand=False)
+        shared = fmt == "thd" or draw(st.booleans())
+        shape = [n_axes, seq] if shared else [n_axes, batch, seq]
+        positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=False, required=True)
+        per_pair = absolute[torch.tensor(axes, dtype=torch.long)].movedim(0, -1)  # [(B,) S, pairs]
+        return positions, offset, cu_seqlens, pair_axis, per_pair.expand(rows + [pairs])
+    positions, offset, absolute = positions_and_offset(draw, [seq] if fmt == "thd" else rows, floating_ok=False)
     if positions is None and cu_seqlens is not None:
         # Packed sequences restart at offset: token t of the sequence starting at b sits at offset + t - b.
         bounds = cu_seqlens.tolist()
         starts = [max(b for b in bounds[:-1] if b <= t) for t in range(seq)]
         absolute = torch.tensor([offset + t - b for t, b in zip(range(seq), starts)], dtype=torch.float64)
-    return positions, offset, cu_seqlens, absolute.expand([1, seq] if fmt == "thd" else [batch, seq])
+    return positions, offset, cu_seqlens, None, absolute.expand(rows)[..., None].expand(rows + [pairs])
 
 
 def rope_reference(x_bshd, absolute, inv_freq, layout, scale, inverse=False):
-    """float64 rotation of bshd x by the angles of absolute positions [batch or 1, seq]."""
-    angle = absolute[:, :, None, None] * inv_freq.double()  # [B, S, 1, F]
+    """float64 rotation of bshd x: pair i by absolute[b, s, i] * inv_freq[i] (absolute [batch or 1, seq, pairs],
+    each pair's position on its axis)."""
+    angle = absolute[:, :, None, :] * inv_freq.double()  # [B, S, 1, F]
     return rotate(x_bshd, angle, layout, scale, inverse)
 
 
@@ -552,15 +569,15 @@ def rope_case(draw, gen, with_k=False, expand=True):
     if with_k:
         k, k_bshd = rope_input(draw, gen, fmt, batch, seq, draw(st.integers(0, 3)),
                                2 * pairs + draw(st.integers(0, 3)), dtype, expand)
-    positions, offset, cu_seqlens, absolute = rope_positions(draw, gen, fmt, batch, seq)
+    positions, offset, cu_seqlens, pair_axis, absolute = rope_positions(draw, gen, fmt, batch, seq, pairs)
     scale = draw(st.sampled_from([1.0, 0.5, 1.25]))
     layout = draw(st.sampled_from(["neox", "gptj"]))
     note(f"{fmt} x {list(x.shape)} stride {x.stride()} {dtype}, positions "
          f"{None if positions is None else (positions.dtype, list(positions.shape))}, offset {offset}, "
-         f"cu_seqlens {cu_seqlens}")
+         f"cu_seqlens {cu_seqlens}, pair_axis {None if pair_axis is None else pair_axis.tolist()}")
     return dict(fmt=fmt, x=x, x_bshd=x_bshd, k=k, k_bshd=k_bshd, positions=positions, offset=offset,
-                cu_seqlens=cu_seqlens, absolute=absolute, inv_freq=inv_freq, scale=scale, layout=layout,
-                dtype=dtype, pairs=pairs)
+                cu_seqlens=cu_seqlens, pair_axis=pair_axis, absolute=absolute, inv_freq=inv_freq, scale=scale,
+                layout=layout, dtype=dtype, pairs=pairs)
 
 
 def check_rope_output(out, case, x, x_bshd, inverse=False):
@@ -575,7 +592,7 @@ def check_rope_output(out, case, x, x_bshd, inverse=False):
 def check_rope_and_its_backward(op, data):
     case = rope_case(data.draw, generator(data.draw))
     out = call(op, case["x"], case["positions"], case["inv_freq"], case["scale"], case["layout"], case["fmt"],
-               case["offset"], case["cu_seqlens"])
+               case["offset"], case["cu_seqlens"], case["pair_axis"])
     check_rope_output(out, case, case["x"], case["x_bshd"], inverse=op == "rope_backward")
 
 
@@ -583,7 +600,7 @@ def check_rope_and_its_backward(op, data):
 def check_rope_qk_and_its_backward(op, data):
     case = rope_case(data.draw, generator(data.draw), with_k=True)
     q_out, k_out = call(op, case["x"], case["k"], case["positions"], case["inv_freq"], case["scale"],
-                        case["layout"], case["fmt"], case["offset"], case["cu_seqlens"])
+                        case["layout"], case["fmt"], case["offset"], case["cu_seqlens"], case["pair_axis"])
     check_rope_output(q_out, case, case["x"], case["x_bshd"], inverse=op.endswith("backward"))
     check_rope_output(k_out, case, case["k"], case["k_bshd"], inverse=op.endswith("backward"))
 
@@ -608,7 +625,7 @@ def check_rope_inplace(data):
     storage, before = buffer_of(x), buffer_of(x).clone()
     original_bshd = case["x_bshd"].clone()
     assert OPS.rope_(x, case["positions"], case["inv_freq"], case["scale"], case["layout"], case["fmt"],
-                     case["offset"], case["cu_seqlens"]) is None
+                     case["offset"], case["cu_seqlens"], case["pair_axis"]) is None
     bshd = x[None] if case["fmt"] == "thd" else x.permute(BSHD_ORDER[case["fmt"]])
     reference = rope_reference(original_bshd, case["absolute"], case["inv_freq"], case["layout"], case["scale"])
     assert_rounds_within(bshd, reference, rope_tolerance(original_bshd, case["pairs"], case["scale"],
@@ -860,6 +877,178 @@ def check_t5_bias_backward(data):
     assert_rounds_within(out, reference, 1e-12 * magnitude)
 
 
+# ---------------------------------------------------------------- position and frequency builders that take tensors
+
+def vision_run(draw, merge):
+    """A grid (t, h, w) with t * (h // merge) * (w // merge) tokens, 1 to 8 of them."""
+    t, height, width = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    return [t, height * merge + draw(st.integers(0, merge - 1)), width * merge + draw(st.integers(0, merge - 1))]
+
+
+def mrope_reference(rows, masks, image_grids, video_grids, merge, intervals):
+    """Qwen2-VL's M-RoPE positions ([3, B, S] lists) and rope_deltas, per row from the description: text tokens
+    count up on every axis; a run of vision tokens is the next grid's (time, row, column) patches (time = trunc(frame
+    * interval)) after the running position p, and the text after it starts at p + max(h, w) // merge; a row's delta
+    is its largest position + 1 - its real token count; tokens outside the mask stay 0."""
+    positions = [[[0] * len(row) for row in rows] for _ in range(3)]
+    deltas = []
+    grids = {1: iter(image_grids), 2: iter(video_grids)}
+    for b, (row, mask) in enumerate(zip(rows, masks)):
+        real = [s for s in range(len(row)) if mask[s]]
+        runs = [list(group) for _, group in itertools.groupby(real, key=lambda s: row[s])]
+        p, largest = 0, -1
+        for run in runs:
+            if row[run[0]] == 0:
+                triples = [(p + j,) * 3 for j in range(len(run))]
+                p += len(run)
+            else:
+                (t, h, w), interval = next(grids[row[run[0]]])
+                triples = [(p + math.trunc(f * interval), p + i, p + j)
+                           for f in range(t) for i in range(h // merge) for j in range(w // merge)]
+                p += max(h, w) // merge
+            for s, triple in zip(run, triples):
+                for axis in range(3):
+                    positions[axis][b][s] = triple[axis]
+            largest = max([largest] + [v for triple in triples for v in triple])
+        deltas.append([largest + 1 - len(real)])
+    return positions, deltas
+
+
+@given(st.data())
+def check_mrope_positions(data):
+    draw = data.draw
+    merge = draw(st.integers(1, 3))
+    split = draw(st.booleans())
+    tokens_per_second = draw(st.sampled_from([None, 1.0, 2.0, 0.5, 25.0]))
+    batch = draw(st.integers(0, 3))
+    rows, masks, image_grids, video_grids, seconds = [], [], [], [], []
+    for _ in range(batch):
+        row = [0] * draw(st.integers(0, 2))
+        for _ in range(draw(st.integers(0, 3))):
+            kind = draw(st.sampled_from([1, 2]))
+            grid = vision_run(draw, merge)
+            frames = grid[0] if kind == 2 and split else 1
+            tokens_per_frame = grid[0] // frames * (grid[1] // merge) * (grid[2] // merge)
+            for _ in range(frames):  # text after each run (Qwen3-VL: between the frames of a split video)
+                row += [kind] * tokens_per_frame + [0] * draw(st.integers(1, 2))
+            (image_grids if kind == 1 else video_grids).append(grid)
+            if kind == 2:
+                seconds.append(draw(st.sampled_from([0.5, 1.0, 2.0, 0.25, 1.5])))
+        while row and row[-1] == 0 and draw(st.booleans()):  # rows may end with vision tokens
+            row.pop()
+        rows.append(row)
+    seq = max((len(row) for row in rows), default=draw(st.integers(0, 3)))
+    pad = draw(st.sampled_from(["left", "right"]))
+    for b, row in enumerate(rows):  # padding (type 0) outside the mask
+        padding = seq - len(row)
+        masks.append([0] * padding + [1] * len(row) if pad == "left" else [1] * len(row) + [0] * padding)
+        rows[b] = [0] * padding + row if pad == "left" else row + [0] * padding
+    gen = generator(draw)
+    index_dtype = draw(st.sampled_from([torch.long, torch.int]))
+    token_types = arrange(draw, torch.tensor(rows, dtype=index_dtype).reshape(batch, seq), expand=False)
+    mask_dtype = draw(st.sampled_from([torch.long, torch.bool, torch.float32]))
+    with_mask = draw(st.booleans()) or any(0 in m for m in masks)
+    # Padding of any type outside the mask: the op must not read it.
+    padded = torch.tensor(masks, dtype=torch.bool).reshape(batch, seq).logical_not()
+    token_types = torch.where(padded, integers(gen, [batch, seq], 0, 3, index_dtype), token_types) if with_mask \
+        else token_types
+    mask = arrange(draw, torch.tensor(masks).reshape(batch, seq).to(mask_dtype), expand=False) if with_mask else None
+
+    def grid_tensor(grids):
+        if not grids and draw(st.booleans()):
+            return None
+        return arrange(draw, torch.tensor(grids, dtype=index_dtype).reshape(len(grids), 3), expand=False)
+
+    per_grid = draw(st.booleans())
+    seconds_dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    second_per_grid_ts = torch.tensor(seconds, dtype=seconds_dtype) if per_grid else None
+    scale = 1.0 if tokens_per_second is None else tokens_per_second
+    intervals = [scale * sec for sec in seconds] if per_grid else [scale] * len(video_grids)
+    note(f"rows {rows}, masks {masks}, images {image_grids}, videos {video_grids}, merge {merge}, split {split}, "
+         f"tokens_per_second {tokens_per_second}, seconds {second_per_grid_ts}")
+    positions, deltas = call("mrope_positions", token_types, grid_tensor(image_grids), grid_tensor(video_grids), mask,
+                             merge, tokens_per_second, second_per_grid_ts, split)
+    split_videos = [[1, h, w] for t, h, w in video_grids for _ in range(t)] if split else video_grids
+    split_intervals = [i for (t, _, _), i in zip(video_grids, intervals) for _ in range(t)] if split else intervals
+    expected, expected_deltas = mrope_reference(
+        rows, masks if with_mask else [[1] * seq] * batch, [(g, 1.0) for g in image_grids],
+        list(zip(split_videos, split_intervals)), merge, None)
+    assert positions.dtype == deltas.dtype == torch.long
+    assert positions.tolist() == expected and positions.shape == (3, batch, seq)
+    assert deltas.tolist() == expected_deltas and deltas.shape == (batch, 1)
+
+
+def rope_for_length_reference(rotary_dim, base, rope_type, keywords, length):
+    """float64 inv_freq of the length-dependent types and the plain ones, from the formulas: theta^(-2i/r), over
+    factor (linear); dynamic NTK's theta (factor L / max - (factor - 1))^(r / (r - 2)) with L = max(length, max);
+    fixed NTK's theta alpha^(r / (r - 2)); LongRoPE's long factors beyond the original context, else short."""
+    exponents = [2 * i / rotary_dim for i in range(rotary_dim // 2)]
+    ntk = rotary_dim / (rotary_dim - 2) if rotary_dim > 2 else None
+    if rope_type == "dynamic":
+        context, factor = keywords["max_position_embeddings"], keywords["factor"]
+        longest = max(length, context)
+        base = base * (factor * longest / context - (factor - 1)) ** ntk
+    elif rope_type == "ntk":
+        base = base * keywords["alpha"] ** ntk
+    values = [base ** -e for e in exponents]
+    if rope_type == "linear":
+        values = [v / keywords["factor"] for v in values]
+    elif rope_type == "longrope":
+        factors = keywords["long_factor" if length > keywords["original_max_position_embeddings"] else "short_factor"]
+        values = [v / f for v, f in zip(values, factors)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@given(st.data())
+def check_rope_inv_freq_for_length(data):
+    draw = data.draw
+    rotary_dim = 2 * draw(st.integers(2, 8))
+    base = draw(st.sampled_from([10000.0, 500000.0, 2.0, 1e6]))
+    rope_type = draw(st.sampled_from(["default", "linear", "dynamic", "ntk", "longrope"]))
+    context = draw(st.sampled_from([2, 64, 4096, 2 ** 20]))
+    keywords = {"default": {}, "linear": {"factor": draw(st.sampled_from([2.0, 0.5, 8.0]))},
+                "dynamic": {"factor": draw(st.sampled_from([2.0, 4.0, 1.0])), "max_position_embeddings": float(context)},
+                "ntk": {"alpha": draw(st.sampled_from([1.0, 3.0, 1000.0]))},
+                "longrope": {"original_max_position_embeddings": float(context), "factor": 4.0,
+                             "short_factor": [draw(st.sampled_from([1.0, 1.5])) for _ in range(rotary_dim // 2)],
+                             "long_factor": [draw(st.sampled_from([2.0, 40.0])) for _ in range(rotary_dim // 2)]},
+                }[rope_type]
+    dtype = draw(st.sampled_from([torch.long, torch.int, torch.int16, torch.uint8, torch.float64, torch.float32]))
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    length = draw(st.one_of(st.sampled_from([-1, 0, 1, context - 1, context, context + 1, 2 * context]),
+                            st.integers(0, 2 ** 40)))
+    length = min(max(length, info.min), min(info.max, 2 ** 24 if dtype == torch.float32 else 2 ** 40))
+    seq_len = torch.tensor(length, dtype=dtype)
+    out = call("rope_inv_freq_for_length", seq_len, rotary_dim, base, rope_type, **keywords)
+    assert out.dtype == torch.float64 and out.shape == (rotary_dim // 2,)
+    reference = rope_for_length_reference(rotary_dim, base, rope_type, keywords, seq_len.item())
+    # exp(-e log theta) against theta ** -e: a few units of roundoff of the exponent, |log inv_freq|.
+    assert_rounds_within(out, reference, 16 * 2.0 ** -53 * reference.abs() * (1 + reference.log().abs()))
+
+
+@given(st.data())
+def check_zigzag_positions_varlen(data):
+    draw = data.draw
+    cp_size = draw(st.integers(1, 4))
+    cp_rank = draw(st.integers(0, cp_size - 1))
+    lengths = [2 * cp_size * draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 4)))]
+    bounds = [sum(lengths[:n]) for n in range(len(lengths) + 1)]
+    dtype = draw(st.sampled_from([torch.long, torch.int]))
+    cu_seqlens = arrange(draw, torch.tensor(bounds, dtype=dtype), expand=False)
+    # The output's length follows cu_seqlens' values: no Meta kernel to compare with.
+    positions, indices, local = OPS.zigzag_positions_varlen(cu_seqlens, cp_size, cp_rank)
+    # Each sequence is cut into 2 cp_size chunks; this rank holds chunks cp_rank and 2 cp_size - 1 - cp_rank.
+    expected_positions, expected_indices = [], []
+    for start, length in zip(bounds, lengths):
+        chunk = length // (2 * cp_size)
+        mine = [c * chunk + i for c in (cp_rank, 2 * cp_size - 1 - cp_rank) for i in range(chunk)]
+        expected_positions += mine
+        expected_indices += [start + p for p in mine]
+    assert positions.dtype == indices.dtype == torch.long and local.dtype == dtype
+    assert positions.tolist() == expected_positions and indices.tolist() == expected_indices
+    assert local.tolist() == [b // cp_size for b in bounds]
+
+
 # ---------------------------------------------------------------- every op is covered; bad input fuzzing
 
 # Every op's property: (function, the op it is given, if it serves several).
@@ -876,6 +1065,8 @@ PROPERTIES = {
     "alibi_bias": (check_alibi_bias,), "add_alibi": (check_add_alibi,), "add_alibi_": (check_add_alibi_inplace,),
     "alibi_backward": (check_alibi_backward,), "relative_position_bucket": (check_relative_position_bucket,),
     "t5_bias": (check_t5_bias,), "t5_bias_backward": (check_t5_bias_backward,),
+    "mrope_positions": (check_mrope_positions,), "rope_inv_freq_for_length": (check_rope_inv_freq_for_length,),
+    "zigzag_positions_varlen": (check_zigzag_positions_varlen,),
     "in-place overlap": (check_inplace_ops_refuse_exactly_the_views_whose_elements_overlap,),
 }
 
