@@ -59,7 +59,8 @@ step "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j2
 
 step "Python tests (pytest, the installed package)"
-(cd "$VENV" && POSENC_STUDY_CPP="$build_dir/scripts/study_cpp/posenc_study" \
+# The C++ programs the tests run (the study's, the AOTInductor runner) are this build's, linked to this torch.
+(cd "$VENV" && POSENC_STUDY_CPP="$build_dir/scripts/study_cpp/posenc_study" POSENC_BUILD_DIR="$build_dir" \
   "$py" -m pytest "$ROOT/tests/python" -q -p no:cacheprovider)
 
 step "C++ consumer: find_package(posenc), with this machine's CUDA in sight"
