@@ -51,6 +51,9 @@ without_cuda bash -c '! command -v nvcc && ! [ -e /usr/local/cuda/include/cuda.h
   || echo "check_torch.sh: /usr/local/cuda stays in sight (hiding it takes root and unshare)"
 without_cuda env POSENC_BUILD_DIR="$build_dir" POSENC_BUILD_TESTS=1 \
   "$py" -m pip install --no-build-isolation --no-deps --force-reinstall -q .
+# setuptools leaves its metadata (posenc.egg-info, requiring this torch) in the source tree, where Python run from
+# the tree would find it before the metadata of the tree's own install: it belongs to the venv's copy only.
+rm -rf "$ROOT/posenc.egg-info"
 if grep -q '^CUDA_TOOLKIT_ROOT_DIR\|^CUDAToolkit' "$build_dir/CMakeCache.txt"; then
   echo "check_torch.sh: CMake looked for a CUDA toolkit"; exit 1
 fi
