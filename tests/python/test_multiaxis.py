@@ -13,24 +13,8 @@ from torch.testing import assert_close
 import posenc
 from posenc import frequencies as FQ
 from posenc import functional as PF
-
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
-PERMUTE = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
-
-
-def tolerance(dtype):
-    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
-            torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
-
-
-def to_format(x, fmt):
-    """bshd [B, S, H, D] -> the layout of `fmt` (thd needs B = 1)."""
-    return x[0] if fmt == "thd" else x.permute(PERMUTE[fmt])
-
-
-def from_format(x, fmt):
-    return x[None] if fmt == "thd" else x.permute(PERMUTE[fmt])
+# The rotary tests' dtypes, formats, tolerances and layout helpers: the multi-axis calls share the op and its layouts.
+from test_rope import DTYPES, FORMATS, from_format, to_format, tolerance
 
 
 def reference_axes(x, positions, pair_axis, inv_freq, layout="neox", scale=1.0):
