@@ -2,10 +2,10 @@
 // (rope_inv_freq_for_length) and the context-parallel split of packed sequences (zigzag_positions_varlen). The
 // ops without a tensor argument (rope_inv_freq, sinusoidal_inv_freq, alibi_slopes, and zigzag_positions, whose
 // device argument picks where its arange runs) keep their CompositeExplicitAutograd kernels on every device.
+#include "common/dispatch.h"
 #include "common/rope_scaling.h"
 #include "cuda/utils.cuh"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
@@ -93,9 +93,7 @@ at::Tensor rope_inv_freq_for_length_cuda(
 // read is unavoidable), its outputs copied to cu_seqlens' device; its errors are the CPU's, word for word.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen_cuda(const at::Tensor& cu_seqlens,
                                                                             int64_t cp_size, int64_t cp_rank) {
-  static const auto cpu_op = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("posenc::zigzag_positions_varlen", "")
-                                 .typed<decltype(zigzag_positions_varlen_cuda)>();
+  static const auto cpu_op = find_op<decltype(zigzag_positions_varlen_cuda)>("posenc::zigzag_positions_varlen");
   const auto [positions, indices, local_cu_seqlens] = cpu_op.call(cu_seqlens.cpu(), cp_size, cp_rank);
   const auto device = cu_seqlens.device();
   return {positions.to(device), indices.to(device), local_cu_seqlens.to(device)};

@@ -2,9 +2,9 @@
 // The op walks runs of tokens and reads every grid and token type, sequential work a few hundred tokens long
 // that runs once per batch, not per layer; its output sizes are known, but its errors depend on the data, so
 // the data is read either way. The errors are the CPU's, word for word.
+#include "common/dispatch.h"
 #include "common/multiaxis.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -26,9 +26,7 @@ std::tuple<at::Tensor, at::Tensor> mrope_positions_cuda(const at::Tensor& token_
                                                         bool split_video_frames) {
   check_mrope_positions(token_types, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size,
                         second_per_grid_ts);  // the devices as given
-  static const auto cpu_op = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("posenc::mrope_positions", "")
-                                 .typed<decltype(mrope_positions_cuda)>();
+  static const auto cpu_op = find_op<decltype(mrope_positions_cuda)>("posenc::mrope_positions");
   const auto [positions, deltas] =
       cpu_op.call(token_types.cpu(), on_host(image_grid_thw), on_host(video_grid_thw), on_host(attention_mask),
                       spatial_merge_size, tokens_per_second, on_host(second_per_grid_ts), split_video_frames);
