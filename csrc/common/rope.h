@@ -3,8 +3,11 @@
 // check of pair_axis's values that the CPU and CUDA ops run on a host copy of it.
 #include "common/checks.h"
 
+#include <ATen/ops/empty.h>
+
 #include <array>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace posenc {
@@ -197,5 +200,88 @@ RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, Ro
   }
   return view;
 }
+
+// Rotates inputs[v] into outputs[v] (the same tensor in place) by the angles of the positions, on one device.
+using RotateFn = void (*)(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                          const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                          double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                          const std::optional<at::Tensor>& pair_axis, bool inverse);
+
+// The kernels of rope, rope_backward, rope_qk, rope_qk_backward and rope_ on a device whose rotation is `rotate`:
+// the same checks and allocation on every device. Functional outputs are fresh and contiguous in the input's
+// own format (the Meta kernels agree).
+template <RotateFn rotate>
+struct RopeKernels {
+  static at::Tensor one(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                        const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
+                        c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                        const std::optional<at::Tensor>& pair_axis, bool inverse) {
+    const auto args =
+        check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+    auto out = at::empty(x.sizes(), x.options());
+    rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, inverse);
+    return out;
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> qk(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                               const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                               double attention_scale, c10::string_view layout,
+                                               c10::string_view format, int64_t offset,
+                                               const std::optional<at::Tensor>& cu_seqlens,
+                                               const std::optional<at::Tensor>& pair_axis, bool inverse) {
+    const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
+                                 inv_freq, layout, format, cu_seqlens, pair_axis);
+    auto q_out = at::empty(q.sizes(), q.options());
+    auto k_out = at::empty(k.sizes(), k.options());
+    rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
+           inverse);
+    return {q_out, k_out};
+  }
+
+  static at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                         double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+    return one("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis, false);
+  }
+
+  static at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
+                                  const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
+                                  c10::string_view format, int64_t offset,
+                                  const std::optional<at::Tensor>& cu_seqlens,
+                                  const std::optional<at::Tensor>& pair_axis) {
+    return one("rope_backward", grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+               pair_axis, true);
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
+                                                    const std::optional<at::Tensor>& positions,
+                                                    const at::Tensor& inv_freq, double attention_scale,
+                                                    c10::string_view layout, c10::string_view format, int64_t offset,
+                                                    const std::optional<at::Tensor>& cu_seqlens,
+                                                    const std::optional<at::Tensor>& pair_axis) {
+    return qk("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+              false);
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                             const std::optional<at::Tensor>& positions,
+                                                             const at::Tensor& inv_freq, double attention_scale,
+                                                             c10::string_view layout, c10::string_view format,
+                                                             int64_t offset,
+                                                             const std::optional<at::Tensor>& cu_seqlens,
+                                                             const std::optional<at::Tensor>& pair_axis) {
+    return qk("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset,
+              cu_seqlens, pair_axis, true);
+  }
+
+  static void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                    double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+                    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+    constexpr const char* op = "rope_";
+    const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+    check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
+    rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, false);
+  }
+};
 
 }  // namespace posenc

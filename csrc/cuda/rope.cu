@@ -325,76 +325,6 @@ void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::ve
   });
 }
 
-at::Tensor rope_cuda_impl(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
-                          const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                          c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                          const std::optional<at::Tensor>& pair_axis, bool inverse) {
-  const auto args =
-      check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
-  auto out = at::empty(x.sizes(), x.options());
-  rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, inverse);
-  return out;
-}
-
-at::Tensor rope_cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                     const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  return rope_cuda_impl("rope", x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                        pair_axis, false);
-}
-
-at::Tensor rope_backward_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
-                              const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
-                              c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                              const std::optional<at::Tensor>& pair_axis) {
-  return rope_cuda_impl("rope_backward", grad, positions, inv_freq, attention_scale, layout, format, offset,
-                        cu_seqlens, pair_axis, true);
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_qk_cuda_impl(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                                     const std::optional<at::Tensor>& positions,
-                                                     const at::Tensor& inv_freq, double attention_scale,
-                                                     c10::string_view layout, c10::string_view format, int64_t offset,
-                                                     const std::optional<at::Tensor>& cu_seqlens,
-                                                     const std::optional<at::Tensor>& pair_axis, bool inverse) {
-  const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
-                               inv_freq, layout, format, cu_seqlens, pair_axis);
-  auto q_out = at::empty(q.sizes(), q.options());
-  auto k_out = at::empty(k.sizes(), k.options());
-  rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
-         inverse);
-  return {q_out, k_out};
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_qk_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                                                double attention_scale, c10::string_view layout,
-                                                c10::string_view format, int64_t offset,
-                                                const std::optional<at::Tensor>& cu_seqlens,
-                                                const std::optional<at::Tensor>& pair_axis) {
-  return rope_qk_cuda_impl("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                           pair_axis, false);
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_qk_backward_cuda(const at::Tensor& grad_q, const at::Tensor& grad_k,
-                                                         const std::optional<at::Tensor>& positions,
-                                                         const at::Tensor& inv_freq, double attention_scale,
-                                                         c10::string_view layout, c10::string_view format,
-                                                         int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                                                         const std::optional<at::Tensor>& pair_axis) {
-  return rope_qk_cuda_impl("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                           offset, cu_seqlens, pair_axis, true);
-}
-
-void rope__cuda(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  constexpr const char* op = "rope_";
-  const auto args = check_rope(op, {{"x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
-  check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
-  rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, false);
-}
-
 at::Tensor rope_cos_sin_cuda_impl(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                   c10::string_view layout, c10::string_view format, bool transpose) {
   const auto args = check_rope_cos_sin(op, transpose ? "grad" : "x", x, cos, sin, layout, format);
@@ -431,11 +361,11 @@ at::Tensor rope_cos_sin_backward_cuda(const at::Tensor& grad, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope", TORCH_FN(rope_cuda));
-  m.impl("rope_backward", TORCH_FN(rope_backward_cuda));
-  m.impl("rope_qk", TORCH_FN(rope_qk_cuda));
-  m.impl("rope_qk_backward", TORCH_FN(rope_qk_backward_cuda));
-  m.impl("rope_", TORCH_FN(rope__cuda));
+  m.impl("rope", TORCH_FN(RopeKernels<rotate>::rope));
+  m.impl("rope_backward", TORCH_FN(RopeKernels<rotate>::rope_backward));
+  m.impl("rope_qk", TORCH_FN(RopeKernels<rotate>::rope_qk));
+  m.impl("rope_qk_backward", TORCH_FN(RopeKernels<rotate>::rope_qk_backward));
+  m.impl("rope_", TORCH_FN(RopeKernels<rotate>::rope_));
   m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_cuda));
   m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_backward_cuda));
 }
