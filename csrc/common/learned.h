@@ -1,7 +1,9 @@
 #pragma once
-// Checks of the learned family, shared by its CPU and Meta kernels (metadata only). The range of
+// Checks of the learned family, shared by its CPU, CUDA and Meta kernels (metadata only). The range of
 // position values needs the data, so the CPU kernels check it (cpu/learned.cpp).
 #include "common/checks.h"
+
+#include <limits>
 
 namespace posenc {
 
@@ -71,10 +73,15 @@ inline bool check_embed_learned(const at::Tensor& tokens, const at::Tensor& toke
   return check_row_positions(op, "tokens", tokens.sym_sizes(), positions);
 }
 
-inline void check_make_positions(const at::Tensor& tokens) {
+inline void check_make_positions(const at::Tensor& tokens, int64_t padding_idx) {
   constexpr const char* op = "make_positions";
   check_index(op, "tokens", tokens);
   TORCH_CHECK(tokens.dim() >= 1, "posenc.", op, ": tokens must be [..., S], got a 0-d tensor");
+  // The last position is padding_idx + S: it must fit in int64.
+  const auto seq_len = tokens.sym_size(-1);
+  const auto room = c10::SymInt(std::numeric_limits<int64_t>::max()) - seq_len;
+  TORCH_CHECK(padding_idx < room, "posenc.", op, ": padding_idx ", padding_idx, " leaves no room for ", seq_len,
+              " positions in int64");
 }
 
 // Any real (non-complex) dtype: Hugging Face masks are int64, others pass bool or float masks.

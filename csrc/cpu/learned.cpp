@@ -10,7 +10,6 @@
 #include <ATen/ops/ne.h>
 #include <torch/library.h>
 
-#include <limits>
 
 namespace posenc {
 namespace {
@@ -94,11 +93,7 @@ at::Tensor count_positions(const at::Tensor& is_real, int64_t first, int64_t pad
 
 // fairseq: padding keeps padding_idx, real tokens count from padding_idx + 1.
 at::Tensor make_positions_cpu(const at::Tensor& tokens, int64_t padding_idx) {
-  check_make_positions(tokens);
-  // The last position is padding_idx + S: it must fit in int64.
-  const int64_t seq_len = tokens.size(-1);
-  TORCH_CHECK(padding_idx < std::numeric_limits<int64_t>::max() - seq_len, "posenc.make_positions: padding_idx ",
-              padding_idx, " leaves no room for ", seq_len, " positions in int64");
+  check_make_positions(tokens, padding_idx);
   return count_positions(at::ne(tokens.to(at::kLong), padding_idx), padding_idx + 1, padding_idx);
 }
 

@@ -14,7 +14,6 @@
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
-#include <limits>
 
 namespace posenc::cuda {
 namespace {
@@ -102,10 +101,7 @@ at::Tensor count_positions(const at::Tensor& is_real, int64_t first, int64_t pad
 }
 
 at::Tensor make_positions_cuda(const at::Tensor& tokens, int64_t padding_idx) {
-  check_make_positions(tokens);
-  const int64_t seq_len = tokens.size(-1);
-  TORCH_CHECK(padding_idx < std::numeric_limits<int64_t>::max() - seq_len, "posenc.make_positions: padding_idx ",
-              padding_idx, " leaves no room for ", seq_len, " positions in int64");
+  check_make_positions(tokens, padding_idx);
   const c10::cuda::CUDAGuard guard(tokens.device());
   return count_positions(at::ne(tokens.to(at::kLong), padding_idx), padding_idx + 1, padding_idx);
 }

@@ -32,7 +32,7 @@ at::Tensor embed_learned_meta(const at::Tensor& tokens, const at::Tensor& token_
 }
 
 at::Tensor make_positions_meta(const at::Tensor& tokens, int64_t padding_idx) {
-  check_make_positions(tokens);
+  check_make_positions(tokens, padding_idx);
   return at::empty_symint(tokens.sym_sizes(), tokens.options().dtype(at::kLong));
 }
 
