@@ -1,10 +1,9 @@
 #include <posenc/alibi.h>
 
 #include "common/dispatch.h"
+#include "kernels/libm.h"
 
 #include <ATen/ops/empty.h>
-
-#include <cmath>
 
 namespace posenc {
 
@@ -15,11 +14,15 @@ at::Tensor alibi_slopes(int64_t num_heads, at::ScalarType dtype) {
   while (power <= num_heads / 2) power *= 2;
   auto slopes = at::empty({num_heads}, at::kDouble);
   double* m = slopes.mutable_data_ptr<double>();
+  // 2^(-8k / n), and 2^(-4(2j - 1) / n) for the heads past the power of two n: posenc's own exp2 of the exact
+  // exponent, the same bits on every machine (an integer exponent gives the power of two exactly).
+  namespace libm = kernels::libm;
   const auto n = static_cast<double>(power);
-  for (int64_t k = 1; k <= power; ++k) m[k - 1] = std::pow(2.0, -8.0 * static_cast<double>(k) / n);
-  for (int64_t j = 1; j <= num_heads - power; ++j) {
-    m[power + j - 1] = std::pow(2.0, -4.0 * static_cast<double>(2 * j - 1) / n);
-  }
+  const auto slope = [&](int64_t numerator) {
+    return libm::exp2(libm::div(kernels::DoubleDouble{static_cast<double>(-numerator), 0.0}, n));
+  };
+  for (int64_t k = 1; k <= power; ++k) m[k - 1] = slope(8 * k);
+  for (int64_t j = 1; j <= num_heads - power; ++j) m[power + j - 1] = slope(4 * (2 * j - 1));
   return slopes.to(dtype);
 }
 

@@ -1,13 +1,14 @@
 // The frequency formulas of every family, written once: the C++ API (posenc::frequencies), the ops
-// registered in frequencies_ops.cpp and, through those ops, Python's posenc.frequencies all compute here.
+// registered in frequencies_ops.cpp and, through those ops, Python's posenc.frequencies all compute here. Every
+// value is scalar float64 arithmetic in a fixed order with posenc's own exp and log (kernels/libm.h), so the same
+// arguments give the same bits on every CPU, capability, thread count and device.
 #include <posenc/frequencies.h>
 
 #include "common/rope_scaling.h"
+#include "kernels/frequencies.h"
+#include "kernels/libm.h"
 
-#include <ATen/ops/arange.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/tensor.h>
-#include <ATen/ops/where.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/irange.h>
 
@@ -64,7 +65,7 @@ double optional(const std::string& type, const char* key, const std::optional<do
 
 // YaRN's attention factor g(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
 double yarn_mscale(double scale, double mscale = 1.0) {
-  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * kernels::libm::log(scale) + 1.0;
 }
 
 // A RopeScaling checked, with its type's defaults filled in: the numbers the formulas read.
@@ -168,7 +169,7 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
     } else if (p.factor > 1.0) {
       TORCH_CHECK_VALUE(p.context > 1.0, kRope, ": longrope original_max_position_embeddings must exceed 1 to ",
                         "derive the attention factor sqrt(1 + ln(factor) / ln(original)), got ", repr(p.context));
-      p.attention_scale = std::sqrt(1.0 + std::log(p.factor) / std::log(p.context));
+      p.attention_scale = std::sqrt(1.0 + kernels::libm::log(p.factor) / kernels::libm::log(p.context));
     }
   } else {
     TORCH_CHECK_VALUE(false, kRope, ": unknown rope_type \"", s.rope_type,
@@ -177,19 +178,24 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
   return p;
 }
 
-// 2i / r for the pairs i < r / 2.
-at::Tensor exponents(int64_t rotary_dim, at::TensorOptions options) {
-  return at::arange(0, rotary_dim, 2, options).div_(rotary_dim);
+using kernels::DoubleDouble;
+namespace libm = kernels::libm;
+
+// theta^(-2i / r) for the pairs i < r / 2, each correctly rounded.
+std::vector<double> theta_powers(int64_t rotary_dim, double theta) {
+  const auto log_theta = libm::log(DoubleDouble{theta, 0.0});
+  std::vector<double> inv_freq(rotary_dim / 2);
+  for (const auto i : c10::irange(inv_freq.size())) {
+    inv_freq[i] = kernels::inverse_power(log_theta, 2 * static_cast<int64_t>(i), rotary_dim);
+  }
+  return inv_freq;
 }
 
-at::Tensor theta_powers(int64_t rotary_dim, double theta, at::TensorOptions options) {
-  return exponents(rotary_dim, options).mul_(-std::log(theta)).exp_();
-}
-
-at::Tensor yarn(const at::Tensor& inv_freq, const Plan& p, bool truncate) {
-  // The pair index whose wavelength fits `rotations` times into the original context.
+std::vector<double> yarn(std::vector<double> inv_freq, const Plan& p, bool truncate) {
+  // The pair index whose wavelength fits `rotations` times into the original context (Hugging Face's float64
+  // steps, with a correctly rounded log: `truncate` floors and ceils it).
   const auto correction = [&](double rotations) {
-    return p.rotary_dim * std::log(p.context / (rotations * 2.0 * M_PI)) / (2.0 * std::log(p.theta));
+    return p.rotary_dim * libm::log(p.context / (rotations * 2.0 * M_PI)) / (2.0 * libm::log(p.theta));
   };
   double low = correction(p.beta_fast);
   double high = correction(p.beta_slow);
@@ -200,46 +206,73 @@ at::Tensor yarn(const at::Tensor& inv_freq, const Plan& p, bool truncate) {
   low = std::max(low, 0.0);
   high = std::min(high, static_cast<double>(p.rotary_dim - 1));
   if (low == high) high += 0.001;  // as Hugging Face: avoids a zero-width ramp
-  const auto ramp = at::arange(p.rotary_dim / 2, inv_freq.options()).sub(low).div(high - low).clamp(0.0, 1.0);
-  const auto extrapolation = ramp.neg().add(1.0);
-  return inv_freq.div(p.factor).mul(ramp).add(inv_freq.mul(extrapolation));
-}
-
-at::Tensor llama3(const at::Tensor& inv_freq, const Plan& p) {
-  const double low = p.low_freq_factor;
-  const double high = p.high_freq_factor;
-  const auto wavelength = inv_freq.reciprocal().mul(2.0 * M_PI);
-  const auto scaled = at::where(wavelength.gt(p.context / low), inv_freq.div(p.factor), inv_freq);
-  const auto smooth = wavelength.reciprocal().mul(p.context).sub(low).div(high - low);
-  const auto smoothed = scaled.div(p.factor).mul(smooth.neg().add(1.0)).add(scaled.mul(smooth));
-  const auto medium = wavelength.ge(p.context / high).logical_and(wavelength.le(p.context / low));
-  return at::where(medium, smoothed, scaled);
-}
-
-// The frequencies of a checked plan on the device of `options`. `length` (float64, 0-d) is the sequence
-// length of dynamic NTK and LongRoPE, undefined where none is given.
-at::Tensor inv_freq_of(const Plan& p, const RopeScaling& s, const at::Tensor& length, at::TensorOptions options) {
-  const auto& type = p.type;
-  const double ntk_exponent = static_cast<double>(p.rotary_dim) / static_cast<double>(p.rotary_dim - 2);
-  if (type == "dynamic") {
-    // Hugging Face's runtime rule: base * (factor L / max - (factor - 1))^(r / (r - 2)), L at least max.
-    // In place on 0-d temporaries: this runs on every call of a module.
-    auto theta = length.defined() ? length.clamp_min(p.context) : at::scalar_tensor(p.context, options);
-    theta.mul_(p.factor).div_(p.context).sub_(p.factor - 1.0).pow_(ntk_exponent).mul_(p.theta).log_().neg_();
-    return exponents(p.rotary_dim, options).mul_(theta).exp_();
-  }
-  if (type == "ntk") return theta_powers(p.rotary_dim, p.theta * std::pow(p.factor, ntk_exponent), options);
-  const auto inv_freq = theta_powers(p.rotary_dim, p.theta, options);
-  if (type == "linear") return inv_freq.div(p.factor);
-  if (type == "yarn") return yarn(inv_freq, p, s.truncate);
-  if (type == "llama3") return llama3(inv_freq, p);
-  if (type == "longrope") {
-    // The long factors apply beyond the original context.
-    const auto short_factor = at::tensor(s.short_factor, options);
-    if (!length.defined()) return inv_freq.div_(short_factor);
-    return inv_freq.div_(at::where(length.gt(p.context), at::tensor(s.long_factor, options), short_factor));
+  for (const auto i : c10::irange(inv_freq.size())) {
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    inv_freq[i] = inv_freq[i] / p.factor * ramp + inv_freq[i] * (1.0 - ramp);
   }
   return inv_freq;
+}
+
+std::vector<double> llama3(std::vector<double> inv_freq, const Plan& p) {
+  const double low = p.low_freq_factor;
+  const double high = p.high_freq_factor;
+  for (auto& w : inv_freq) {
+    const double wavelength = 1.0 / w * (2.0 * M_PI);
+    const double scaled = wavelength > p.context / low ? w / p.factor : w;
+    if (wavelength >= p.context / high && wavelength <= p.context / low) {
+      const double smooth = (1.0 / wavelength * p.context - low) / (high - low);
+      w = scaled / p.factor * (1.0 - smooth) + scaled * smooth;
+    } else {
+      w = scaled;
+    }
+  }
+  return inv_freq;
+}
+
+// The frequencies of a checked plan at sequence length `length` (NaN where none is given: then dynamic NTK
+// keeps theta and LongRoPE its short factors). Scalar float64 in a fixed order, every power correctly rounded.
+std::vector<double> inv_freq_of(const Plan& p, const RopeScaling& s, std::optional<double> length) {
+  const auto& type = p.type;
+  if (type == "dynamic") {
+    const kernels::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
+    const auto log_base = kernels::dynamic_ntk_log_base(ntk, length.value_or(p.context));
+    std::vector<double> inv_freq(p.rotary_dim / 2);
+    for (const auto i : c10::irange(inv_freq.size())) {
+      inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), p.rotary_dim);
+    }
+    return inv_freq;
+  }
+  if (type == "ntk") {
+    // theta alpha^(r / (r - 2)), raised to -2i / r: one logarithm of the product, carried in double-double.
+    const double r = static_cast<double>(p.rotary_dim);
+    const auto log_base = libm::add(libm::log(DoubleDouble{p.theta, 0.0}),
+                                    libm::mul(libm::log(DoubleDouble{p.factor, 0.0}),
+                                              libm::div(DoubleDouble{r, 0.0}, r - 2.0)));
+    std::vector<double> inv_freq(p.rotary_dim / 2);
+    for (const auto i : c10::irange(inv_freq.size())) {
+      inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), p.rotary_dim);
+    }
+    return inv_freq;
+  }
+  auto inv_freq = theta_powers(p.rotary_dim, p.theta);
+  if (type == "linear") {
+    for (auto& w : inv_freq) w /= p.factor;
+  } else if (type == "yarn") {
+    inv_freq = yarn(std::move(inv_freq), p, s.truncate);
+  } else if (type == "llama3") {
+    inv_freq = llama3(std::move(inv_freq), p);
+  } else if (type == "longrope") {
+    // The long factors apply beyond the original context (a NaN length is not beyond it).
+    const auto& factors = length && *length > p.context ? s.long_factor : s.short_factor;
+    for (const auto i : c10::irange(inv_freq.size())) inv_freq[i] /= factors[i];
+  }
+  return inv_freq;
+}
+
+at::Tensor to_tensor(const std::vector<double>& values) {
+  auto out = at::empty({static_cast<int64_t>(values.size())}, at::TensorOptions().dtype(at::kDouble));
+  std::copy(values.begin(), values.end(), out.mutable_data_ptr<double>());
+  return out;
 }
 
 // The sequence length of rope_for_length: a 0-d integer or floating tensor (metadata only, never read here).
@@ -261,28 +294,35 @@ at::Tensor sinusoidal(int64_t dim, double base, int64_t shift) {
   const int64_t pairs = dim / 2;
   TORCH_CHECK_VALUE(pairs - shift > 0, op, ": dim ", dim, " has ", pairs, " frequency pairs, too few for shift ",
                     shift);
-  const auto i = at::arange(pairs, at::TensorOptions().dtype(at::kDouble));
-  return i.mul(-std::log(base) / static_cast<double>(pairs - shift)).exp();
+  const auto log_base = libm::log(DoubleDouble{base, 0.0});
+  std::vector<double> inv_freq(pairs);
+  for (const auto i : c10::irange(pairs)) inv_freq[i] = kernels::inverse_power(log_base, i, pairs - shift);
+  return to_tensor(inv_freq);
 }
 
 RopeFrequencies rope(int64_t rotary_dim, double base, const RopeScaling& scaling, std::optional<int64_t> seq_len) {
   const auto p = plan(rotary_dim, base, scaling);
   TORCH_CHECK_VALUE(!seq_len || *seq_len >= 0, kRope, ": seq_len must be non-negative, got ", *seq_len);
-  const auto options = at::TensorOptions().dtype(at::kDouble);
-  // The length goes through the same tensor maths as rope_for_length's, so both give the same bits.
-  const auto length = seq_len ? at::scalar_tensor(static_cast<double>(*seq_len), options) : at::Tensor();
-  return {inv_freq_of(p, scaling, length, options), p.attention_scale};
+  const auto length = seq_len ? std::optional(static_cast<double>(*seq_len)) : std::nullopt;
+  return {to_tensor(inv_freq_of(p, scaling, length)), p.attention_scale};
 }
 
 at::Tensor rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len) {
   const auto p = plan(rotary_dim, base, scaling);
   check_length(seq_len);
-  return inv_freq_of(p, scaling, seq_len.to(at::kDouble), seq_len.options().dtype(at::kDouble));
+  // Read on the CPU (the CUDA op evaluates the same formulas on the device, without reading it).
+  const double length = seq_len.item<double>();
+  return to_tensor(inv_freq_of(p, scaling, length)).to(seq_len.device());
 }
 
 void check_rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len) {
   plan(rotary_dim, base, scaling);
   check_length(seq_len);
+}
+
+kernels::DynamicNtk dynamic_ntk(int64_t rotary_dim, double base, const RopeScaling& scaling) {
+  const auto p = plan(rotary_dim, base, scaling);
+  return {p.theta, p.type == "dynamic" ? p.factor : 1.0, p.context, p.rotary_dim};
 }
 
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling) {

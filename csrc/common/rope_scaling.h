@@ -3,6 +3,8 @@
 // the scaling keywords of their schemas, and how the frequencies depend on the length.
 #include <posenc/frequencies.h>
 
+#include "kernels/frequencies.h"
+
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
@@ -21,6 +23,10 @@ struct LengthDependence {
   double context;
 };
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling);
+
+// The constants of dynamic NTK's frequencies for the device to evaluate (kernels/frequencies.h); those of a
+// theta-only base for any other type.
+kernels::DynamicNtk dynamic_ntk(int64_t rotary_dim, double base, const RopeScaling& scaling);
 
 }  // namespace frequencies
 

@@ -1,10 +1,9 @@
 #pragma once
 // The angle engine on the GPU, choosing per token as the CPU's sincos_row (sincos_row_axes) does: for float32
 // maths, a token whose angles all lie within kFastAngle (|p| * max_i |inv_freq[i]| <= kFastAngle for each of
-// its positions) takes the shared quarter-turn reduction (kernels/angle.h), any other the float64 sin and cos of
-// the angle; float64 maths always takes float64 sin and cos. The fast path gives the CPU's bits; float64 sin/cos
-// (CUDA's, within 2 ulp in float64) round to the CPU's float32 result but for rare ties, and are not bitwise
-// float64 results.
+// its positions) takes the shared quarter-turn reduction (kernels/angle.h), any other posenc's own sin and cos
+// of the angle (kernels/libm.h); float64 maths always takes those. Both are the CPU's code compiled for the
+// device, without contraction into FMA: the CPU's bits on either path, in float32 and in float64.
 #include "kernels/angle.h"
 
 #include <type_traits>
@@ -46,16 +45,12 @@ __device__ __forceinline__ bool slow_angles(double position, double local_max) {
 template <typename opmath>
 __device__ __forceinline__ void angle_sincos(double angle, bool slow, opmath& sin_out, opmath& cos_out) {
   if constexpr (std::is_same_v<opmath, float>) {
-    if (slow) {
-      sin_out = static_cast<float>(sin(angle));
-      cos_out = static_cast<float>(cos(angle));
-    } else {
+    if (!slow) {
       kernels::sincos_reduced(angle, sin_out, cos_out);
+      return;
     }
-  } else {
-    sin_out = sin(angle);
-    cos_out = cos(angle);
   }
+  kernels::sincos_exact(angle, sin_out, cos_out);
 }
 
 }  // namespace posenc::cuda

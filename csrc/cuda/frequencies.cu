@@ -5,6 +5,7 @@
 #include "common/dispatch.h"
 #include "common/rope_scaling.h"
 #include "cuda/utils.cuh"
+#include "kernels/frequencies.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -26,23 +27,24 @@ struct HostFrequencies {
   double beyond[kParamValues];  // kStep: those of every length past it
 };
 
-// out[i] for the length on the device: within[i] up to the context, past it beyond[i] (kStep) or computed[i]
-// (kGrowing, where a NaN length is past it, as the CPU's clamp makes it); no length (kNone): within[i].
+// out[i] for the length on the device: within[i] up to the context, past it beyond[i] (kStep) or dynamic NTK's
+// frequency of pair first + i at that length (kGrowing, where a NaN length is past it and gives NaN, as on the
+// CPU); no length (kNone): within[i].
 __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencies values, int64_t n,
                                           const double* length, double context, bool growing,
-                                          const double* computed, double* out) {
+                                          kernels::DynamicNtk ntk, int64_t first, double* out) {
   const int64_t i = threadIdx.x;
   if (i >= n) return;
   bool past = false;
   if (length != nullptr) past = growing ? !(*length <= context) : *length > context;
-  out[i] = !past ? values.within[i] : growing ? computed[i] : values.beyond[i];
+  out[i] = !past ? values.within[i] : growing ? kernels::dynamic_ntk_inv_freq(ntk, *length, first + i) : values.beyond[i];
 }
 
 // The frequencies of the length in seq_len (a 0-d tensor on the GPU), as the CPU's rope_for_length gives them,
 // without reading the length: whatever does not vary with it is the CPU's code run on the host (the frequencies
 // of every length up to the context, and LongRoPE's long ones past it), and one kernel picks by the length. Past
-// the context, dynamic NTK's frequencies are a function of the length, formed by the same tensor operations on
-// the GPU: CUDA's pow, log and exp, within a few float64 ulp of the CPU's rather than its bits.
+// the context, dynamic NTK's frequencies are a function of the length, which the kernel evaluates with the CPU's
+// formula and posenc's own exp and log (kernels/frequencies.h): the CPU's bits.
 at::Tensor rope_inv_freq_for_length_cuda(
     const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
     std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
@@ -72,8 +74,7 @@ at::Tensor rope_inv_freq_for_length_cuda(
   auto out = at::empty({within.numel()}, seq_len.options().dtype(at::kDouble));
   const auto length = dependence.kind == LengthDependence::kNone ? at::Tensor() : seq_len.to(at::kDouble);
   const bool growing = dependence.kind == LengthDependence::kGrowing;
-  const auto computed =
-      growing ? frequencies::rope_for_length(rotary_dim, base, scaling, seq_len).contiguous() : at::Tensor();
+  const auto ntk = frequencies::dynamic_ntk(rotary_dim, base, scaling);
   const double* within_values = within.const_data_ptr<double>();
   const double* beyond_values = beyond.const_data_ptr<double>();
   for (int64_t first = 0; first < within.numel(); first += kParamValues) {
@@ -82,8 +83,8 @@ at::Tensor rope_inv_freq_for_length_cuda(
     std::copy(within_values + first, within_values + first + n, values.within);
     std::copy(beyond_values + first, beyond_values + first + n, values.beyond);
     select_frequencies_kernel<<<1, kThreads, 0, current_stream()>>>(
-        values, n, length.defined() ? length.const_data_ptr<double>() : nullptr, dependence.context, growing,
-        growing ? computed.const_data_ptr<double>() + first : nullptr, out.mutable_data_ptr<double>() + first);
+        values, n, length.defined() ? length.const_data_ptr<double>() : nullptr, dependence.context, growing, ntk,
+        first, out.mutable_data_ptr<double>() + first);
     POSENC_CUDA_LAUNCH_CHECK();
   }
   return out;

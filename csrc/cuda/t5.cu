@@ -1,8 +1,8 @@
 // CUDA ops of the T5 relative bias: the CPU op layer's checks and outputs, the shared bucketing (kernels/t5.h).
 //
-// T5 buckets distances with a float32 logarithm, which the GPU's log may round differently from the host's; so
-// the host tabulates, with the CPU's own t5_bucket, the least distance of each log-spaced bucket, and the GPU
-// buckets by counting the thresholds below a distance (t5_bucket_tabulated): the CPU's buckets on any device.
+// T5 buckets distances with a float32 logarithm; as on the CPU, the host tabulates with t5_bucket the least
+// distance of each log-spaced bucket, and the GPU buckets by counting the thresholds below a distance
+// (t5_bucket_tabulated): the CPU's buckets, with no logarithm per element.
 // The thresholds travel in the kernel's parameters (no copy, nothing to synchronize, safe under graph capture).
 //
 // The bias is constant along each diagonal j - i, as on the CPU: its Q + K - 1 diagonal values per head are

@@ -4,9 +4,11 @@
 //
 // The float32 result is sin/cos of the float64 angle fl(p * w), rounded to float32, to within 2e-7, for
 // every angle: a row whose angles all lie within kFastAngle is reduced by quarter turns in float64 with
-// plain arithmetic (no libm call, so the loop vectorizes); any other row calls std::sin/std::cos per angle,
-// whose reduction is exact for any argument. The reduction must be float64: at p = 2^20 a float32 product
-// p * w alone is off by up to 0.06 rad.
+// plain arithmetic (so the loop vectorizes); any other row, and every float64 result, takes posenc's own
+// sin/cos (kernels/libm.h), whose reduction is exact for any argument and whose bits are the same on every
+// CPU and on the GPU. The reduction must be float64: at p = 2^20 a float32 product p * w alone is off by up
+// to 0.06 rad.
+#include "kernels/libm.h"
 #include "kernels/macros.h"
 
 #include <cmath>
@@ -50,6 +52,22 @@ POSENC_INLINE void sincos_reduced(double angle, float& sin_out, float& cos_out) 
   cos_out = ((bits + 1) & 2) ? -cos_value : cos_value;
 }
 
+// sin and cos of any angle, correctly rounded but in the rarest cases (kernels/libm.h): the path of angles
+// beyond the fast reduction, and of every float64 result.
+POSENC_INLINE void sincos_exact(double angle, float& sin_out, float& cos_out) {
+  DoubleDouble s, c;
+  libm::sincos(angle, s, c);
+  sin_out = libm::to_float(s);
+  cos_out = libm::to_float(c);
+}
+
+POSENC_INLINE void sincos_exact(double angle, double& sin_out, double& cos_out) {
+  DoubleDouble s, c;
+  libm::sincos(angle, s, c);
+  sin_out = s.hi;
+  cos_out = c.hi;
+}
+
 #if !defined(__CUDACC__)
 // sin and cos of position * inv_freq[i] for i < n; max_abs_freq = max_i |inv_freq[i]| picks the path.
 inline void sincos_row(double position, const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out,
@@ -58,19 +76,13 @@ inline void sincos_row(double position, const double* inv_freq, int64_t n, doubl
     for (int64_t i = 0; i < n; ++i) sincos_reduced(position * inv_freq[i], sin_out[i], cos_out[i]);
     return;
   }
-  for (int64_t i = 0; i < n; ++i) {  // far positions, or NaN / infinite ones
-    const double angle = position * inv_freq[i];
-    sin_out[i] = static_cast<float>(std::sin(angle));
-    cos_out[i] = static_cast<float>(std::cos(angle));
-  }
+  // far positions, or NaN / infinite ones
+  for (int64_t i = 0; i < n; ++i) sincos_exact(position * inv_freq[i], sin_out[i], cos_out[i]);
 }
 
 inline void sincos_row(double position, const double* inv_freq, int64_t n, double /*max_abs_freq*/,
                        double* sin_out, double* cos_out) {
-  for (int64_t i = 0; i < n; ++i) {
-    sin_out[i] = std::sin(position * inv_freq[i]);
-    cos_out[i] = std::cos(position * inv_freq[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) sincos_exact(position * inv_freq[i], sin_out[i], cos_out[i]);
 }
 #endif
 
@@ -98,20 +110,14 @@ inline void sincos_row_axes(const double* positions, int64_t n_axes, const int32
     return;
   }
   for (int64_t i = 0; i < n; ++i) {  // far positions
-    const double angle = pair_angle(positions, pair_axis, inv_freq, i);
-    sin_out[i] = static_cast<float>(std::sin(angle));
-    cos_out[i] = static_cast<float>(std::cos(angle));
+    sincos_exact(pair_angle(positions, pair_axis, inv_freq, i), sin_out[i], cos_out[i]);
   }
 }
 
 inline void sincos_row_axes(const double* positions, int64_t /*n_axes*/, const int32_t* pair_axis,
                             const double* inv_freq, int64_t n, double /*max_abs_freq*/, double* sin_out,
                             double* cos_out) {
-  for (int64_t i = 0; i < n; ++i) {
-    const double angle = pair_angle(positions, pair_axis, inv_freq, i);
-    sin_out[i] = std::sin(angle);
-    cos_out[i] = std::cos(angle);
-  }
+  for (int64_t i = 0; i < n; ++i) sincos_exact(pair_angle(positions, pair_axis, inv_freq, i), sin_out[i], cos_out[i]);
 }
 #endif
 

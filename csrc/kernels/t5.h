@@ -1,6 +1,7 @@
 #pragma once
 // T5's relative-position bucketing (Mesh TensorFlow, Hugging Face `_relative_position_bucket`), with its
 // float32 steps kept as they are: bucket edges land where T5's rounding puts them, not where exact maths would.
+#include "kernels/libm.h"
 #include "kernels/macros.h"
 
 #include <cmath>
@@ -26,7 +27,7 @@ POSENC_INLINE T5Buckets make_t5_buckets(bool bidirectional, int64_t num_buckets,
   const int64_t per_direction = bidirectional ? num_buckets / 2 : num_buckets;
   const int64_t exact = per_direction / 2;
   return {bidirectional, per_direction, exact, max_distance,
-          static_cast<float>(std::log(static_cast<double>(max_distance) / static_cast<double>(exact))),
+          static_cast<float>(libm::log(static_cast<double>(max_distance) / static_cast<double>(exact))),
           static_cast<float>(per_direction - exact)};
 }
 
@@ -49,15 +50,15 @@ POSENC_INLINE int64_t t5_bucket(const T5Buckets& t5, int64_t relative_position) 
   if (n < static_cast<uint64_t>(t5.exact)) return bucket + static_cast<int64_t>(n);
   // From max_distance on, T5's log term is at least N' - e and its min() gives the last bucket.
   if (n >= static_cast<uint64_t>(t5.max_distance)) return bucket + t5.per_direction - 1;
-  const float scaled = std::log(static_cast<float>(n) / static_cast<float>(t5.exact)) / t5.log_ratio * t5.log_buckets;
+  const float scaled = libm::logf(static_cast<float>(n) / static_cast<float>(t5.exact)) / t5.log_ratio * t5.log_buckets;
   const int64_t log_bucket = t5.exact + static_cast<int64_t>(scaled);
   return bucket + (log_bucket < t5.per_direction - 1 ? log_bucket : t5.per_direction - 1);
 }
 
-// T5's bucket without a logarithm, for devices whose float32 log may round differently from the host's. The
-// bucket of a log-spaced distance n (exact <= n < max_distance) is exact + the count of thresholds <= n, where
-// thresholds[k] is the least n whose bucket is at least exact + k + 1: t5_bucket is nondecreasing in n, so the
-// count reproduces it. The host tabulates the thresholds with t5_bucket itself (t5_log_thresholds).
+// T5's bucket without a logarithm, as every device computes it: the bucket of a log-spaced distance n
+// (exact <= n < max_distance) is exact + the count of thresholds <= n, where thresholds[k] is the least n whose
+// bucket is at least exact + k + 1: t5_bucket is nondecreasing in n, so the count reproduces it. A bisection over
+// at most N' - e thresholds costs less than a correctly rounded log per element.
 POSENC_INLINE int64_t t5_bucket_tabulated(const T5Buckets& t5, const int64_t* thresholds, int64_t num_thresholds,
                                           int64_t relative_position) {
   const auto [bucket, n] = t5_direction(t5, relative_position);
@@ -77,9 +78,14 @@ POSENC_INLINE int64_t t5_bucket_tabulated(const T5Buckets& t5, const int64_t* th
 }
 
 // The thresholds of t5_bucket_tabulated, found by bisection over [exact, max_distance) with t5_bucket (a distance
-// n of either direction has the log bucket t5_bucket(-n)); max_distance where no distance reaches a bucket.
-inline std::vector<int64_t> t5_log_thresholds(const T5Buckets& t5) {
-  std::vector<int64_t> thresholds;
+// n of either direction has the log bucket t5_bucket(-n)); max_distance where no distance reaches a bucket. A
+// model uses one bucketing: each thread keeps the last one's thresholds (about 60 logarithms).
+inline const std::vector<int64_t>& t5_log_thresholds(const T5Buckets& t5) {
+  thread_local int64_t cached_per_direction = -1;
+  thread_local int64_t cached_max_distance = -1;
+  thread_local std::vector<int64_t> thresholds;
+  if (cached_per_direction == t5.per_direction && cached_max_distance == t5.max_distance) return thresholds;
+  thresholds.clear();
   for (int64_t target = t5.exact + 1; target < t5.per_direction; ++target) {
     int64_t lo = t5.exact;
     int64_t hi = t5.max_distance;
@@ -93,6 +99,8 @@ inline std::vector<int64_t> t5_log_thresholds(const T5Buckets& t5) {
     }
     thresholds.push_back(lo);
   }
+  cached_per_direction = t5.per_direction;
+  cached_max_distance = t5.max_distance;
   return thresholds;
 }
 

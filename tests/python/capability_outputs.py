@@ -1,17 +1,52 @@
-"""Runs every posenc op, forward and backward, on fixed inputs and saves the outputs: the same file is written
-under each CPU capability (POSENC_CPU_CAPABILITY, or an emulated CPU) and test_capabilities.py compares the
-bits.
+"""Runs every posenc op, forward and backward, and every configuration formula (frequencies for every scaling
+type, slopes, position grids) on fixed inputs and saves the outputs: the same file is written under each CPU
+capability (POSENC_CPU_CAPABILITY, or an emulated CPU) and test_capabilities.py compares the bits. The file also
+lists the posenc ops the run called, so that a new op fails the comparison until it is run here.
 
 Usage: python tests/python/capability_outputs.py OUT.pt
 Inputs include every class of value: random bit patterns of fp16/bf16 (NaN payloads, infinities,
-denormals, -0), float32 specials, positions whose angles take the slow path, odd widths, strided views.
+denormals, -0), float32 specials, positions whose angles take the slow path, odd widths, strided views. Every
+input is made with integer arithmetic or posenc's own ops, so that the inputs themselves are the same bits on
+every CPU (torch's vectorized kernels, torch.cos say, differ between CPUs).
 """
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc
 from posenc import functional as PF
+
+# Every scaling type of posenc.frequencies.rope, with each of its optional keys given somewhere.
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.5, "max_position_embeddings": 2048},
+    "ntk": {"rope_type": "ntk", "alpha": 1000.0},
+    "yarn": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
+    "yarn_deepseek": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "yarn_untruncated": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "truncate": False},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(64)],
+                 "long_factor": [1.0 + i / 7 for i in range(64)], "original_max_position_embeddings": 4096,
+                 "max_position_embeddings": 131072},
+}
+
+
+class RecordOps(TorchDispatchMode):
+    """Names the posenc ops called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "posenc":
+            self.names.add(func._schema.name.split("::")[1])
+        return func(*args, **(kwargs or {}))
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -68,6 +103,8 @@ def outputs():
                 out[f"rope_backward/{key}"] = PF.rope_backward(q, None, freq, 1.0, layout, fmt, 3)
                 qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
                 out[f"rope_qk/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
+                out[f"rope_qk_backward/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                 strided = data(shape[:-1] + (2 * shape[-1],), dtype, 9)[..., ::2]
                 out[f"rope_strided/{key}"] = PF.rope(strided, None, freq, 1.0, layout, fmt)
                 inplace = q.clone()
@@ -81,8 +118,8 @@ def outputs():
                     rows = torch.stack([axes, axes.roll(1, 1)], 1)  # [3, B, S]
                     qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
                     out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-                angle = positions[:8, None].double() * freq
-                cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+                table = PF.sinusoidal(positions[:8], freq, "half", torch.float64)
+                cos, sin = table[:, 65:].repeat(1, 2), table[:, :65].repeat(1, 2)
                 out[f"rope_cos_sin/{key}"] = PF.rope_cos_sin(q, cos, sin, layout, fmt)
                 out[f"rope_cos_sin_backward/{key}"] = PF.rope_cos_sin_backward(q, cos, sin, layout, fmt)
 
@@ -104,12 +141,63 @@ def outputs():
     mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]])
     out["make_positions"] = PF.make_positions(mask * 5, 0)
     out["positions_from_mask"] = PF.positions_from_mask(mask, -1)
-    out["relative_position_bucket"] = PF.relative_position_bucket(torch.arange(-300, 300), False, 32, 128)
+    distances = torch.cat([torch.arange(-3000, 3000), torch.tensor([2 ** 40, -(2 ** 62), 2 ** 63 - 1])])
+    for bidirectional in (False, True):
+        for num_buckets, max_distance in ((32, 128), (64, 1000), (320, 2048), (7, 13)):
+            out[f"relative_position_bucket/{bidirectional}/{num_buckets}/{max_distance}"] = (
+                PF.relative_position_bucket(distances, bidirectional, num_buckets, max_distance))
+    out.update(configuration())
+    return out
+
+
+def configuration():
+    """Every configuration formula: frequencies, scales, slopes, position grids."""
+    out = {}
+    for dim in (2, 7, 64, 130, 1024):
+        for base in (10000.0, 10000.5, 1.25, 1e30):
+            for shift in (0, 1):
+                if dim // 2 - shift > 0:
+                    out[f"sinusoidal_inv_freq/{dim}/{base}/{shift}"] = posenc.frequencies.sinusoidal(dim, base, shift)
+    for name, scaling in SCALINGS.items():
+        for rotary_dim, base in ((128, 10000.0), (128, 500000.0), (96, 1e6 + 0.5)):
+            if name == "longrope" and rotary_dim != 128:
+                continue
+            lengths = (None, 1, 2048, 4096, 4097, 10 ** 6)
+            for seq_len in lengths:
+                inv_freq, scale = posenc.frequencies.rope(rotary_dim, base, scaling, seq_len)
+                key = f"rope_inv_freq/{name}/{rotary_dim}/{base}/{seq_len}"
+                out[key] = torch.cat([inv_freq, torch.tensor([scale], dtype=torch.float64)])
+                if seq_len is not None:
+                    rope_type, keywords = posenc.frequencies.rope_arguments(scaling)
+                    for dtype in (torch.int64, torch.float64):
+                        out[f"rope_inv_freq_for_length/{name}/{rotary_dim}/{base}/{seq_len}/{dtype}"] = (
+                            torch.ops.posenc.rope_inv_freq_for_length(torch.tensor(seq_len, dtype=dtype), rotary_dim,
+                                                                       base, rope_type, **keywords))
+    out["alibi_slopes"] = torch.cat([PF.alibi_slopes(n, torch.float64) for n in list(range(1, 80)) + [256, 1000]])
+    out["alibi_slopes/bfloat16"] = PF.alibi_slopes(12, torch.bfloat16)
+    for key, (inv_freq, pair_axis) in {
+        "multiaxis": posenc.frequencies.multiaxis([16, 56, 56], [10000.0, 500.0, 3.5]),
+        "axial": posenc.frequencies.axial(96, 3, 100.0),
+        "mrope": posenc.frequencies.mrope(128, [16, 24, 24], 1e6, True),
+    }.items():
+        out[f"{key}_inv_freq"] = inv_freq
+        out[f"{key}_pair_axis"] = pair_axis
+    out["mrope_pair_axis"] = posenc.frequencies.mrope_pair_axis([16, 24, 24])
+    out["image_positions"] = PF.image_positions(5, 7)
+    out["video_positions"] = PF.video_positions(3, 4, 5, 0.7 * 3)
+    out["zigzag_positions"] = PF.zigzag_positions(48, 3, 1)
+    out["zigzag_positions_varlen"] = torch.cat(PF.zigzag_positions_varlen(torch.tensor([0, 12, 36, 60]), 3, 2))
+    token_types = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0, 0]])
+    positions, deltas = PF.mrope_positions(token_types, torch.tensor([[1, 4, 4]]), torch.tensor([[2, 4, 2]]),
+                                           None, 2, 25.0, torch.tensor([0.5]))
+    out["mrope_positions"] = torch.cat([positions.flatten(), deltas.flatten()])
     return out
 
 
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    results = outputs()
+    with RecordOps() as recorder:
+        results = outputs()
     results["capability"] = posenc.cpu_capability()
+    results["ops_called"] = sorted(recorder.names)
     torch.save(results, sys.argv[1])

@@ -120,15 +120,6 @@ _SHADOW_SKIPS = re.compile(r"compile|export|opcheck|meta|capabilit|emulated|scri
 # Files whose tests trace, export or run other processes (ONNX, AOTInductor, DTensor, subprocesses).
 _SHADOW_SKIP_FILES = {"test_capabilities.py", "test_export.py", "test_onnx.py", "test_distributed.py", "test_study.py",
                       "test_readme.py", "test_version.py"}
-# Ops whose maths calls sin/cos: exact wherever both sides take the fast angle reduction; float64 data and far
-# angles use each device's float64 sin/cos, which may differ in the last bit.
-_ANGLE_OPS = {"rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "sinusoidal", "add_sinusoidal",
-              "embed_sinusoidal"}
-# rope_inv_freq_for_length: dynamic NTK's frequencies past its context, formed on the GPU by CUDA's pow, log and exp.
-_LAST_BIT_OPS = _ANGLE_OPS | {"rope_inv_freq_for_length"}
-_LAST_BITS = {torch.float64: dict(rtol=1e-13, atol=1e-13), torch.float32: dict(rtol=3e-7, atol=3e-7),
-              torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
-
 
 @pytest.fixture(params=DEVICES)
 def device(request):
@@ -196,13 +187,8 @@ class ShadowDevice(TorchDispatchMode):
     def _compare(self, name, expected, actual):
         assert actual.device.type == self.device, f"{name}: an output on {actual.device}"
         assert (actual.shape, actual.dtype) == (expected.shape, expected.dtype), name
-        actual = actual.cpu()
-        if expected.is_floating_point() and name in _LAST_BIT_OPS:
-            torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{name}: {m}",
-                                       **_LAST_BITS[expected.dtype])
-        else:
-            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m: f"{name} (expected the same bits): {m}")
+        torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{name} (expected the same bits): {m}")
 
 
 _shadow_calls = {"count": 0}

@@ -18,24 +18,30 @@ T5Buckets buckets_of(const T5BucketParams& params) {
   return make_t5_buckets(params.bidirectional, params.num_buckets, params.max_distance);
 }
 
-// A bucket can cost a log: a smaller grain than for plain copies.
+// A bucket costs a short bisection: a smaller grain than for plain copies.
 constexpr int64_t kBucketGrain = 2048;
 
 template <typename index_t>
 void relative_bucket_kernel(const RelativeBucketProblem<index_t>& p) {
   const auto t5 = buckets_of(p.params);
+  const auto& thresholds = t5_log_thresholds(t5);
+  const auto count = static_cast<int64_t>(thresholds.size());
   parallel_for(0, p.numel, kBucketGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) p.out[n] = t5_bucket(t5, static_cast<int64_t>(p.relative_position[n]));
+    for (int64_t n = begin; n < end; ++n) {
+      p.out[n] = t5_bucket_tabulated(t5, thresholds.data(), count, static_cast<int64_t>(p.relative_position[n]));
+    }
   });
 }
 
 // Bucket of diagonal r = j - i + (q_len - 1), whose relative position is r - (q_len - 1) - q_offset.
 std::vector<int64_t> diagonal_buckets(const T5BucketParams& params, int64_t q_len, int64_t k_len, int64_t q_offset) {
   const auto t5 = buckets_of(params);
+  const auto& thresholds = t5_log_thresholds(t5);
+  const auto count = static_cast<int64_t>(thresholds.size());
   std::vector<int64_t> out(q_len + k_len - 1);
   const int64_t first = -(q_len - 1) - q_offset;
   parallel_for(0, static_cast<int64_t>(out.size()), kBucketGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) out[r] = t5_bucket(t5, first + r);
+    for (int64_t r = begin; r < end; ++r) out[r] = t5_bucket_tabulated(t5, thresholds.data(), count, first + r);
   });
   return out;
 }

@@ -50,9 +50,10 @@ RopeFrequencies rope(int64_t rotary_dim, double base = 10000.0, const RopeScalin
                      std::optional<int64_t> seq_len = std::nullopt);
 
 // The inv_freq of rope(rotary_dim, base, scaling, L) for the length L held by `seq_len` (a 0-d integer or
-// floating tensor), computed with tensor operations on seq_len's device and without reading it, so a traced or
-// compiled caller (torch.compile with dynamic shapes, torch.export) gets one graph for every length. Equal bit
-// for bit to rope(...).inv_freq for the same L.
+// floating tensor), on seq_len's device: one op whatever the length, so a traced or compiled caller
+// (torch.compile with dynamic shapes, torch.export) gets one graph for every length. A CPU length is read; a
+// CUDA one is not (a kernel evaluates the same formulas on the device). Equal bit for bit to rope(...).inv_freq
+// for the same L.
 at::Tensor rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len);
 
 // Every check of rope_for_length, reading metadata only: the Meta kernel of posenc::rope_inv_freq_for_length
