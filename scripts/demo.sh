@@ -5,7 +5,7 @@
 # and repeats its evaluation, and a greedy continuation, from C++. About 10 minutes on 2 cores, setup included.
 #
 #   bash scripts/demo.sh                          # the default run, in build/study
-#   bash scripts/demo.sh --preset large           # longer and larger (flags go to python -m posenc.study)
+#   bash scripts/demo.sh --preset large           # longer and larger (flags go to scripts/study.py)
 #   bash scripts/demo.sh --steps 2000 --dim 192   # any other size; --help lists them
 #   PROCESSES=1 bash scripts/demo.sh              # one process instead of torchrun's two
 set -euo pipefail

@@ -1,4 +1,4 @@
-// The C++ half of the length-generalization study: loads the model that `python -m posenc.study` exported
+// The C++ half of the length-generalization study: loads the model that `python scripts/study.py` exported
 // with TorchScript, measures its held-out bits per byte at the lengths Python measured, and continues a
 // prompt greedily.
 //
@@ -105,7 +105,7 @@ std::string generate(torch::jit::Module& model, const std::string& prompt, int64
 
 int main(int argc, char** argv) {
   if (argc != 2) {
-    std::cerr << "usage: " << argv[0] << " EXPORT_DIR   (written by python -m posenc.study)\n";
+    std::cerr << "usage: " << argv[0] << " EXPORT_DIR   (written by python scripts/study.py)\n";
     return 2;
   }
   const std::string dir = argv[1];

@@ -57,3 +57,22 @@ def test_import_with_another_torch_fails_before_loading_the_library(tmp_path):
     assert f"posenc {posenc.__version__} was built for torch 2.12.0, but torch {torch.__version__} is installed" \
         in result.stdout
     assert "libposenc loaded: False" in result.stdout
+
+
+def test_package_needs_neither_the_study_nor_its_dependencies():
+    # The study (scripts/study.py) is a program beside the library, not part of it: the package must import
+    # without matplotlib and tqdm, which only the study uses. torch.hub imports tqdm itself when it is installed
+    # (with a fallback when it is not), so tqdm is made unimportable here and an import of it by posenc fails;
+    # matplotlib, which torch does not import, must stay out of sys.modules.
+    script = """
+import importlib.util, sys
+sys.modules["tqdm"] = None
+import posenc, posenc.functional, posenc.nn, posenc.frequencies, posenc.onnx, posenc.integrations.transformers
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("matplotlib", "tqdm") and sys.modules[m]))
+print(importlib.util.find_spec("posenc.study"))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr  # "import of tqdm halted": posenc imports tqdm
+    loaded, study = result.stdout.splitlines()[-2:]
+    assert loaded == "[]", f"posenc imported {loaded}"
+    assert study == "None", f"posenc.study still exists: {study}"
