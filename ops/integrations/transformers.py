@@ -12,10 +12,11 @@
   name, so that function is wrapped while a patched model of that file exists: the wrapper sends
   :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every unpatched model, to the
   original function unchanged.
-- **BLOOM**: the model's ``build_alibi_tensor`` becomes posenc's ``alibi_bias`` (one row per head, as BLOOM
-  adds it inside ``baddbmm``); a call without an attention mask gets an all-ones mask, so that both of
-  BLOOM's paths build the bias with posenc.
-- **T5**: ``compute_bias`` of the attention layers that own a bucket table becomes ``posenc.t5_bias``.
+- **BLOOM**: the model's ``build_alibi_tensor`` becomes posenc's slopes times ``positions_from_mask`` (one row
+  per head, as BLOOM adds it inside ``baddbmm``), BLOOM's bias for padding anywhere in the mask; a call without
+  an attention mask gets an all-ones mask, so that both of BLOOM's paths build the bias with posenc.
+- **T5**: ``compute_bias`` of the attention layers that own a bucket table becomes ``posenc.t5_bias``
+  (``posenc.relative_position_bucket`` when a static cache gives its length as a tensor).
 - **GPT-2**: ``wte(input_ids) + wpe(position_ids)`` becomes one ``posenc.embed_learned`` call.
 
 Everything else is per instance: a swapped submodule, or an instance attribute that shadows its class's method
@@ -152,8 +153,14 @@ def _swap_module(record: Patch, model: torch.nn.Module, path: str, module: torch
 
 def _shadow_method(record: Patch, owner: torch.nn.Module, path: str, method: str, fn: Callable, what: str) -> None:
     """Binds fn to one instance as ``owner.<method>``: an instance attribute shadows the class's method (and
-    ``copy.deepcopy`` binds it to the copy)."""
-    setattr(owner, method, types.MethodType(fn, owner))
+    ``copy.deepcopy`` binds it to the copy). It carries the class method's name, docstring and signature, because
+    code that inspects ``model.forward`` (generation, transformers' tests) decides from its parameters."""
+
+    @functools.wraps(getattr(type(owner), method))
+    def shadow(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    setattr(owner, method, types.MethodType(shadow, owner))
     record._undo.append(("attribute", path, method))
     record.changes.append(Change("method", f"{path or 'model'}.{method}", what))
 
@@ -210,6 +217,11 @@ class RotaryPositions(torch.nn.Module):
     Each instance holds the wrapper of its modeling file's ``apply_rotary_pos_emb`` (see :func:`patch`) until
     :meth:`release` (called by :func:`unpatch`) or until it is garbage collected; a ``copy.deepcopy`` holds it
     too.
+
+    The attributes of the replaced module stay readable, with its values: ``rope_type``, ``attention_scaling``,
+    ``inv_freq`` and ``original_inv_freq`` (Hugging Face's float32 frequencies, non-persistent buffers as there;
+    dynamic NTK updates ``inv_freq`` as Hugging Face does), ``max_seq_len_cached``, ``original_max_seq_len`` and
+    ``config``. The rotation itself uses posenc's float64 frequencies (``self.rotary``).
     """
 
     def __init__(self, original: torch.nn.Module, modeling: str):
@@ -217,6 +229,12 @@ class RotaryPositions(torch.nn.Module):
         self.config = original.config
         self.modeling = modeling
         self.rotary = RotaryEmbedding.from_hf_config(original.config)
+        # Code written for Hugging Face's module (its tests, scaling checks) reads these.
+        self.rope_type = original.rope_type
+        self.attention_scaling = original.attention_scaling
+        original_inv_freq = getattr(original, "original_inv_freq", original.inv_freq)
+        self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
+        self.register_buffer("original_inv_freq", original_inv_freq.detach().clone(), persistent=False)
         # A "dynamic" dict with an alpha (HunYuan) is fixed NTK: frequencies.rope then ignores the length, so the
         # state kept below changes nothing for it.
         self.dynamic = self.rotary.rope_type == "dynamic"
@@ -245,7 +263,7 @@ class RotaryPositions(torch.nn.Module):
     def _inv_freq(self, x: Tensor, positions: Tensor) -> Tensor:
         if not self.dynamic:
             return self.rotary.inv_freq_for(x, positions)
-        seq_len = int(positions.max()) + 1
+        seq_len, previous = int(positions.max()) + 1, self.max_seq_len_cached
         if seq_len > self.max_seq_len_cached:
             self.max_seq_len_cached = seq_len
         elif seq_len < self.original_max_seq_len < self.max_seq_len_cached:
@@ -254,6 +272,9 @@ class RotaryPositions(torch.nn.Module):
             inv_freq = frequencies.rope(self.rotary.rotary_dim, self.rotary.base, self.rotary.scaling,
                                         self.max_seq_len_cached)[0]
             self._dynamic_inv_freq = (self.max_seq_len_cached, inv_freq)
+        if self.max_seq_len_cached != previous:  # where Hugging Face's module replaces its inv_freq
+            self.inv_freq = (self.original_inv_freq if self.max_seq_len_cached == self.original_max_seq_len
+                             else self._dynamic_inv_freq[1].to(self.inv_freq))
         return self._dynamic_inv_freq[1].to(self.rotary.inv_freq.device)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tuple[RotaryAngles, RotaryAngles]:
@@ -322,16 +343,17 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
 # ---------------------------------------------------------------- BLOOM: ALiBi
 
 def _bloom_alibi(self, attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
-    """posenc's causal ALiBi as the one row per head that BLOOM adds inside ``baddbmm``: ``[B * H, 1, K]``.
+    """BLOOM's bias rows ``[B * H, 1, K]``, added inside ``baddbmm``: slope m times p_j, the number of real tokens
+    before key j (0 on padding), which ``posenc.positions_from_mask`` gives.
 
-    Row form: the bias -m (K - 1 - j) of the last query, broadcast over the queries. Against the full
-    -m (i + K - Q - j) of query i it differs by a constant per query row, and against BLOOM's m * (number of
-    real tokens before key j) by a constant per batch row for left or right padding: equal after softmax.
+    Each key has its own position, so padding anywhere in the mask (left, right, or between real tokens) gives
+    BLOOM's bias. A bias that depends on the column alone (``alibi_bias``) would equal it after softmax for left
+    or right padding only.
     """
     batch, k_len = attention_mask.shape
     slopes = PF.alibi_slopes(num_heads, device=attention_mask.device)
-    row = PF.alibi_bias(slopes, 1, k_len, "causal", dtype=dtype)
-    return row.expand(batch, num_heads, 1, k_len).reshape(batch * num_heads, 1, k_len)
+    positions = PF.positions_from_mask(attention_mask)
+    return (slopes[:, None] * positions[:, None, :]).reshape(batch * num_heads, 1, k_len).to(dtype)
 
 
 def _cache_of(arguments: Dict[str, Any]) -> Any:
@@ -357,7 +379,7 @@ def _patch_bloom(model: torch.nn.Module) -> Patch:
     record = Patch("bloom", "alibi")
     for name, bloom in _find(model, lambda m: type(m).__name__ == "BloomModel"):
         _shadow_method(record, bloom, name, "build_alibi_tensor", _bloom_alibi,
-                       "posenc.alibi_bias (causal, one row per head)")
+                       "posenc.alibi_slopes times posenc.positions_from_mask (one row per head)")
         _shadow_method(record, bloom, name, "forward", _bloom_forward,
                        "BloomModel.forward with an all-ones attention mask when none is given")
     return record
@@ -367,10 +389,22 @@ def _patch_bloom(model: torch.nn.Module) -> Patch:
 
 def _t5_compute_bias(self, query_length: int, key_length: int, device=None, past_seen_tokens=0) -> Tensor:
     """``posenc.t5_bias`` of this layer's bucket table: [1, H, query_length, key_length], queries from
-    past_seen_tokens on (decoder with a cache)."""
-    return PF.t5_bias(self.relative_attention_bias.weight, int(query_length), int(key_length), not self.is_decoder,
-                      self.relative_attention_num_buckets, self.relative_attention_max_distance,
-                      int(past_seen_tokens))
+    past_seen_tokens on (decoder with a cache).
+
+    The lengths reach the op as they come: under torch.compile they are symbolic sizes, which ``int()`` would
+    pin to one value (a recompilation per decoding step). A static cache gives past_seen_tokens as a tensor;
+    reading it as a number (``.item()``) fails torch.export and breaks the graph, so the query positions are
+    computed from the tensor and bucketed by ``posenc.relative_position_bucket``, as Hugging Face does.
+    """
+    table = self.relative_attention_bias
+    if isinstance(past_seen_tokens, Tensor):
+        queries = torch.arange(query_length, device=past_seen_tokens.device) + past_seen_tokens
+        relative = torch.arange(key_length, device=queries.device) - queries[:, None]
+        buckets = PF.relative_position_bucket(relative, not self.is_decoder, self.relative_attention_num_buckets,
+                                              self.relative_attention_max_distance)
+        return table(buckets.to(table.weight.device)).permute(2, 0, 1).unsqueeze(0)
+    return PF.t5_bias(table.weight, query_length, key_length, not self.is_decoder,
+                      self.relative_attention_num_buckets, self.relative_attention_max_distance, past_seen_tokens)
 
 
 def _patch_t5(model: torch.nn.Module) -> Patch:
@@ -399,6 +433,16 @@ class _AlreadyInEmbeddings:
                         f"embeddings; only adding them is supported, got {getattr(func, '__name__', func)}")
 
 
+def _gpt2_wte_forward(self, input_ids: Tensor) -> Tensor:
+    pending = self.__dict__.get("_posenc_pending")
+    if pending is None:
+        return torch.nn.Embedding.forward(self, input_ids)
+    self._posenc_pending = None  # the token ids of this call only: token_type_ids come through wte too
+    wpe, positions = pending
+    wpe._posenc_positions_added = True
+    return PF.embed_learned(input_ids, self.weight, wpe.weight, positions)
+
+
 def _gpt2_wpe_forward(self, position_ids: Tensor):
     if self.__dict__.get("_posenc_positions_added"):
         self._posenc_positions_added = False  # one call
@@ -407,38 +451,42 @@ def _gpt2_wpe_forward(self, position_ids: Tensor):
 
 
 def _gpt2_forward(self, *args, **kwargs):
-    """GPT2Model.forward with ``inputs_embeds = embed_learned(input_ids, wte, wpe, positions)``, GPT-2's numbering
-    (``position_ids``, else cache length + arange(S)); for this call, ``wpe`` returns a marker that GPT-2's
-    ``inputs_embeds + position_embeds`` leaves out. Calls with ``inputs_embeds`` run as they are."""
+    """GPT2Model.forward, where GPT-2's ``wte(input_ids)`` returns ``embed_learned(input_ids, wte, wpe, positions)``
+    for this call and ``wpe`` then a marker that GPT-2's ``inputs_embeds + position_embeds`` leaves out. The rest
+    is GPT-2's code, so input_ids of any shape ([S], [B, S], [B, choices, S]) give its output shapes. Calls with
+    ``inputs_embeds`` run as they are."""
     arguments = _class_forward(self, args, kwargs)
-    tokens = arguments.get("input_ids")
+    tokens, position_ids = arguments.get("input_ids"), arguments.get("position_ids")
     if tokens is None or arguments.get("inputs_embeds") is not None:
         return type(self).forward(self, **arguments)
-    position_ids = arguments.get("position_ids")
-    tokens = tokens.reshape(-1, tokens.size(-1))
-    offset, positions = 0, None
+    seq = tokens.size(-1)  # wte sees the ids as GPT-2 flattens them: [-1, seq]
     if position_ids is not None:
-        positions = position_ids.reshape(-1, position_ids.size(-1))
+        positions = position_ids.reshape(-1, seq)
         positions = positions[0] if positions.size(0) == 1 else positions
     else:
+        # GPT-2's numbering, cache length + arange(S). The length is added as it comes (a tensor for a static
+        # cache, a symbolic size under torch.compile): reading it as a number would fail torch.export and
+        # recompile at every decoding step.
         cache = _cache_of(arguments)
-        offset = int(cache.get_seq_length()) if cache is not None else 0
-    arguments["inputs_embeds"] = PF.embed_learned(tokens, self.wte.weight, self.wpe.weight, positions, offset=offset)
-    arguments["input_ids"] = None
-    self.wpe._posenc_positions_added = True
+        positions = None if cache is None else torch.arange(seq, device=tokens.device) + cache.get_seq_length()
+    self.wte._posenc_pending = (self.wpe, positions)
     try:
         return type(self).forward(self, **arguments)
-    finally:
-        self.wpe._posenc_positions_added = False  # also when the call raised before reaching wpe
+    finally:  # also when the call raised before reaching wte or wpe
+        self.wte._posenc_pending = None
+        self.wpe._posenc_positions_added = False
 
 
 def _patch_gpt2(model: torch.nn.Module) -> Patch:
     record = Patch("gpt2", "learned")
     for name, gpt2 in _find(model, lambda m: type(m).__name__ == "GPT2Model"):
-        wpe = f"{name}.wpe" if name else "wpe"
+        wte, wpe = (f"{name}.wte", f"{name}.wpe") if name else ("wte", "wpe")
+        _shadow_method(record, gpt2.wte, wte, "forward", _gpt2_wte_forward,
+                       "posenc.embed_learned(input_ids, wte, wpe, positions) for GPT2Model's token ids")
+        record._undo.append(("attribute", wte, "_posenc_pending"))
         _shadow_method(record, gpt2.wpe, wpe, "forward", _gpt2_wpe_forward,
                        "nothing to add while the token embeddings already hold the positions")
         record._undo.append(("attribute", wpe, "_posenc_positions_added"))
         _shadow_method(record, gpt2, name, "forward", _gpt2_forward,
-                       "GPT2Model.forward with inputs_embeds = posenc.embed_learned(input_ids, wte, wpe, positions)")
+                       "GPT2Model.forward with its positions handed to the fused wte")
     return record

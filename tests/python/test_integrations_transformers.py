@@ -7,6 +7,7 @@ tokens), and, through a dispatch mode, that the posenc op does the positional wo
 import collections
 import copy
 import gc
+import inspect
 import re
 from pathlib import Path
 
@@ -150,6 +151,45 @@ def test_dynamic_ntk_keeps_hugging_face_state_across_calls():
                                    logits(reference, input_ids=tokens[:, :length]), atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("scaling", ["default", "linear", "dynamic", "yarn"])
+def test_the_rotary_module_keeps_hugging_face_attributes(scaling):
+    """Code written for Hugging Face's rotary module finds the patched one and reads the original's values: a
+    module named like ``rotary_emb`` with ``inv_freq`` and ``rope_type`` is what transformers' own
+    test_model_rope_scaling_frequencies looks for (it skips a model without one)."""
+    reference = llama(SCALINGS[scaling])
+    patched, _ = patched_copy(reference)
+    found = next(module for name, module in patched.named_modules()
+                 if "rotary_emb" in name and hasattr(module, "inv_freq") and hasattr(module, "rope_type"))
+    assert found is patched.model.rotary_emb and isinstance(found, PT.RotaryPositions)
+    ours, theirs = patched.model.rotary_emb, reference.model.rotary_emb
+
+    def assert_same_attributes():
+        assert ours.rope_type == theirs.rope_type == scaling
+        assert ours.attention_scaling == theirs.attention_scaling
+        assert ours.original_max_seq_len == theirs.original_max_seq_len
+        assert int(ours.max_seq_len_cached) == int(theirs.max_seq_len_cached)
+        assert torch.equal(ours.original_inv_freq, theirs.original_inv_freq)
+        # Dynamic NTK grown past the limit: posenc's float64 frequencies rounded, within an ulp of Hugging Face's.
+        torch.testing.assert_close(ours.inv_freq, theirs.inv_freq, atol=0, rtol=2e-7)
+        assert ours.inv_freq.dtype == theirs.inv_freq.dtype == torch.float32
+
+    assert_same_attributes()
+    assert torch.equal(ours.inv_freq, theirs.inv_freq)
+    tokens = torch.randint(0, VOCAB, (1, 40))
+    for length in (40, 30, 12):  # dynamic: grows to 40, keeps it, resets below max_position_embeddings
+        for model in (patched, reference):
+            logits(model, input_ids=tokens[:, :length])
+        assert_same_attributes()
+        if scaling == "dynamic" and length > SEQ_LIMIT:
+            assert (ours.inv_freq <= ours.original_inv_freq).all() and not torch.equal(ours.inv_freq,
+                                                                                      ours.original_inv_freq)
+    default = reference.model.rotary_emb.compute_default_rope_parameters(reference.config)[0]
+    if scaling == "linear":
+        torch.testing.assert_close(ours.inv_freq * 2.0, default)
+    elif scaling == "yarn":
+        assert ours.attention_scaling > 1.0
+
+
 # ---------------------------------------------------------------- rotary: the other model types
 
 def rotary_models():
@@ -195,13 +235,13 @@ def test_bloom_alibi_matches_hugging_face():
     assert [c.target for c in record.changes] == ["transformer.build_alibi_tensor", "transformer.forward"]
     tokens = torch.randint(3, VOCAB, (2, 13))
     mask = torch.ones_like(tokens)
-    mask[1, :5] = 0  # left padding: BLOOM's bias counts real tokens, ours columns; equal after softmax
+    mask[1, :5] = 0  # left padding
     real = mask.bool()
     for inputs, compared in ((dict(input_ids=tokens), None), (dict(input_ids=tokens, attention_mask=mask), real)):
         labels = tokens if compared is None else tokens.masked_fill(~real, -100)
         assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=labels),
                                   dict(input_ids=tokens, attention_mask=mask, max_new_tokens=8), real=compared)
-        assert ops_of(lambda: patched(**inputs))["posenc.alibi_bias.default"] == 1
+        assert ops_of(lambda: patched(**inputs))["posenc.positions_from_mask.default"] == 1
     # Decoding with a cache and no mask: BLOOM's inline path, sent through posenc by the all-ones mask.
     with torch.no_grad():
         steps = [model(input_ids=tokens[:, :9], use_cache=True) for model in (patched, reference)]
@@ -210,6 +250,32 @@ def test_bloom_alibi_matches_hugging_face():
             steps = [model(input_ids=following, cache=step.cache, use_cache=True)
                      for model, step in zip((patched, reference), steps)]
             torch.testing.assert_close(steps[0].logits, steps[1].logits, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("padding", ["left", "between"])
+def test_bloom_padding_anywhere_matches_hugging_face(padding):
+    """BLOOM's bias is the slope times the number of real tokens before each key; with holes in the mask (padding
+    between real tokens) it is not a per-row constant away from a column-only bias. The patch gives BLOOM's."""
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    reference = transformers.BloomForCausalLM(config).eval()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (3, 9))
+    mask = torch.ones_like(tokens)
+    if padding == "left":
+        mask[1, :3] = 0
+        mask[2, :6] = 0
+    else:
+        mask[0, 2] = 0  # [1, 1, 0, 1, 1, ...]
+        mask[1, 3:6] = 0
+        mask[2, 0] = mask[2, 4] = 0
+    real = mask.bool()
+    inputs = dict(input_ids=tokens, attention_mask=mask)
+    assert_same_model_outputs(reference, patched, inputs, dict(inputs, labels=tokens.masked_fill(~real, -100)),
+                              dict(inputs, max_new_tokens=6), real=real)
+    embeds = reference.transformer.word_embeddings(tokens).detach()
+    torch.testing.assert_close(logits(patched, inputs_embeds=embeds, attention_mask=mask)[real],
+                               logits(reference, inputs_embeds=embeds, attention_mask=mask)[real],
+                               atol=LOGITS_ATOL, rtol=0)
 
 
 def test_t5_relative_bias_matches_hugging_face():
@@ -225,6 +291,78 @@ def test_t5_relative_bias_matches_hugging_face():
                               dict(input_ids=tokens, labels=targets), dict(input_ids=tokens, max_new_tokens=12))
     counts = ops_of(lambda: patched(input_ids=tokens, labels=targets).loss.backward())
     assert counts["posenc.t5_bias.default"] == 2 and counts["posenc.t5_bias_backward.default"] == 2
+
+
+def t5_generator():
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=64, num_heads=4, num_layers=2,
+                                   num_decoder_layers=2, relative_attention_num_buckets=16,
+                                   relative_attention_max_distance=20, dropout_rate=0.0, decoder_start_token_id=0,
+                                   pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static_shapes", "dynamic_shapes"])
+def test_t5_exports_for_generation_with_a_static_cache(dynamic):
+    """transformers' test_torch_export_generate_{static,dynamic}_static_cache: prefill and decode captured from
+    generate() with a static cache, each exported with torch.export. A static cache's length is a tensor; the
+    patched bias computes the query positions from it (a number read from it would fail the export)."""
+    exporters = pytest.importorskip("transformers.exporters")
+    from transformers.exporters.utils import decompose_for_generation
+
+    reference = t5_generator()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 9))
+    stages = decompose_for_generation(patched, dict(input_ids=tokens, attention_mask=torch.ones_like(tokens)),
+                                      generation_config=transformers.GenerationConfig(cache_implementation="static",
+                                                                                      max_cache_len=16))
+    posenc_ops = {}
+    for stage, (model, inputs) in stages.items():
+        program, _ = exporters.DynamoExporter().export_program(model, inputs, exporters.DynamoConfig(dynamic=dynamic))
+        posenc_ops[stage] = {str(node.target) for node in program.graph.nodes if "posenc" in str(node.target)}
+        with torch.no_grad():
+            ours = program.module()(**copy.deepcopy(inputs))["logits"]
+            theirs = reference(**copy.deepcopy(inputs)).logits
+        torch.testing.assert_close(ours, theirs, atol=LOGITS_ATOL, rtol=0, msg=stage)
+    assert posenc_ops == {"prefill": {"posenc.t5_bias.default"}, "decode": {"posenc.relative_position_bucket.default"}}
+
+
+@pytest.mark.parametrize("family, cache", [("t5", "static"), ("gpt2", "static"), ("gpt2", "dynamic")])
+def test_compiled_decoding_recompiles_no_more_than_hugging_face(family, cache):
+    """torch.compile over greedy decoding steps: the patched model compiles no more graphs than the unpatched one
+    and breaks no graph. Reading the cache length as a Python number would recompile at each step (a static
+    cache's length is a tensor, a dynamic one's a symbolic size)."""
+    from torch._dynamo.utils import counters
+
+    reference = t5_generator() if family == "t5" else gpt2()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 9))
+
+    def decode(model):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="eager")
+        caches = [transformers.StaticCache(config=model.config, max_cache_len=20) if cache == "static"
+                  else transformers.DynamicCache() for _ in range(2)]
+        if family == "t5":
+            encoded = model.encoder(input_ids=tokens)
+            inputs = dict(encoder_outputs=encoded, cache=transformers.EncoderDecoderCache(*caches))
+            step = torch.zeros(2, 1, dtype=torch.long)
+        else:
+            inputs, step = dict(cache=caches[0]), tokens
+        steps = []
+        for _ in range(5):
+            out = compiled(**{("decoder_input_ids" if family == "t5" else "input_ids"): step}, **inputs,
+                           use_cache=True).logits[:, -1]
+            steps.append(out)
+            step = out.argmax(-1, keepdim=True)
+        return torch.stack(steps), counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+    with torch.no_grad():
+        theirs, their_graphs, their_breaks = decode(reference)
+        ours, our_graphs, our_breaks = decode(patched)
+    torch._dynamo.reset()
+    torch.testing.assert_close(ours, theirs, atol=LOGITS_ATOL, rtol=0)
+    assert our_graphs <= their_graphs and our_breaks == their_breaks == 0
 
 
 def gpt2():
@@ -260,6 +398,36 @@ def test_gpt2_token_type_ids_and_inputs_embeds_keep_working():
     torch.testing.assert_close(logits(patched, inputs_embeds=embeds), logits(reference, inputs_embeds=embeds),
                                atol=0, rtol=0)
     assert torch.equal(patched.transformer.wpe(torch.arange(5)), reference.transformer.wpe(torch.arange(5)))
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 7), (2, 3, 7)], ids=["1d", "2d", "3d"])
+def test_gpt2_input_ids_of_every_shape_match_hugging_face(shape):
+    """GPT-2 takes input_ids [S], [B, S] and, for GPT2DoubleHeadsModel, [B, choices, S]: it flattens them to
+    [-1, S] and gives its outputs the input's leading shape. The patched model gives the same shapes and values,
+    with and without position_ids and a cache."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=40, n_embd=64, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    reference = transformers.GPT2DoubleHeadsModel(config).eval()
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, shape)
+    calls = [dict(input_ids=tokens), dict(input_ids=tokens, position_ids=torch.arange(3, 3 + shape[-1])[None])]
+    if len(shape) == 3:  # the multiple-choice head reads one token per choice
+        calls.append(dict(input_ids=tokens, mc_token_ids=torch.randint(0, shape[-1], shape[:-1])))
+    with torch.no_grad():
+        for inputs in calls:
+            ours, theirs = patched(**inputs), reference(**inputs)
+            assert ours.logits.shape == theirs.logits.shape == shape + (VOCAB,)
+            assert ours.mc_logits.shape == theirs.mc_logits.shape
+            torch.testing.assert_close(ours.logits, theirs.logits, atol=0, rtol=0)
+            torch.testing.assert_close(ours.mc_logits, theirs.mc_logits, atol=0, rtol=0)
+        # Decoding: the first 4 tokens, then the rest with the cache (positions continue at 4).
+        first = [model(input_ids=tokens[..., :4], use_cache=True) for model in (patched, reference)]
+        ours, theirs = [model(input_ids=tokens[..., 4:], cache=out.cache)
+                        for model, out in zip((patched, reference), first)]
+        assert ours.logits.shape == theirs.logits.shape == shape[:-1] + (3, VOCAB)
+        torch.testing.assert_close(ours.logits, theirs.logits, atol=0, rtol=0)
+    counts = ops_of(lambda: patched(input_ids=tokens))
+    assert counts["posenc.embed_learned.default"] == 1 and counts["aten.embedding.default"] == 0
 
 
 @pytest.mark.parametrize("build", [lambda: llama(SCALINGS["longrope"]), gpt2], ids=["llama", "gpt2"])
@@ -322,6 +490,27 @@ def t5():
                                                       num_layers=1, decoder_start_token_id=0))
 
 
+@pytest.mark.parametrize("build", [gpt2, bloom], ids=["gpt2", "bloom"])
+def test_patched_forward_keeps_its_signature(build):
+    """The patched forward is an instance attribute with the class method's signature, name and docstring:
+    transformers' test_inputs_embeds (and generation) read its parameters; without them it skips the model."""
+    reference = build()
+    patched, record = patched_copy(reference)
+    for change in record.changes:
+        owner, _, method = change.target.rpartition(".")
+        ours, theirs = getattr(patched.get_submodule(owner), method), getattr(reference.get_submodule(owner), method)
+        assert inspect.signature(ours) == inspect.signature(theirs), change.target
+        assert ours.__name__ == theirs.__name__ and ours.__doc__ == theirs.__doc__, change.target
+    base = patched.base_model
+    assert "inputs_embeds" in inspect.signature(base.forward).parameters
+    tokens = torch.randint(3, VOCAB, (2, 9))
+    embeds = base.get_input_embeddings()(tokens).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(base(inputs_embeds=embeds).last_hidden_state,
+                                   reference.base_model(inputs_embeds=embeds).last_hidden_state,
+                                   atol=LOGITS_ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("build", [lambda: llama(SCALINGS["dynamic"]), bloom, t5, gpt2],
                          ids=["llama", "bloom", "t5", "gpt2"])
 def test_unpatch_leaves_the_objects_as_they_were(build):
@@ -367,7 +556,8 @@ def test_record_lists_the_changes():
     text = str(record)
     assert text.startswith("posenc patch of a gpt2 model (learned):")
     assert "transformer.forward" in text and "posenc.embed_learned" in text
-    assert [c.target for c in record.changes] == ["transformer.wpe.forward", "transformer.forward"]
+    assert [c.target for c in record.changes] == ["transformer.wte.forward", "transformer.wpe.forward",
+                                                  "transformer.forward"]
 
 
 def test_errors():
