@@ -1,8 +1,13 @@
 #pragma once
-// Checks of the ALiBi family, shared by its CPU and Meta kernels.
+// Checks of the ALiBi family, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU and
+// CUDA kernels.
 #include "common/checks.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <string>
 
@@ -85,5 +90,81 @@ inline AlibiBiasShape check_alibi_bias(const at::Tensor& slopes, const c10::SymI
   TORCH_CHECK(at::isFloatingType(out_dtype), "posenc.", op, ": dtype must be floating, got ", out_dtype);
   return {slopes.dim() == 2 ? slopes.sym_size(0) : c10::SymInt(1), local_heads, out_dtype};
 }
+
+// The rows (b, h, i) of a [B, H, Q, K] tensor as the kernels read them.
+inline AlibiRows alibi_rows(const at::Tensor& t) {
+  return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// The ops of ALiBi on one device: checks, allocation and dtype dispatch, the same on every device. The device
+// supplies the rest:
+//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   add_bias<scalar_t>(in, out, slopes, mode, head_offset)
+//                           every row of out = in + bias (in undefined: the bias alone); out may be in;
+//   slope_grad<scalar_t>(grad, mode, slopes, head_offset, acc)
+//                           acc[b?, head_offset + h] (float64, zeros) = -sum_{i, j} grad[b, h, i, j] * d_ij
+//                           (|d_ij| symmetric), in the CPU's order.
+template <typename Device>
+struct AlibiOps {
+  static at::Tensor alibi_bias(const at::Tensor& slopes, int64_t q_len, int64_t k_len, c10::string_view mode,
+                               int64_t head_offset, std::optional<int64_t> num_heads,
+                               std::optional<at::ScalarType> dtype) {
+    const auto shape = check_alibi_bias(slopes, q_len, k_len, mode, head_offset,
+                                        num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
+    auto out = at::empty({shape.batch.expect_int(), shape.num_heads.expect_int(), q_len, k_len},
+                         slopes.options().dtype(shape.dtype));
+    const typename Device::Guard guard(slopes.device());
+    if (out.numel() > 0) add_bias(at::Tensor(), out, slopes, parse_alibi_mode("alibi_bias", mode), head_offset);
+    return out;
+  }
+
+  static at::Tensor add_alibi(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
+                              int64_t head_offset) {
+    const auto alibi_mode = check_alibi_scores("add_alibi", "scores", scores, slopes, mode, head_offset);
+    auto out = at::empty(scores.sizes(), scores.options());
+    const typename Device::Guard guard(scores.device());
+    if (out.numel() > 0) add_bias(scores, out, slopes, alibi_mode, head_offset);
+    return out;
+  }
+
+  // In place through scores' own strides: a view (e.g. a slice of a larger buffer) is updated where it lies.
+  static void add_alibi_(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
+                         int64_t head_offset) {
+    const auto alibi_mode = check_add_alibi_inplace(scores, slopes, mode, head_offset);
+    check_no_internal_overlap("add_alibi_", "scores", scores,
+                              "write into a tensor that owns each element, or use add_alibi");
+    const typename Device::Guard guard(scores.device());
+    if (scores.numel() > 0) add_bias(scores, scores, slopes, alibi_mode, head_offset);
+  }
+
+  // d/d slopes[b?, head_offset + h] = -sum_{i, j} grad[b, h, i, j] * d_ij (|d_ij| symmetric), deterministic.
+  static at::Tensor alibi_backward(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
+                                   int64_t head_offset) {
+    const auto alibi_mode = check_alibi_scores("alibi_backward", "grad", grad, slopes, mode, head_offset);
+    auto acc = at::zeros(slopes.sizes(), slopes.options().dtype(at::kDouble));
+    if (grad.numel() > 0) {
+      const typename Device::Guard guard(grad.device());
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_alibi_backward", [&] {
+        Device::template slope_grad<scalar_t>(grad, alibi_mode, slopes, head_offset, acc);
+      });
+    }
+    return acc.to(slopes.scalar_type());
+  }
+
+  static void register_kernels(torch::Library& m) {
+    m.impl("alibi_bias", TORCH_FN(AlibiOps::alibi_bias));
+    m.impl("add_alibi", TORCH_FN(AlibiOps::add_alibi));
+    m.impl("add_alibi_", TORCH_FN(AlibiOps::add_alibi_));
+    m.impl("alibi_backward", TORCH_FN(AlibiOps::alibi_backward));
+  }
+
+ private:
+  static void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,
+                       int64_t head_offset) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "posenc_alibi", [&] {
+      Device::template add_bias<scalar_t>(in, out, slopes, mode, head_offset);
+    });
+  }
+};
 
 }  // namespace posenc

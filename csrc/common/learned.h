@@ -1,7 +1,15 @@
 #pragma once
-// Checks of the learned family, shared by its CPU, CUDA and Meta kernels (metadata only). The range of
-// position values needs the data, so the CPU kernels check it (cpu/learned.cpp).
+// Checks of the learned family, shared by its CPU, CUDA and Meta kernels (metadata only), and its op layer,
+// shared by the CPU and CUDA kernels. The range of position values needs the data, so each device's reader of
+// table rows checks it.
 #include "common/checks.h"
+#include "common/positions.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ne.h>
+#include <torch/library.h>
 
 #include <limits>
 
@@ -92,5 +100,103 @@ inline void check_positions_from_mask(const at::Tensor& attention_mask) {
               ": attention_mask must be a bool, integer or floating tensor, got ", attention_mask.scalar_type());
   TORCH_CHECK(attention_mask.dim() >= 1, "posenc.", op, ": attention_mask must be [..., S], got a 0-d tensor");
 }
+
+// The ops of the learned family on one device: checks, allocation, table rows and dtype dispatch, the same on
+// every device. The device supplies the rest:
+//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   read_table_rows(op, positions, count, offset, domain)
+//                           positions plus offset (offset + arange(count) when absent), checked against the
+//                           table's domain, as its add_rows reads them;
+//   check_indices(op, arg, indices, limit, limit_name)
+//                           every index in [0, limit), with the CPU's message;
+//   add_rows<scalar_t>(in, ids, out, table, rows, scale)
+//                           out = in * scale + table[rows], in being x rows, rows ids of a token table (ids
+//                           defined), or undefined (the table rows alone);
+//   count_positions(is_real, first, pad)
+//                           along the last dimension of a bool mask: first + (count of real entries before
+//                           each real entry), pad for the others.
+template <typename Device>
+struct LearnedOps {
+  static at::Tensor learned(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
+                            std::optional<int64_t> padding_idx) {
+    constexpr const char* op = "learned";
+    check_learned(weight, positions, padding_idx);
+    const typename Device::Guard guard(weight.device());
+    const auto rows = Device::read_table_rows(op, positions, 0, offset, table_domain(weight.size(0), "weight"));
+    auto sizes = positions.sizes().vec();
+    sizes.push_back(weight.size(1));
+    auto out = at::empty(sizes, weight.options());
+    if (out.numel() == 0) return out;
+    const auto table = weight.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, table.scalar_type(), "posenc_learned", [&] {
+      Device::template add_rows<scalar_t>({}, {}, out, table, rows, 1.0);
+    });
+    return out;
+  }
+
+  static at::Tensor add_learned(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& positions, int64_t offset,
+                                std::optional<int64_t> padding_idx) {
+    constexpr const char* op = "add_learned";
+    check_add_learned(x, weight, positions, padding_idx);
+    const typename Device::Guard guard(x.device());
+    const auto rows =
+        Device::read_table_rows(op, positions, x.size(-2), offset, table_domain(weight.size(0), "weight"));
+    const auto input = x.contiguous();
+    auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    if (out.numel() == 0) return out;
+    const auto table = weight.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_learned", [&] {
+      Device::template add_rows<scalar_t>(input, {}, out, table, rows, 1.0);
+    });
+    return out;
+  }
+
+  static at::Tensor embed_learned(const at::Tensor& tokens, const at::Tensor& token_weight,
+                                  const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
+                                  double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
+                                  std::optional<int64_t> pos_padding_idx) {
+    constexpr const char* op = "embed_learned";
+    check_embed_learned(tokens, token_weight, pos_weight, positions, padding_idx, pos_padding_idx);
+    const typename Device::Guard guard(tokens.device());
+    Device::check_indices(op, "tokens", tokens, token_weight.size(0), "the vocabulary of token_weight, size");
+    const auto rows = Device::read_table_rows(op, positions, tokens.size(-1), offset,
+                                              table_domain(pos_weight.size(0), "pos_weight"));
+    auto sizes = tokens.sizes().vec();
+    sizes.push_back(token_weight.size(1));
+    auto out = at::empty(sizes, token_weight.options());
+    if (out.numel() == 0) return out;
+    const auto ids = tokens.to(at::kLong).contiguous();
+    const auto token_table = token_weight.contiguous();
+    const auto pos_table = pos_weight.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, token_table.scalar_type(), "posenc_embed_learned", [&] {
+      Device::template add_rows<scalar_t>(token_table, ids, out, pos_table, rows, token_scale);
+    });
+    return out;
+  }
+
+  // fairseq: padding keeps padding_idx, real tokens count from padding_idx + 1.
+  static at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
+    check_make_positions(tokens, padding_idx);
+    const typename Device::Guard guard(tokens.device());
+    return Device::count_positions(at::ne(tokens.to(at::kLong), padding_idx), padding_idx + 1, padding_idx);
+  }
+
+  // Left padding: real tokens (any nonzero mask value, NaN included) count from 0 (cumsum(mask) - 1), masked
+  // ones get pad_position.
+  static at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t pad_position) {
+    check_positions_from_mask(attention_mask);
+    const typename Device::Guard guard(attention_mask.device());
+    return Device::count_positions(at::ne(attention_mask, 0), 0, pad_position);
+  }
+
+  static void register_kernels(torch::Library& m) {
+    m.impl("learned", TORCH_FN(LearnedOps::learned));
+    m.impl("add_learned", TORCH_FN(LearnedOps::add_learned));
+    m.impl("embed_learned", TORCH_FN(LearnedOps::embed_learned));
+    m.impl("make_positions", TORCH_FN(LearnedOps::make_positions));
+    m.impl("positions_from_mask", TORCH_FN(LearnedOps::positions_from_mask));
+  }
+};
 
 }  // namespace posenc

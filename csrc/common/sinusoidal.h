@@ -1,6 +1,12 @@
 #pragma once
-// Checks of the sinusoidal family, shared by its CPU and Meta kernels.
+// Checks of the sinusoidal family, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU
+// and CUDA kernels.
 #include "common/checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 namespace posenc {
 
@@ -59,5 +65,79 @@ inline bool check_embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& t
   check_padding_idx(op, padding_idx, token_weight.sym_size(0));
   return check_row_positions(op, "tokens", tokens.sym_sizes(), positions);
 }
+
+// The ops of the sinusoidal family on one device: checks, allocation, positions and dtype dispatch, the same on
+// every device. The device supplies the rest:
+//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   read_positions(op, positions, count, offset)
+//                           positions plus offset (offset + arange(count) when absent), checked against the
+//                           angle domain, as its encode reads them;
+//   check_indices(op, arg, indices, limit, limit_name)
+//                           every index in [0, limit), with the CPU's message;
+//   encode<scalar_t>(in, ids, out, positions, inv_freq, layout, scale)
+//                           out = in * scale + PE(positions), in being x rows, rows ids of a token table (ids
+//                           defined), or undefined (the encoding alone).
+template <typename Device>
+struct SinusoidalOps {
+  static at::Tensor sinusoidal(const at::Tensor& positions, const at::Tensor& inv_freq, c10::string_view layout,
+                               std::optional<at::ScalarType> dtype, int64_t offset) {
+    constexpr const char* op = "sinusoidal";
+    const auto out_dtype = check_sinusoidal(positions, inv_freq, layout, dtype);
+    auto sizes = positions.sizes().vec();
+    sizes.push_back(2 * inv_freq.size(0));
+    auto out = at::empty(sizes, positions.options().dtype(out_dtype));
+    if (out.numel() == 0) return out;
+    const typename Device::Guard guard(positions.device());
+    const auto pos = Device::read_positions(op, positions, 0, offset);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "posenc_sinusoidal", [&] {
+      Device::template encode<scalar_t>({}, {}, out, pos, inv_freq, parse_sinusoidal_layout(op, layout), 1.0);
+    });
+    return out;
+  }
+
+  static at::Tensor add_sinusoidal(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                                   const at::Tensor& inv_freq, double x_scale, c10::string_view layout,
+                                   int64_t offset) {
+    constexpr const char* op = "add_sinusoidal";
+    check_add_sinusoidal(x, positions, inv_freq, layout);
+    const auto input = x.contiguous();
+    auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    if (input.numel() == 0) return out;
+    const typename Device::Guard guard(x.device());
+    const auto pos = Device::read_positions(op, positions, input.size(-2), offset);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_sinusoidal", [&] {
+      Device::template encode<scalar_t>(input, {}, out, pos, inv_freq, parse_sinusoidal_layout(op, layout), x_scale);
+    });
+    return out;
+  }
+
+  static at::Tensor embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& token_weight,
+                                     const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                     double token_scale, std::optional<int64_t> padding_idx, c10::string_view layout,
+                                     int64_t offset) {
+    constexpr const char* op = "embed_sinusoidal";
+    check_embed_sinusoidal(tokens, token_weight, positions, inv_freq, padding_idx, layout);
+    const typename Device::Guard guard(tokens.device());
+    Device::check_indices(op, "tokens", tokens, token_weight.size(0), "the vocabulary of token_weight, size");
+    auto sizes = tokens.sizes().vec();
+    sizes.push_back(token_weight.size(1));
+    auto out = at::empty(sizes, token_weight.options());
+    if (out.numel() == 0) return out;
+    const auto pos = Device::read_positions(op, positions, tokens.size(-1), offset);
+    const auto ids = tokens.to(at::kLong).contiguous();
+    const auto weight = token_weight.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_embed_sinusoidal", [&] {
+      Device::template encode<scalar_t>(weight, ids, out, pos, inv_freq, parse_sinusoidal_layout(op, layout),
+                                        token_scale);
+    });
+    return out;
+  }
+
+  static void register_kernels(torch::Library& m) {
+    m.impl("sinusoidal", TORCH_FN(SinusoidalOps::sinusoidal));
+    m.impl("add_sinusoidal", TORCH_FN(SinusoidalOps::add_sinusoidal));
+    m.impl("embed_sinusoidal", TORCH_FN(SinusoidalOps::embed_sinusoidal));
+  }
+};
 
 }  // namespace posenc

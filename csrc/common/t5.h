@@ -1,6 +1,12 @@
 #pragma once
-// Checks of the T5 relative bias, shared by its CPU and Meta kernels.
+// Checks of the T5 relative bias, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU
+// and CUDA kernels.
 #include "common/checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 namespace posenc {
 
@@ -44,5 +50,73 @@ inline void check_t5_bias_backward(const at::Tensor& grad, bool bidirectional, i
               grad.sym_sizes());
   check_t5_buckets(op, bidirectional, num_buckets, max_distance);
 }
+
+// Relative positions j - i - q_offset must not overflow int64 (the sizes are far below 2^62).
+inline void check_q_offset(const char* op, int64_t q_offset) {
+  constexpr int64_t limit = int64_t{1} << 62;
+  TORCH_CHECK(q_offset >= -limit && q_offset <= limit, "posenc.", op, ": q_offset ", q_offset,
+              " is outside [-2^62, 2^62]");
+}
+
+// The ops of the T5 relative bias on one device: checks, allocation and dtype dispatch, the same on every
+// device. The device supplies the rest, each given T5's bidirectional, num_buckets and max_distance:
+//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   bucket<index_t>(relative_position, out, ...)
+//                           out[n] = the bucket of relative_position[n] (contiguous, not empty);
+//   bias<scalar_t>(weight, out, ..., q_offset)
+//                           out [1, H, Q, K] = weight[bucket(j - i - q_offset), h];
+//   bias_grad<scalar_t>(grad, acc, ..., q_offset)
+//                           acc [H, num_buckets] (float64, zeros) = the sums of grad (contiguous) per bucket, in
+//                           the CPU's order.
+template <typename Device>
+struct T5Ops {
+  static at::Tensor relative_position_bucket(const at::Tensor& relative_position, bool bidirectional,
+                                             int64_t num_buckets, int64_t max_distance) {
+    check_relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance);
+    const typename Device::Guard guard(relative_position.device());
+    const auto input = relative_position.contiguous();
+    auto out = at::empty(input.sizes(), input.options().dtype(at::kLong));
+    if (out.numel() == 0) return out;
+    AT_DISPATCH_INDEX_TYPES(input.scalar_type(), "posenc_relative_position_bucket", [&] {
+      Device::template bucket<index_t>(input, out, bidirectional, num_buckets, max_distance);
+    });
+    return out;
+  }
+
+  static at::Tensor t5_bias(const at::Tensor& weight, int64_t q_len, int64_t k_len, bool bidirectional,
+                            int64_t num_buckets, int64_t max_distance, int64_t q_offset) {
+    check_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance);
+    check_q_offset("t5_bias", q_offset);
+    auto out = at::empty({1, weight.size(1), q_len, k_len}, weight.options());
+    if (out.numel() == 0) return out;
+    const typename Device::Guard guard(weight.device());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_t5_bias", [&] {
+      Device::template bias<scalar_t>(weight, out, bidirectional, num_buckets, max_distance, q_offset);
+    });
+    return out;
+  }
+
+  // grad [1, H, Q, K] -> [num_buckets, H], summed in float64 in a fixed order.
+  static at::Tensor t5_bias_backward(const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
+                                     int64_t max_distance, int64_t q_offset) {
+    check_t5_bias_backward(grad, bidirectional, num_buckets, max_distance);
+    check_q_offset("t5_bias_backward", q_offset);
+    auto acc = at::zeros({grad.size(1), num_buckets}, grad.options().dtype(at::kDouble));
+    if (grad.numel() > 0) {
+      const typename Device::Guard guard(grad.device());
+      const auto rows = grad.contiguous();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_t5_bias_backward", [&] {
+        Device::template bias_grad<scalar_t>(rows, acc, bidirectional, num_buckets, max_distance, q_offset);
+      });
+    }
+    return acc.t().contiguous().to(grad.scalar_type());
+  }
+
+  static void register_kernels(torch::Library& m) {
+    m.impl("relative_position_bucket", TORCH_FN(T5Ops::relative_position_bucket));
+    m.impl("t5_bias", TORCH_FN(T5Ops::t5_bias));
+    m.impl("t5_bias_backward", TORCH_FN(T5Ops::t5_bias_backward));
+  }
+};
 
 }  // namespace posenc

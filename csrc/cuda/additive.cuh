@@ -155,6 +155,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The rows of `out` (P = num_positions positions shared by its rows / P leading indices) and what is added to
+// the encoding: `in`'s rows (ids undefined), its rows ids (a token table), or nothing (in undefined).
+template <typename scalar_t>
+AdditiveRows<scalar_t> additive_rows(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out,
+                                     int64_t num_positions, int64_t encoded) {
+  const int64_t width = out.size(-1);
+  return {in.defined() ? in.const_data_ptr<scalar_t>() : nullptr,
+          ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr,
+          ids.defined() ? in.size(0) : 0,
+          out.mutable_data_ptr<scalar_t>(),
+          out.numel() / width / num_positions,
+          num_positions,
+          width,
+          encoded,
+          0,
+          0};
+}
+
 // V = 16 bytes / element size where rows are whole vectors and every pointer is 16-byte aligned, else 1.
 template <typename scalar_t, typename Encoding>
 void launch_additive(AdditiveRows<scalar_t> rows, double scale, const Encoding& encoding, bool encoding_aligned) {

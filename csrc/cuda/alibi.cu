@@ -1,4 +1,4 @@
-// CUDA ops of ALiBi: the CPU op layer's checks and outputs, the shared bias formula (kernels/alibi.h).
+// ALiBi on the GPU, under the op layer of common/alibi.h: the shared bias formula (kernels/alibi.h).
 //
 // Forward (alibi_bias, add_alibi, add_alibi_): a thread writes V consecutive keys of one row (b, h, i),
 // V = 16 bytes / element size where rows are contiguous, whole vectors and aligned, else 1 with any strides;
@@ -10,9 +10,7 @@
 #include "cuda/utils.cuh"
 #include "kernels/alibi.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 namespace posenc::cuda {
@@ -25,10 +23,6 @@ using kernels::alibi_head;
 using kernels::alibi_row_offset;
 using kernels::from_opmath;
 using kernels::to_opmath;
-
-AlibiRows rows_of(const at::Tensor& t) {
-  return {t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
-}
 
 // The slope of row n in maths precision: slopes (float64) [B or 1, total_heads], head_offset applied.
 struct Slopes {
@@ -78,63 +72,6 @@ __global__ void __launch_bounds__(kThreads)
 bool rows_vectorizable(const void* data, const AlibiRows& rows, int V) {
   return rows.stride_j == 1 && rows.k_len % V == 0 && rows.stride_b % V == 0 && rows.stride_h % V == 0 &&
          rows.stride_i % V == 0 && aligned(data);
-}
-
-// Writes every row of `out` as in + bias (in undefined: the bias alone); out may be in.
-void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,
-              int64_t head_offset) {
-  const auto slope_values = slopes.to(at::kDouble).contiguous();
-  const Slopes local{slope_values.const_data_ptr<double>(), slopes.dim() == 2, slopes.size(-1), head_offset};
-  const int64_t num_rows = out.numel() / out.size(3);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "posenc_alibi_cuda", [&] {
-    constexpr int V = kMaxVec<scalar_t>;
-    const auto out_rows = rows_of(out);
-    const auto in_rows = in.defined() ? rows_of(in) : out_rows;
-    const scalar_t* src = in.defined() ? in.const_data_ptr<scalar_t>() : nullptr;
-    const bool vectorized = rows_vectorizable(out.const_data_ptr(), out_rows, V) &&
-                            (src == nullptr || rows_vectorizable(src, in_rows, V));
-    const int64_t chunks = vectorized ? out_rows.k_len / V : out_rows.k_len;
-    const auto blocks = grid_size(num_rows * chunks, kThreads);
-    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
-    auto launch = [&](auto kernel) {
-      kernel<<<blocks, kThreads, 0, current_stream()>>>(src, in_rows, dst, out_rows, num_rows, chunks, local);
-      POSENC_CUDA_LAUNCH_CHECK();
-    };
-    if (mode == AlibiMode::Symmetric) {
-      vectorized ? launch(alibi_kernel<AlibiMode::Symmetric, V, scalar_t>)
-                 : launch(alibi_kernel<AlibiMode::Symmetric, 1, scalar_t>);
-    } else {
-      vectorized ? launch(alibi_kernel<AlibiMode::Causal, V, scalar_t>)
-                 : launch(alibi_kernel<AlibiMode::Causal, 1, scalar_t>);
-    }
-  });
-}
-
-at::Tensor alibi_bias_cuda(const at::Tensor& slopes, int64_t q_len, int64_t k_len, c10::string_view mode,
-                           int64_t head_offset, std::optional<int64_t> num_heads, std::optional<at::ScalarType> dtype) {
-  const auto shape = check_alibi_bias(slopes, q_len, k_len, mode, head_offset,
-                                      num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
-  auto out = at::empty({shape.batch.expect_int(), shape.num_heads.expect_int(), q_len, k_len},
-                       slopes.options().dtype(shape.dtype));
-  const c10::cuda::CUDAGuard guard(slopes.device());
-  if (out.numel() > 0) add_bias(at::Tensor(), out, slopes, parse_alibi_mode("alibi_bias", mode), head_offset);
-  return out;
-}
-
-at::Tensor add_alibi_cuda(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
-                          int64_t head_offset) {
-  const auto alibi_mode = check_alibi_scores("add_alibi", "scores", scores, slopes, mode, head_offset);
-  auto out = at::empty(scores.sizes(), scores.options());
-  const c10::cuda::CUDAGuard guard(scores.device());
-  if (out.numel() > 0) add_bias(scores, out, slopes, alibi_mode, head_offset);
-  return out;
-}
-
-void add_alibi__cuda(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode, int64_t head_offset) {
-  const auto alibi_mode = check_add_alibi_inplace(scores, slopes, mode, head_offset);
-  check_no_internal_overlap("add_alibi_", "scores", scores, "write into a tensor that owns each element, or use add_alibi");
-  const c10::cuda::CUDAGuard guard(scores.device());
-  if (scores.numel() > 0) add_bias(scores, scores, slopes, alibi_mode, head_offset);
 }
 
 constexpr int kLanes = 16;  // the CPU's interleaved partial sums of a unit-stride row
@@ -211,32 +148,60 @@ __global__ void alibi_slope_sums_kernel(const double* row_sums, AlibiRows rows, 
   }
 }
 
-at::Tensor alibi_backward_cuda(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
-                               int64_t head_offset) {
-  const auto alibi_mode = check_alibi_scores("alibi_backward", "grad", grad, slopes, mode, head_offset);
-  auto acc = at::zeros(slopes.sizes(), slopes.options().dtype(at::kDouble));
-  if (grad.numel() > 0) {
-    const c10::cuda::CUDAGuard guard(grad.device());
-    const auto rows = rows_of(grad);
+struct CudaAlibi {
+  using Guard = c10::cuda::CUDAGuard;
+
+  // Writes every row of `out` as in + bias (in undefined: the bias alone); out may be in.
+  template <typename scalar_t>
+  static void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,
+                       int64_t head_offset) {
+    const auto slope_values = slopes.to(at::kDouble).contiguous();
+    const Slopes local{slope_values.const_data_ptr<double>(), slopes.dim() == 2, slopes.size(-1), head_offset};
+    const int64_t num_rows = out.numel() / out.size(3);
+    constexpr int V = kMaxVec<scalar_t>;
+    const auto out_rows = alibi_rows(out);
+    const auto in_rows = in.defined() ? alibi_rows(in) : out_rows;
+    const scalar_t* src = in.defined() ? in.const_data_ptr<scalar_t>() : nullptr;
+    const bool vectorized = rows_vectorizable(out.const_data_ptr(), out_rows, V) &&
+                            (src == nullptr || rows_vectorizable(src, in_rows, V));
+    const int64_t chunks = vectorized ? out_rows.k_len / V : out_rows.k_len;
+    const auto blocks = grid_size(num_rows * chunks, kThreads);
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, current_stream()>>>(src, in_rows, dst, out_rows, num_rows, chunks, local);
+      POSENC_CUDA_LAUNCH_CHECK();
+    };
+    if (mode == AlibiMode::Symmetric) {
+      vectorized ? launch(alibi_kernel<AlibiMode::Symmetric, V, scalar_t>)
+                 : launch(alibi_kernel<AlibiMode::Symmetric, 1, scalar_t>);
+    } else {
+      vectorized ? launch(alibi_kernel<AlibiMode::Causal, V, scalar_t>)
+                 : launch(alibi_kernel<AlibiMode::Causal, 1, scalar_t>);
+    }
+  }
+
+  // acc[b?, head_offset + h] = -sum_{i, j} grad[b, h, i, j] * d_ij: each row's sum, then each slope's rows in order.
+  template <typename scalar_t>
+  static void slope_grad(const at::Tensor& grad, AlibiMode mode, const at::Tensor& slopes, int64_t head_offset,
+                         const at::Tensor& acc) {
+    const auto rows = alibi_rows(grad);
     const int64_t num_rows = grad.numel() / grad.size(3);
     auto row_sums = at::empty({num_rows}, grad.options().dtype(at::kDouble));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_alibi_backward_cuda", [&] {
-      const scalar_t* data = grad.const_data_ptr<scalar_t>();
-      double* sums = row_sums.mutable_data_ptr<double>();
-      const bool unit = rows.stride_j == 1;
-      const auto blocks = grid_size(unit ? num_rows * kLanes : num_rows, kThreads);
-      auto launch = [&](auto kernel) {
-        kernel<<<blocks, kThreads, 0, current_stream()>>>(data, rows, num_rows, sums);
-        POSENC_CUDA_LAUNCH_CHECK();
-      };
-      if (alibi_mode == AlibiMode::Symmetric) {
-        unit ? launch(alibi_row_sums_kernel<AlibiMode::Symmetric, true, scalar_t>)
-             : launch(alibi_row_sums_kernel<AlibiMode::Symmetric, false, scalar_t>);
-      } else {
-        unit ? launch(alibi_row_sums_kernel<AlibiMode::Causal, true, scalar_t>)
-             : launch(alibi_row_sums_kernel<AlibiMode::Causal, false, scalar_t>);
-      }
-    });
+    const scalar_t* data = grad.const_data_ptr<scalar_t>();
+    double* sums = row_sums.mutable_data_ptr<double>();
+    const bool unit = rows.stride_j == 1;
+    const auto blocks = grid_size(unit ? num_rows * kLanes : num_rows, kThreads);
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, kThreads, 0, current_stream()>>>(data, rows, num_rows, sums);
+      POSENC_CUDA_LAUNCH_CHECK();
+    };
+    if (mode == AlibiMode::Symmetric) {
+      unit ? launch(alibi_row_sums_kernel<AlibiMode::Symmetric, true, scalar_t>)
+           : launch(alibi_row_sums_kernel<AlibiMode::Symmetric, false, scalar_t>);
+    } else {
+      unit ? launch(alibi_row_sums_kernel<AlibiMode::Causal, true, scalar_t>)
+           : launch(alibi_row_sums_kernel<AlibiMode::Causal, false, scalar_t>);
+    }
     const bool per_batch = slopes.dim() == 2;
     const int64_t entries = (per_batch ? grad.size(0) : 1) * rows.heads;
     alibi_slope_sums_kernel<<<grid_size(entries, kThreads), kThreads, 0, current_stream()>>>(
@@ -244,16 +209,12 @@ at::Tensor alibi_backward_cuda(const at::Tensor& grad, const at::Tensor& slopes,
         acc.mutable_data_ptr<double>());
     POSENC_CUDA_LAUNCH_CHECK();
   }
-  return acc.to(slopes.scalar_type());
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("alibi_bias", TORCH_FN(alibi_bias_cuda));
-  m.impl("add_alibi", TORCH_FN(add_alibi_cuda));
-  m.impl("add_alibi_", TORCH_FN(add_alibi__cuda));
-  m.impl("alibi_backward", TORCH_FN(alibi_backward_cuda));
+  AlibiOps<CudaAlibi>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda

@@ -1,5 +1,5 @@
-// CUDA op of embedding_backward: a scatter-add of gradient rows into a table without float atomics, in the
-// CPU's order, so the GPU gives the CPU's bits.
+// embedding_backward on the GPU, under the op layer of common/embedding.h: a scatter-add of gradient rows into a
+// table without float atomics, in the CPU's order, so the GPU gives the CPU's bits.
 //
 // The gradient rows are grouped by the table row they go to with a stable sort of their ids (ATen's sort:
 // a radix sort, deterministic), so each group keeps increasing row order; searchsorted gives each table row's
@@ -11,9 +11,7 @@
 #include "cuda/positions.cuh"
 #include "cuda/utils.cuh"
 
-#include <ATen/Dispatch.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/sort.h>
 #include <torch/library.h>
@@ -62,49 +60,47 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-at::Tensor embedding_backward_cuda(const at::Tensor& grad, const at::Tensor& indices, int64_t num_rows, double scale,
-                                   std::optional<int64_t> padding_idx) {
-  constexpr const char* op = "embedding_backward";
-  check_embedding_backward(grad, indices, num_rows, padding_idx);
-  const c10::cuda::CUDAGuard guard(grad.device());
-  check_indices_in_range(op, "indices", indices, num_rows, "num_rows");
-  const int64_t width = grad.size(-1);
-  auto out = at::empty({num_rows, width}, grad.options());
-  if (out.numel() == 0) return out;
-  const auto rows = grad.contiguous();
-  const int64_t num_grad_rows = rows.numel() / width;
-  const auto ids = indices.to(at::kLong).contiguous().view({-1});
-  // The id of every gradient row (indices shared by the leading indices repeat), grouped by a stable sort.
-  const auto row_ids = ids.numel() == num_grad_rows ? ids : ids.repeat({num_grad_rows / std::max<int64_t>(ids.numel(), 1)});
-  const auto sorted = at::sort(row_ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  const at::Tensor& order = std::get<1>(sorted);
-  const auto group_start = at::searchsorted(std::get<0>(sorted), at::arange(num_rows + 1, row_ids.options()));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_embedding_backward_cuda", [&] {
+struct CudaEmbedding {
+  using Guard = c10::cuda::CUDAGuard;
+
+  static constexpr auto check_indices = &check_device_indices_in_range;
+
+  template <typename scalar_t>
+  static void sum_rows(const at::Tensor& grad, const at::Tensor& indices, int64_t skip, double scale,
+                       const at::Tensor& out) {
     using opmath = opmath_t<scalar_t>;
+    const int64_t num_rows = out.size(0);
+    const int64_t width = grad.size(-1);
+    const int64_t num_grad_rows = grad.numel() / width;
+    const auto ids = indices.view({-1});
+    // The id of every gradient row (indices shared by the leading indices repeat), grouped by a stable sort.
+    const auto row_ids =
+        ids.numel() == num_grad_rows ? ids : ids.repeat({num_grad_rows / std::max<int64_t>(ids.numel(), 1)});
+    const auto sorted = at::sort(row_ids, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const at::Tensor& order = std::get<1>(sorted);
+    const auto group_start = at::searchsorted(std::get<0>(sorted), at::arange(num_rows + 1, row_ids.options()));
     constexpr int V = kMaxVec<scalar_t>;
-    const bool vectorized = width % V == 0 && aligned(rows.const_data_ptr()) && aligned(out.const_data_ptr());
+    const bool vectorized = width % V == 0 && aligned(grad.const_data_ptr()) && aligned(out.const_data_ptr());
     const int64_t chunks = ceil_div(width, int64_t{kThreads} * (vectorized ? V : 1));
     const auto blocks = grid_size(num_rows * chunks, 1);
-    const auto skip = padding_idx.value_or(-1);
     const auto row_scale = static_cast<opmath>(scale);
     if (vectorized) {
       embedding_backward_kernel<V, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(
-          rows.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), group_start.const_data_ptr<int64_t>(),
+          grad.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), group_start.const_data_ptr<int64_t>(),
           num_rows, width, chunks, skip, row_scale, out.mutable_data_ptr<scalar_t>());
     } else {
       embedding_backward_kernel<1, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(
-          rows.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), group_start.const_data_ptr<int64_t>(),
+          grad.const_data_ptr<scalar_t>(), order.const_data_ptr<int64_t>(), group_start.const_data_ptr<int64_t>(),
           num_rows, width, chunks, skip, row_scale, out.mutable_data_ptr<scalar_t>());
     }
     POSENC_CUDA_LAUNCH_CHECK();
-  });
-  return out;
-}
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("embedding_backward", TORCH_FN(embedding_backward_cuda));
+  EmbeddingOps<CudaEmbedding>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda

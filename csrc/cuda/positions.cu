@@ -187,8 +187,8 @@ at::Tensor table_rows(const char* op, const std::optional<at::Tensor>& positions
   return offset_integer_positions<int64_t>(op, *positions, count, offset, domain, at::kLong);
 }
 
-void check_indices_in_range(const char* op, const char* arg, const at::Tensor& indices, int64_t limit,
-                            const char* limit_name) {
+void check_device_indices_in_range(const char* op, const char* arg, const at::Tensor& indices, int64_t limit,
+                                   const char* limit_name) {
   if (indices.numel() == 0 || capturing()) return;
   const auto values = indices.contiguous();
   const auto flag = new_flag(values);

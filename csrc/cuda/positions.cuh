@@ -33,8 +33,21 @@ at::Tensor angle_positions(const char* op, const std::optional<at::Tensor>& posi
 at::Tensor table_rows(const char* op, const std::optional<at::Tensor>& positions, int64_t count, int64_t offset,
                       const PositionDomain& domain);
 
-// Every index must lie in [0, limit), as the CPU's check_indices_in_range says.
-void check_indices_in_range(const char* op, const char* arg, const at::Tensor& indices, int64_t limit,
-                            const char* limit_name);
+// Positions as the additive kernels read them: values on the device (float64 angles or int64 table rows), or
+// undefined values for offset + arange(count); count is how many there are.
+struct DevicePositions {
+  DevicePositions(at::Tensor values, int64_t absent_count, int64_t offset)
+      : values(std::move(values)), count(this->values.defined() ? this->values.numel() : absent_count),
+        offset(offset) {}
+
+  at::Tensor values;
+  int64_t count;
+  int64_t offset;
+};
+
+// Every index (on the device) must lie in [0, limit); a bad one raises the error of the host's
+// check_indices_in_range.
+void check_device_indices_in_range(const char* op, const char* arg, const at::Tensor& indices, int64_t limit,
+                                   const char* limit_name);
 
 }  // namespace posenc::cuda

@@ -1,4 +1,4 @@
-// CUDA ops of the T5 relative bias: the CPU op layer's checks and outputs, the shared bucketing (kernels/t5.h).
+// The T5 relative bias on the GPU, under the op layer of common/t5.h: the shared bucketing (kernels/t5.h).
 //
 // T5 buckets distances with a float32 logarithm; as on the CPU, the host tabulates with t5_bucket the least
 // distance of each log-spaced bucket, and the GPU buckets by counting the thresholds below a distance
@@ -12,10 +12,8 @@
 #include "cuda/utils.cuh"
 #include "kernels/t5.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -145,13 +143,6 @@ __global__ void bucket_sums_kernel(const double* sums, const int64_t* buckets, i
   }
 }
 
-// Relative positions j - i - q_offset must not overflow int64 (the sizes are far below 2^62).
-void check_q_offset(const char* op, int64_t q_offset) {
-  constexpr int64_t limit = int64_t{1} << 62;
-  TORCH_CHECK(q_offset >= -limit && q_offset <= limit, "posenc.", op, ": q_offset ", q_offset,
-              " is outside [-2^62, 2^62]");
-}
-
 at::Tensor diagonal_buckets(const T5Table& table, int64_t q_len, int64_t k_len, int64_t q_offset,
                             const at::TensorOptions& options) {
   const int64_t diagonals = q_len + k_len - 1;
@@ -162,34 +153,27 @@ at::Tensor diagonal_buckets(const T5Table& table, int64_t q_len, int64_t k_len, 
   return buckets;
 }
 
-at::Tensor relative_position_bucket_cuda(const at::Tensor& relative_position, bool bidirectional, int64_t num_buckets,
-                                         int64_t max_distance) {
-  check_relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance);
-  const c10::cuda::CUDAGuard guard(relative_position.device());
-  const auto input = relative_position.contiguous();
-  auto out = at::empty(input.sizes(), input.options().dtype(at::kLong));
-  if (out.numel() == 0) return out;
-  const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, input.device());
-  AT_DISPATCH_INDEX_TYPES(input.scalar_type(), "posenc_relative_position_bucket_cuda", [&] {
+struct CudaT5 {
+  using Guard = c10::cuda::CUDAGuard;
+
+  template <typename index_t>
+  static void bucket(const at::Tensor& input, const at::Tensor& out, bool bidirectional, int64_t num_buckets,
+                     int64_t max_distance) {
+    const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, input.device());
     relative_bucket_kernel<index_t><<<grid_size(input.numel(), kThreads), kThreads, 0, current_stream()>>>(
         thresholds.table, input.const_data_ptr<index_t>(), input.numel(), out.mutable_data_ptr<int64_t>());
     POSENC_CUDA_LAUNCH_CHECK();
-  });
-  return out;
-}
+  }
 
-at::Tensor t5_bias_cuda(const at::Tensor& weight, int64_t q_len, int64_t k_len, bool bidirectional,
-                        int64_t num_buckets, int64_t max_distance, int64_t q_offset) {
-  check_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance);
-  check_q_offset("t5_bias", q_offset);
-  auto out = at::empty({1, weight.size(1), q_len, k_len}, weight.options());
-  if (out.numel() == 0) return out;
-  const c10::cuda::CUDAGuard guard(weight.device());
-  const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, weight.device());
-  const auto buckets = diagonal_buckets(thresholds.table, q_len, k_len, q_offset, weight.options());
-  const int64_t heads = weight.size(1);
-  const int64_t diagonals = q_len + k_len - 1;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_t5_bias_cuda", [&] {
+  template <typename scalar_t>
+  static void bias(const at::Tensor& weight, const at::Tensor& out, bool bidirectional, int64_t num_buckets,
+                   int64_t max_distance, int64_t q_offset) {
+    const int64_t q_len = out.size(2);
+    const int64_t k_len = out.size(3);
+    const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, weight.device());
+    const auto buckets = diagonal_buckets(thresholds.table, q_len, k_len, q_offset, weight.options());
+    const int64_t heads = weight.size(1);
+    const int64_t diagonals = q_len + k_len - 1;
     auto diag = at::empty({heads, diagonals}, weight.options());
     diagonal_values_kernel<<<grid_size(heads * diagonals, kThreads), kThreads, 0, current_stream()>>>(
         weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), heads,
@@ -207,44 +191,32 @@ at::Tensor t5_bias_cuda(const at::Tensor& weight, int64_t q_len, int64_t k_len, 
           diag.const_data_ptr<scalar_t>(), diagonals, heads, q_len, k_len, chunks, out.mutable_data_ptr<scalar_t>());
     }
     POSENC_CUDA_LAUNCH_CHECK();
-  });
-  return out;
-}
+  }
 
-at::Tensor t5_bias_backward_cuda(const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
-                                 int64_t max_distance, int64_t q_offset) {
-  check_t5_bias_backward(grad, bidirectional, num_buckets, max_distance);
-  check_q_offset("t5_bias_backward", q_offset);
-  const int64_t heads = grad.size(1);
-  auto acc = at::zeros({heads, num_buckets}, grad.options().dtype(at::kDouble));
-  if (grad.numel() > 0) {
-    const c10::cuda::CUDAGuard guard(grad.device());
+  template <typename scalar_t>
+  static void bias_grad(const at::Tensor& grad, const at::Tensor& acc, bool bidirectional, int64_t num_buckets,
+                        int64_t max_distance, int64_t q_offset) {
+    const int64_t heads = grad.size(1);
     const int64_t q_len = grad.size(2);
     const int64_t k_len = grad.size(3);
     const int64_t diagonals = q_len + k_len - 1;
     const auto thresholds = tabulate(bidirectional, num_buckets, max_distance, grad.device());
     const auto buckets = diagonal_buckets(thresholds.table, q_len, k_len, q_offset, grad.options());
-    const auto rows = grad.contiguous();
     auto sums = at::empty({heads, diagonals}, grad.options().dtype(at::kDouble));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_t5_bias_backward_cuda", [&] {
-      diagonal_sums_kernel<<<grid_size(heads * diagonals, kThreads), kThreads, 0, current_stream()>>>(
-          rows.const_data_ptr<scalar_t>(), heads, q_len, k_len, diagonals, sums.mutable_data_ptr<double>());
-      POSENC_CUDA_LAUNCH_CHECK();
-    });
+    diagonal_sums_kernel<<<grid_size(heads * diagonals, kThreads), kThreads, 0, current_stream()>>>(
+        grad.const_data_ptr<scalar_t>(), heads, q_len, k_len, diagonals, sums.mutable_data_ptr<double>());
+    POSENC_CUDA_LAUNCH_CHECK();
     bucket_sums_kernel<<<grid_size(heads * num_buckets, kThreads), kThreads, 0, current_stream()>>>(
         sums.const_data_ptr<double>(), buckets.const_data_ptr<int64_t>(), heads, diagonals, num_buckets,
         acc.mutable_data_ptr<double>());
     POSENC_CUDA_LAUNCH_CHECK();
   }
-  return acc.t().contiguous().to(grad.scalar_type());
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("relative_position_bucket", TORCH_FN(relative_position_bucket_cuda));
-  m.impl("t5_bias", TORCH_FN(t5_bias_cuda));
-  m.impl("t5_bias_backward", TORCH_FN(t5_bias_backward_cuda));
+  T5Ops<CudaT5>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda
