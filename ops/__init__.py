@@ -1,6 +1,12 @@
 """posenc: positional-encoding operators for PyTorch (torch.ops.posenc.*)."""
+import importlib
+import importlib.util
 import os
+import sys
+import types
+import warnings
 from pathlib import Path
+from typing import Any, Callable, Dict, List, Set
 
 import torch
 
@@ -35,6 +41,85 @@ if "POSENC_LIBRARY" not in os.environ:  # a build tree's library is not describe
 torch.ops.load_library(library_path)
 
 from . import frequencies, functional, nn  # noqa: E402
+
+
+class _AfterImport:
+    """A finder on ``sys.meta_path`` that finds no module itself: it lets the other finders find a module that
+    callbacks wait for, and runs them once the module has been executed. posenc registers its DTensor sharding
+    rules and its ONNX translations this way, when a program imports those parts of torch, without importing them
+    itself (together they cost seconds)."""
+
+    def __init__(self) -> None:
+        self.waiting: Dict[str, List[Callable[[], None]]] = {}
+        self.finding: Set[str] = set()
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in self.waiting or name in self.finding:
+            return None
+        self.finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)  # by the other finders: this one passes while it asks
+        finally:
+            self.finding.discard(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenRun(spec.loader, name, self.waiting.pop(name))
+        return spec
+
+
+class _ThenRun:
+    """A module's loader that runs callbacks after executing the module; the module keeps its own loader."""
+
+    def __init__(self, loader: Any, name: str, callbacks: List[Callable[[], None]]) -> None:
+        self.loader, self.name, self.callbacks = loader, name, callbacks
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        try:
+            self.loader.exec_module(module)
+        except BaseException:
+            _after_import.waiting.setdefault(self.name, []).extend(self.callbacks)  # for the next attempt
+            raise
+        for callback in self.callbacks:
+            _run_registration(self.name, callback)
+
+
+def _run_registration(module: str, callback: Callable[[], None]) -> None:
+    # A failed registration must not fail the program's import of torch's module: the posenc calls it serves fail
+    # later, with this warning to explain them.
+    try:
+        callback()
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"posenc: registering with {module} failed: {type(error).__name__}: {error}", RuntimeWarning,
+                      stacklevel=2)
+
+
+_after_import = _AfterImport()
+sys.meta_path.insert(0, _after_import)
+
+
+def _when_imported(module: str, callback: Callable[[], None]) -> None:
+    """Runs callback now if module has been imported, else right after its import."""
+    if module in sys.modules:
+        _run_registration(module, callback)
+    else:
+        _after_import.waiting.setdefault(module, []).append(callback)
+
+
+def _register_sharding_rules() -> None:
+    importlib.import_module("posenc.distributed")
+
+
+def _register_onnx_translations() -> None:
+    importlib.import_module("posenc.onnx")._register_with_torch_onnx()
+
+
+# DTensor: torch.distributed.tensor is imported by every program that makes DTensors (and by torch.compile).
+_when_imported("torch.distributed.tensor", _register_sharding_rules)
+# torch.onnx builds each export's table of translations from the ones its exporter loads with this module.
+_when_imported("torch.onnx._internal.exporter._torchlib.ops", _register_onnx_translations)
 
 
 def cpu_capability() -> str:

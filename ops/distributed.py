@@ -1,7 +1,8 @@
 """DTensor support: sharding rules that let posenc ops take ``torch.distributed.tensor.DTensor`` inputs.
 
-``import posenc.distributed`` registers them for every posenc op (``import posenc`` alone does not: the
-torch.distributed.tensor machinery costs about 0.5 s to import). A DTensor call is written as the unsharded call
+Importing this module registers them for every posenc op. ``import posenc`` does not import it, since the
+torch.distributed.tensor machinery costs about 0.5 s to import: it imports this module once the program imports
+torch.distributed.tensor (or at once, if that happened first). A DTensor call is written as the unsharded call
 on global tensors; each rule lists the placements under which every rank's local call computes its part of that
 result, and DTensor redistributes inputs that arrive otherwise (e.g. gathers a tensor sharded along a dimension
 the op cannot split). docs/distributed.md has the table; in short, per mesh dimension:

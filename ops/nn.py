@@ -479,7 +479,9 @@ class MultimodalRotaryEmbedding(_ExactFrequencies):
         self.attention_scale = float(attention_scale)
 
     def _make_frequencies(self) -> Dict[str, Tensor]:
-        return {"inv_freq": self.inv_freq, "pair_axis": self.pair_axis}
+        # Recomputed, not moved: after .to("meta") the attributes hold no values for to_empty to copy.
+        return {"inv_freq": frequencies.rope(self.head_dim, self.base, self.scaling)[0],
+                "pair_axis": frequencies.mrope_pair_axis(self.mrope_section, self.interleaved)}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "bshd") -> "MultimodalRotaryEmbedding":
@@ -556,22 +558,29 @@ class AxialRotaryEmbedding(_ExactFrequencies):
             raise ValueError(f'{op}: layout must be "neox" or "gptj", got "{layout}"')
         if format not in _SEQ_DIM:
             raise ValueError(f'{op}: format must be one of {list(_SEQ_DIM)}, got "{format}"')
+        self.head_dim, self.base = head_dim, float(base)
+        self.even_split = axes_dim is None  # frequencies.axial's scheme, else frequencies.multiaxis
+        self.n_axes = n_axes if axes_dim is None else len(axes_dim)
+        self.axes_dim: List[int] = [int(d) for d in axes_dim] if axes_dim is not None else []
+        inv_freq, pair_axis = self._frequencies()  # checks the arguments
         if axes_dim is None:
-            inv_freq, pair_axis = frequencies.axial(head_dim, n_axes, base)
-        else:
-            inv_freq, pair_axis = frequencies.multiaxis(axes_dim, base)
-            if 2 * inv_freq.numel() > head_dim:
-                raise ValueError(f"{op}: axes_dim {list(axes_dim)} rotate {2 * inv_freq.numel()} channels, more than "
-                                 f"head_dim {head_dim}")
-            n_axes = len(axes_dim)
-        self.head_dim, self.n_axes, self.base = head_dim, n_axes, float(base)
-        self.axes_dim: List[int] = [int(d) for d in axes_dim] if axes_dim is not None else [head_dim // n_axes] * n_axes
+            self.axes_dim = [head_dim // n_axes] * n_axes
+        if 2 * inv_freq.numel() > head_dim:
+            raise ValueError(f"{op}: axes_dim {self.axes_dim} rotate {2 * inv_freq.numel()} channels, more than "
+                             f"head_dim {head_dim}")
         self.layout, self.format = layout, format
         self.inv_freq = inv_freq
         self.pair_axis = pair_axis
 
+    def _frequencies(self) -> Tuple[Tensor, Tensor]:
+        if self.even_split:
+            return frequencies.axial(self.head_dim, self.n_axes, self.base)
+        return frequencies.multiaxis(self.axes_dim, self.base)
+
     def _make_frequencies(self) -> Dict[str, Tensor]:
-        return {"inv_freq": self.inv_freq, "pair_axis": self.pair_axis}
+        # Recomputed, not moved: after .to("meta") the attributes hold no values for to_empty to copy.
+        inv_freq, pair_axis = self._frequencies()
+        return {"inv_freq": inv_freq, "pair_axis": pair_axis}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "thd") -> "AxialRotaryEmbedding":

@@ -1,6 +1,8 @@
 """ONNX export of models that call posenc ops (``torch.onnx.export(..., dynamo=True)``).
 
-ONNX has no posenc ops, so each forward op is translated into standard ONNX operators (opset 23):
+ONNX has no posenc ops, so each forward op is translated into standard ONNX operators. ``import posenc`` adds the
+translations to torch.onnx's own table once its exporter loads, so every ``torch.onnx.export(..., dynamo=True)``
+finds them, at any opset, and so do exporters built on it (transformers'); with opset 23 (RotaryEmbedding's):
 
     import posenc.onnx
     onnx_program = posenc.onnx.export(model, (tokens,), dynamic_shapes=({1: "seq"},))
@@ -10,22 +12,31 @@ ONNX has no posenc ops, so each forward op is translated into standard ONNX oper
 
 The translations reproduce the ops' maths: angles = (positions + offset) * inv_freq in float64, sin and cos in
 float64, then the data's maths type (float32 for float16/bfloat16/float32 data, float64 for float64 data) and one
-rounding to the output dtype. ``rope`` and ``rope_qk`` use ONNX's ``RotaryEmbedding`` (new in opset 23), fed with
-per-token cos/sin tables (multi-axis calls gather each pair's position with ``pair_axis`` first); ``rope_cos_sin`` takes tables of any content, which ``RotaryEmbedding`` cannot (it reads
-half tables and assumes they repeat), so it is built from primitives like the others. T5 buckets are read from a
-table of ``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges match exactly.
+rounding to the output dtype. From opset 23, ``rope`` and ``rope_qk`` use ONNX's ``RotaryEmbedding``, fed with
+per-token cos/sin tables (multi-axis calls gather each pair's position with ``pair_axis`` first); below it, and for
+``rope_cos_sin`` (whose tables may hold any values, while ``RotaryEmbedding`` reads half tables and assumes they
+repeat), the same products and sums are built from primitives. T5 buckets are read from a table of
+``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges match exactly. The ops
+without a tensor argument (frequencies, ALiBi slopes, position grids) become constants that the op itself computes
+at export time; ``rope_inv_freq_for_length`` switches to (LongRoPE) or computes (dynamic NTK) its frequencies in
+float64 from the length in the graph; ``mrope_positions`` walks Qwen2-VL's runs of tokens with sorts and sums.
 Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are fixed at export.
 The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime reports an
 out-of-range index in its own words.
 
 Backward ops and the in-place ``rope_`` / ``add_alibi_`` have no translation (export graphs are functional
-inference graphs; use ``rope`` / ``add_alibi``).
+inference graphs; use ``rope`` / ``add_alibi``), nor has ``zigzag_positions_varlen``, whose output sizes follow
+its input's values: torch.export cannot trace it.
 """
+from fractions import Fraction
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from onnxscript import ir
-from onnxscript import opset23 as op
+# Nodes of opset 18, that of torch.onnx's own translations: its exporter converts a graph up to the export's
+# opset, never down. RotaryEmbedding is opset 23's.
+from onnxscript import opset18 as op
+from onnxscript import opset23
 
 __all__ = ["OPSET", "translation_table", "export"]
 
@@ -193,6 +204,8 @@ def positions_from_mask(attention_mask, pad_position: int = 0):
 # ---------------------------------------------------------------- rotary
 
 _ROPE_FORMATS = ("bshd", "bhsd", "sbhd", "thd")
+_SEQ_AXIS = {"bshd": 1, "bhsd": 2, "sbhd": 0}
+_BATCH_AXIS = {"bshd": 0, "bhsd": 0, "sbhd": 1}
 
 
 def _check_rope(op_name: str, layout: str, format: str) -> None:
@@ -224,47 +237,47 @@ def _axis_angles(positions, inv_freq, offset: int, pair_axis):
 
 def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, offset: int, cu_seqlens,
                  pair_axis=None):
-    """cos and sin [B, S, F] (times attention_scale) in x's maths type, as RotaryEmbedding reads them."""
+    """cos and sin of every token's angles (times attention_scale) in x's maths type: [S, F], [B, S, F] for per-row
+    positions, [T, F] for thd."""
     if format == "thd":
         length = _size(x, 0)
         if positions is None and cu_seqlens is not None:
             pos = _to(_packed_positions(cu_seqlens, length, offset), _DOUBLE)
         else:
             pos = _positions(positions, length, offset, _DOUBLE)
-        batch = op.Constant(value_ints=[1])
     else:
-        seq_axis, batch_axis = {"bshd": (1, 0), "bhsd": (2, 0), "sbhd": (0, 1)}[format]
-        pos = _positions(positions, _size(x, seq_axis), offset, _DOUBLE)
-        batch = op.Shape(x, start=batch_axis, end=batch_axis + 1)
-    # [S, F], or [B, S, F] for per-row positions
+        pos = _positions(positions, _size(x, _SEQ_AXIS[format]), offset, _DOUBLE)
     angles = _angles(pos, inv_freq) if pair_axis is None else _axis_angles(positions, inv_freq, offset, pair_axis)
-    shape = op.Concat(batch, op.Shape(angles, start=-2), axis=0)
     maths = _maths_type(x.dtype)
     tables = []
     for table in (op.Cos(angles), op.Sin(angles)):
         if attention_scale != 1.0:
             table = op.Mul(table, _double(attention_scale))
-        tables.append(op.Expand(_to(table, maths), shape))
+        tables.append(_to(table, maths))
     return tables
 
 
-def _rotate(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str):
-    """RotaryEmbedding on x in its format: bhsd is its 4-D input; bshd/thd/sbhd become [B, S, H * D]."""
+def _rotary_embedding(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str):
+    """RotaryEmbedding (opset 23) on x in its format, with tables [B, S, F] ([1, T, F] for thd): bhsd is its 4-D
+    input; bshd/thd/sbhd become [B, S, H * D]."""
     maths = _maths_type(x.dtype)
     heads = _static(x, -2 if format != "bhsd" else 1, op_name, "head count")
     head_dim = _static(x, -1, op_name, "head_dim")
     attributes = dict(interleaved=int(layout == "gptj"),
                       rotary_embedding_dim=rotary_dim if rotary_dim < head_dim else 0)  # 0: every channel
+    batch = op.Constant(value_ints=[1]) if format == "thd" else \
+        op.Shape(x, start=_BATCH_AXIS[format], end=_BATCH_AXIS[format] + 1)
+    cos, sin = (op.Expand(t, op.Concat(batch, op.Shape(t, start=-2), axis=0)) for t in (cos, sin))
     data = _to(x, maths)
     if format == "bhsd":
-        return _to(op.RotaryEmbedding(data, cos, sin, **attributes), x.dtype)
+        return _to(opset23.RotaryEmbedding(data, cos, sin, **attributes), x.dtype)
     if format == "sbhd":
         data = op.Transpose(data, perm=[1, 0, 2, 3])
     elif format == "thd":
         data = op.Unsqueeze(data, op.Constant(value_ints=[0]))
     rows = op.Reshape(data, op.Concat(op.Shape(data, start=0, end=2), op.Constant(value_ints=[heads * head_dim]),
                                       axis=0))
-    out = op.Reshape(op.RotaryEmbedding(rows, cos, sin, num_heads=heads, **attributes), op.Shape(data))
+    out = op.Reshape(opset23.RotaryEmbedding(rows, cos, sin, num_heads=heads, **attributes), op.Shape(data))
     if format == "sbhd":
         out = op.Transpose(out, perm=[1, 0, 2, 3])
     elif format == "thd":
@@ -272,32 +285,58 @@ def _rotate(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str
     return _to(out, x.dtype)
 
 
+def _full_width(table, layout: str):
+    """A table [..., F] of the pairs' values spread over the 2F channels they rotate."""
+    if layout == "neox":
+        return op.Concat(table, table, axis=-1)
+    pairs = op.Unsqueeze(table, op.Constant(value_ints=[-1]))
+    return op.Reshape(op.Concat(pairs, pairs, axis=-1),
+                      op.Concat(op.Shape(table, start=0, end=-1), op.Constant(value_ints=[-1]), axis=0))
+
+
 def _rope(name: str, tensors: Sequence[Any], positions, inv_freq, attention_scale: float, layout: str, format: str,
-          offset: int, cu_seqlens, pair_axis):
+          offset: int, cu_seqlens, pair_axis, opset: int):
     _check_rope(name, layout, format)
     rotary_dim = 2 * _static(inv_freq, 0, name, "inv_freq length")
     if pair_axis is not None and positions is None:
         raise ValueError(f"posenc.onnx: {name}: pair_axis needs positions [n_axes, ...]")
     cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens, pair_axis)
-    return tuple(_rotate(x, cos, sin, rotary_dim, layout, format, name) for x in tensors)
+    if opset >= OPSET:
+        return tuple(_rotary_embedding(x, cos, sin, rotary_dim, layout, format, name) for x in tensors)
+    # Before RotaryEmbedding: the products and sums it computes, in the same maths type.
+    per_row = format != "thd" and positions is not None and _rank(positions) == (2 if pair_axis is None else 3)
+    cos, sin = _full_width(cos, layout), _full_width(sin, layout)
+    return tuple(_rotate_by_tables(x, cos, sin, rotary_dim, per_row, layout, format, name) for x in tensors)
 
 
-def rope(x, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
-         offset: int = 0, cu_seqlens=None, pair_axis=None):
-    return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)[0]
+def _rope_for_opset(opset: int):
+    def rope(x, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
+             offset: int = 0, cu_seqlens=None, pair_axis=None):
+        return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                     pair_axis, opset)[0]
+
+    def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox",
+                format: str = "bshd", offset: int = 0, cu_seqlens=None, pair_axis=None):
+        return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                     pair_axis, opset)
+
+    return rope, rope_qk
 
 
-def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
-            offset: int = 0, cu_seqlens=None, pair_axis=None):
-    return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                 pair_axis)
+rope, rope_qk = _rope_for_opset(OPSET)
 
 
 def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
     """x * cos + rotate(x) * sin over the first r = cos.shape[-1] channels, channel by channel."""
     _check_rope("rope_cos_sin", layout, format)
     rotary_dim = _static(cos, -1, "rope_cos_sin", "table width")
-    head_dim = _static(x, -1, "rope_cos_sin", "head_dim")
+    return _rotate_by_tables(x, cos, sin, rotary_dim, _rank(cos) == 3, layout, format, "rope_cos_sin")
+
+
+def _rotate_by_tables(x, cos, sin, rotary_dim: int, per_row: bool, layout: str, format: str, op_name: str):
+    """x * cos + rotate(x) * sin over the first rotary_dim channels; tables [S, r], [1 or B, S, r] (per_row) or
+    [T, r] (thd)."""
+    head_dim = _static(x, -1, op_name, "head_dim")
     maths = _maths_type(x.dtype)
     data = _to(x, maths)
     rotated = _last_dim(data, 0, rotary_dim)
@@ -309,18 +348,17 @@ def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
                                               axis=0))
         partner = op.Reshape(op.Concat(op.Neg(_last_dim(pairs, 1, 2)), _last_dim(pairs, 0, 1), axis=-1),
                              op.Shape(rotated))
-    tables = [_to(_table_for(t, format), maths) for t in (cos, sin)]
+    tables = [_to(_table_for(t, per_row, format), maths) for t in (cos, sin)]
     out = op.Add(op.Mul(rotated, tables[0]), op.Mul(partner, tables[1]))
     if rotary_dim < head_dim:
         out = op.Concat(out, _last_dim(data, rotary_dim, head_dim), axis=-1)
     return _to(out, x.dtype)
 
 
-def _table_for(table, format: str):
-    """A cos/sin table ([S, r], [1 or B, S, r]; [T, r] for thd) broadcast against x's layout."""
+def _table_for(table, per_batch: bool, format: str):
+    """A cos/sin table ([S, r], [1 or B, S, r] when per_batch; [T, r] for thd) broadcast against x's layout."""
     if format == "thd":
         return op.Unsqueeze(table, op.Constant(value_ints=[1]))  # [T, 1, r]
-    per_batch = _rank(table) == 3
     if format == "bshd":
         return op.Unsqueeze(table, op.Constant(value_ints=[-2]))  # [(B,) S, 1, r]
     if format == "bhsd":
@@ -401,6 +439,182 @@ def t5_bias(weight, q_len, k_len, bidirectional: bool, num_buckets: int, max_dis
     return op.Unsqueeze(op.Transpose(values, perm=[2, 0, 1]), op.Constant(value_ints=[0]))
 
 
+# ---------------------------------------------------------------- frequencies and positions
+
+_TORCH_DTYPES = {_FLOAT: torch.float32, _DOUBLE: torch.float64, ir.DataType.FLOAT16: torch.float16,
+                 ir.DataType.BFLOAT16: torch.bfloat16}
+
+
+def _constant(value):
+    return op.Constant(value=ir.tensor(value)) if isinstance(value, torch.Tensor) else _double(value)
+
+
+def _constant_translation(name: str) -> Callable:
+    """An op without a tensor argument computes constants of the configuration (frequencies, slopes, position
+    grids): the op itself evaluates them at export time, so the graph holds its exact values. An ONNX constant has
+    no device: device arguments are dropped."""
+    posenc_op = getattr(torch.ops.posenc, name).default
+
+    def translation(*args, **kwargs):
+        values = {}
+        for i, argument in enumerate(posenc_op._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
+            kind = str(argument.real_type)
+            if "Device" in kind:
+                continue
+            if "ScalarType" in kind and value is not None:
+                if value not in _TORCH_DTYPES:
+                    raise ValueError(f"posenc.onnx: {name}: {argument.name} {ir.DataType(value).name} is not a "
+                                     f"floating dtype posenc computes in")
+                value = _TORCH_DTYPES[value]
+            values[argument.name] = value
+        result = posenc_op(**values)
+        return tuple(_constant(v) for v in result) if isinstance(result, tuple) else _constant(result)
+
+    translation.__name__ = name
+    return translation
+
+
+def rope_inv_freq_for_length(seq_len, rotary_dim: int, base: float = 10000.0, rope_type: str = "default",
+                             **scaling: Any):
+    """The frequencies of every length up to the context are constants (posenc's own op, at export time); past it,
+    LongRoPE switches to its long factors and dynamic NTK grows its base with L:
+    theta'^(-2i / r) = theta^(-2i / r) * (1 + factor (L - C) / C)^(-2i / (r - 2))."""
+    within, _ = torch.ops.posenc.rope_inv_freq(rotary_dim, float(base), rope_type, **scaling)
+    length = _to(seq_len, _DOUBLE)
+    if rope_type == "longrope":
+        context = scaling.get("original_max_position_embeddings") or scaling["max_position_embeddings"]
+        beyond, _ = torch.ops.posenc.rope_inv_freq(rotary_dim, float(base), rope_type, seq_len=2 ** 62, **scaling)
+        return op.Where(op.Greater(length, _double(context)), _constant(beyond), _constant(within))
+    if rope_type == "dynamic" and scaling.get("alpha") is None:  # with an alpha, HunYuan's fixed NTK
+        context, factor = scaling["max_position_embeddings"], scaling["factor"]
+        # max(L, C), keeping a NaN length as the op does
+        clamped = op.Where(op.Less(length, _double(context)), _double(context), length)
+        growth = op.Add(_double(1.0), op.Div(op.Mul(op.Sub(clamped, _double(context)), _double(factor)),
+                                             _double(context)))
+        # The exponents -2i / (r - 2) as sums of two doubles: ln(growth) multiplies the rounding error of one
+        # double (20 ulps of the result at L = 2^40).
+        exponents = [Fraction(-2 * i, rotary_dim - 2) for i in range(rotary_dim // 2)]
+        high = [float(e) for e in exponents]
+        low = [float(e - Fraction(h)) for e, h in zip(exponents, high)]
+        powers = [op.Pow(growth, _constant(torch.tensor(e, dtype=torch.float64))) for e in (high, low)]
+        return op.Mul(op.Mul(_constant(within), powers[0]), powers[1])
+    return _constant(within)
+
+
+def mrope_positions(token_types, image_grid_thw=None, video_grid_thw=None, attention_mask=None,
+                    spatial_merge_size: int = 2, tokens_per_second: Optional[float] = None, second_per_grid_ts=None,
+                    split_video_frames: bool = False):
+    """Qwen2-VL's walk over runs of tokens, for every row at once. Each row's real tokens are moved to the front
+    (a sort by (padding, index)) and a run starts where the type changes. A text token's position is its index k
+    plus, summed over the vision runs before it, advance - length (advance: max(h, w) // spatial_merge_size); a
+    vision token's is its run's start (the run's first index plus the same sum) plus its frame time, row or column.
+    The vision runs take the grids in order over the whole batch. The positions go back to the tokens' places
+    (padding gets 0)."""
+    types = _to(token_types, _INT64)
+    length = _size(types, 1)
+    k = _arange(length)
+    if attention_mask is None:
+        real = op.Expand(op.Constant(value=ir.tensor(True)), op.Shape(types))
+    else:
+        real = op.Not(op.Equal(attention_mask, op.CastLike(op.Constant(value_int=0), attention_mask)))
+    key = op.Add(op.Mul(op.Cast(op.Not(real), to=_INT64), length), k)
+    _, order = op.TopK(key, op.Unsqueeze(length, op.Constant(value_ints=[0])), axis=1, largest=0, sorted=1)
+    kind = op.GatherElements(types, order, axis=1)
+    count = op.ReduceSum(op.Cast(real, to=_INT64), op.Constant(value_ints=[1]), keepdims=1)  # [B, 1]
+    inside = op.Less(k, count)
+    no_kind = op.Constant(value=ir.tensor(-1, dtype=_INT64))
+    before = op.Pad(_last_dim(kind, 0, -1), op.Constant(value_ints=[0, 1, 0, 0]), no_kind)
+    after = op.Pad(_last_dim(kind, 1, 1 << 62), op.Constant(value_ints=[0, 0, 0, 1]), no_kind)
+    first = op.And(inside, op.Not(op.Equal(kind, before)))
+    last = op.And(inside, op.Or(op.Not(op.Less(op.Add(k, op.Constant(value_int=1)), count)),
+                                op.Not(op.Equal(kind, after))))
+    one, one_dim = op.Constant(value_int=1), op.Constant(value_ints=[1])
+    run = op.Max(op.Sub(op.CumSum(op.Cast(first, to=_INT64), one), one), op.Constant(value_int=0))
+    # The runs' first indices in order (the other tokens sort after them), read back by every token of a run.
+    starts, _ = op.TopK(op.Where(first, k, op.Add(k, length)), op.Unsqueeze(length, op.Constant(value_ints=[0])),
+                        axis=1, largest=0, sorted=1)
+    run_start = op.GatherElements(starts, run, axis=1)
+    index = op.Sub(k, run_start)  # within the run
+
+    def nth_grid(value: int):
+        """The place of each token's run among the batch's runs of this kind, row after row."""
+        runs = op.Cast(op.And(first, op.Equal(kind, op.Constant(value_int=value))), to=_INT64)
+        earlier_rows = op.CumSum(op.ReduceSum(runs, op.Constant(value_ints=[1]), keepdims=1),
+                                 op.Constant(value_int=0), exclusive=1)
+        return op.Add(earlier_rows, op.Sub(op.CumSum(runs, one), one))
+
+    no_grids = op.Constant(value=ir.tensor(torch.zeros(0, 3, dtype=torch.int64)))
+    images = no_grids if image_grid_thw is None else _to(image_grid_thw, _INT64)
+    videos = no_grids if video_grid_thw is None else _to(video_grid_thw, _INT64)
+    video_of_grid = _arange(_size(videos, 0))
+    if split_video_frames:  # Qwen3-VL: a grid (1, h, w) per frame
+        ends = op.CumSum(op.Squeeze(_last_dim(videos, 0, 1), op.Constant(value_ints=[1])), op.Constant(value_int=0))
+        frame = _arange(op.ReduceSum(_last_dim(videos, 0, 1), keepdims=0))
+        video_of_grid = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(ends, op.Constant(value_ints=[0])),
+                                                            op.Unsqueeze(frame, op.Constant(value_ints=[1]))),
+                                             to=_INT64), op.Constant(value_ints=[1]), keepdims=0)
+        frames = op.Gather(videos, video_of_grid, axis=0)
+        single = op.ConstantOfShape(op.Concat(op.Shape(frames, start=0, end=1), one_dim, axis=0),
+                                    value=ir.tensor([1], dtype=_INT64))
+        videos = op.Concat(single, _last_dim(frames, 1, 3), axis=1)
+    image_count, video_count = op.Shape(images, start=0, end=1), op.Shape(videos, start=0, end=1)
+    # Text tokens read a last grid (1, m, m): one frame of one token.
+    merge = op.Constant(value_int=spatial_merge_size)
+    text_grid = op.Constant(value=ir.tensor(torch.tensor([[1, spatial_merge_size, spatial_merge_size]])))
+    is_image = op.And(inside, op.Equal(kind, one))
+    is_video = op.And(inside, op.Equal(kind, op.Constant(value_int=2)))
+    video_grid = op.Where(is_video, nth_grid(2), video_count)
+    grid_row = op.Where(is_image, nth_grid(1), op.Add(video_grid, image_count))
+    grid = op.Gather(op.Concat(images, videos, text_grid, axis=0), grid_row, axis=0)  # [B, S, 3]
+    h, w = (op.Squeeze(_last_dim(grid, i, i + 1), op.Constant(value_ints=[-1])) for i in (1, 2))
+    height, width = op.Div(h, merge), op.Div(w, merge)
+    cells = op.Mul(height, width)
+    frame_of_token, cell = op.Div(index, cells), op.Mod(index, cells)
+    time = frame_of_token
+    if video_grid_thw is not None:
+        video = op.Gather(op.Concat(video_of_grid, op.Constant(value_ints=[0]), axis=0), video_grid, axis=0)
+        time = op.Where(is_video, _frame_times(frame_of_token, video, tokens_per_second, second_per_grid_ts), time)
+    vision = op.Or(is_image, is_video)
+    advance = op.Div(op.Max(h, w), merge)
+    extra = op.Where(op.And(last, vision), op.Sub(advance, op.Add(index, one)), op.Constant(value_int=0))
+    shift = op.CumSum(extra, one, exclusive=1)
+    start, text = op.Add(run_start, shift), op.Add(k, shift)
+    axes = [op.Where(vision, op.Add(start, offset), text) for offset in (time, op.Div(cell, width),
+                                                                        op.Mod(cell, width))]
+    compact = op.Where(inside, op.Concat(*(op.Unsqueeze(a, op.Constant(value_ints=[0])) for a in axes), axis=0),
+                       op.Constant(value_int=0))  # [3, B, S]
+    largest = op.ReduceMax(op.Where(inside, compact, op.Constant(value_int=-1)), op.Constant(value_ints=[0, 2]),
+                           keepdims=0)
+    deltas = op.Sub(op.Add(op.Unsqueeze(largest, op.Constant(value_ints=[1])), one), count)
+    positions = op.ScatterElements(op.ConstantOfShape(op.Shape(compact), value=ir.tensor([0], dtype=_INT64)),
+                                   op.Expand(op.Unsqueeze(order, op.Constant(value_ints=[0])), op.Shape(compact)),
+                                   compact, axis=2)
+    return positions, deltas
+
+
+def _frame_times(frame, video, tokens_per_second: Optional[float], second_per_grid_ts):
+    """trunc(frame * interval) in the arithmetic of the op: float64 without second_per_grid_ts; with it, torch's
+    for interval = second_per_grid_ts[video] * tokens_per_second, then frame * interval (in second_per_grid_ts'
+    dtype, float32 for integers times a fractional tokens_per_second)."""
+    rate = 1.0 if tokens_per_second is None else tokens_per_second
+    if second_per_grid_ts is None:
+        return op.Cast(op.Mul(op.Cast(frame, to=_DOUBLE), _double(rate)), to=_INT64)
+    seconds = op.Gather(op.Concat(second_per_grid_ts, op.CastLike(op.Constant(value_ints=[0]), second_per_grid_ts),
+                                  axis=0), video, axis=0)
+    dtype = second_per_grid_ts.dtype
+    if not dtype.is_floating_point() and rate == int(rate):
+        return op.Mul(op.Mul(_to(seconds, _INT64), op.Constant(value_int=int(rate))), frame)
+    dtype = dtype if dtype.is_floating_point() else _FLOAT
+    maths = _maths_type(dtype)
+
+    def product(a, b):  # rounded to dtype once, as torch's CPU kernels compute it
+        return _to(op.Mul(_to(_to(a, dtype), maths), _to(b, maths)), dtype)
+
+    interval = product(seconds, _double(rate))
+    return op.Cast(product(frame, interval), to=_INT64)
+
+
 # ---------------------------------------------------------------- the table
 
 _TRANSLATIONS: Dict[str, Callable] = {
@@ -410,6 +624,10 @@ _TRANSLATIONS: Dict[str, Callable] = {
     "rope": rope, "rope_qk": rope_qk, "rope_cos_sin": rope_cos_sin,
     "alibi_bias": alibi_bias, "add_alibi": add_alibi,
     "relative_position_bucket": relative_position_bucket, "t5_bias": t5_bias,
+    "rope_inv_freq_for_length": rope_inv_freq_for_length, "mrope_positions": mrope_positions,
+    **{name: _constant_translation(name) for name in (
+        "alibi_slopes", "sinusoidal_inv_freq", "rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq",
+        "mrope_inv_freq", "mrope_pair_axis", "image_positions", "video_positions", "zigzag_positions")},
 }
 
 
@@ -417,6 +635,23 @@ def translation_table() -> Dict[torch._ops.OpOverload, Callable]:
     """``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True, opset_version=23)``: every forward
     posenc op mapped to a function that builds it from standard ONNX operators (onnxscript)."""
     return {getattr(torch.ops.posenc, name).default: fn for name, fn in _TRANSLATIONS.items()}
+
+
+def _register_with_torch_onnx() -> None:
+    """Adds the translations to the table torch.onnx builds every export's registry from (``import posenc`` calls
+    this once torch.onnx's exporter loads its own translations), so that ``torch.onnx.export(..., dynamo=True)``,
+    and exporters built on it, translate posenc ops without a ``custom_translation_table``. Below opset 23 the
+    rotations are built without RotaryEmbedding."""
+    from torch.onnx._internal.exporter._torchlib._torchlib_registry import onnx_impl
+
+    before_rotary_embedding = {fn.__name__: fn for fn in _rope_for_opset(OPSET - 1)}
+    for name, fn in _TRANSLATIONS.items():
+        target = getattr(torch.ops.posenc, name).default
+        if name in before_rotary_embedding:
+            onnx_impl(target, no_compile=True)(before_rotary_embedding[name])
+            onnx_impl(target, no_compile=True, opset_introduced=OPSET)(fn)
+        else:
+            onnx_impl(target, no_compile=True)(fn)
 
 
 def export(model: Any, args: Tuple[Any, ...] = (), f: Optional[str] = None, *, opset_version: int = OPSET,

@@ -399,11 +399,10 @@ def _worker(rank, init_file, results_dir):
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("distributed")
+def _spawn(worker, directory):
+    """Runs worker(rank, init_file, directory) in WORLD_SIZE processes; returns each rank's recorded outcomes."""
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_worker, args=(rank, directory / "init", directory))
+    workers = [context.Process(target=worker, args=(rank, directory / "init", directory))
                for rank in range(WORLD_SIZE)]
     for w in workers:
         w.start()
@@ -414,6 +413,11 @@ def outcomes(tmp_path_factory):
             w.kill()
     return {rank: json.loads((directory / f"rank{rank}.json").read_text()) if (directory / f"rank{rank}.json").exists()
             else {} for rank in range(WORLD_SIZE)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return _spawn(_worker, tmp_path_factory.mktemp("distributed"))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -429,6 +433,67 @@ def test_import_posenc_does_not_import_torch_distributed_tensor():
     code = "import sys, posenc; print('torch.distributed.tensor' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def _worker_without_posenc_distributed(rank, init_file, results_dir):
+    """A program that makes DTensors and calls posenc ops on them without ``import posenc.distributed``: this test
+    module imports posenc, then torch.distributed.tensor is imported, and posenc registers its rules then."""
+    import sys
+
+    import torch.distributed as dist
+
+    outcome = "ok"
+    try:
+        assert "posenc.distributed" not in sys.modules
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                                timeout=timedelta(seconds=60))
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        torch.manual_seed(0)
+        q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)
+        inv_freq, scale = posenc.frequencies.rope(16, 10000.0, {"rope_type": "linear", "factor": 2.0})
+        q_rot, k_rot = PF.rope_qk(distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)]),
+                                  None, distribute_tensor(inv_freq, mesh, [Replicate()]), scale)
+        assert q_rot.placements == k_rot.placements == (Shard(2),)
+        expected = PF.rope_qk(q, k, None, inv_freq, scale)
+        assert_close(q_rot.full_tensor(), expected[0], rtol=0, atol=0)
+        assert_close(k_rot.full_tensor(), expected[1], rtol=0, atol=0)
+    except Exception:  # noqa: BLE001  (reported by the test)
+        outcome = traceback.format_exc()
+    Path(results_dir, f"rank{rank}.json").write_text(json.dumps({"rope_qk": outcome}))
+    dist.destroy_process_group()
+
+
+def test_dtensor_calls_work_without_importing_posenc_distributed(tmp_path):
+    results = _spawn(_worker_without_posenc_distributed, tmp_path)
+    for rank in range(WORLD_SIZE):
+        assert results[rank].get("rope_qk") == "ok", f"rank {rank}:\n{results[rank].get('rope_qk', 'no result')}"
+
+
+def test_dtensor_calls_work_when_torch_distributed_tensor_was_imported_before_posenc(tmp_path):
+    import subprocess
+    import sys
+
+    code = f"""
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+import posenc
+from posenc import functional as PF
+
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'init'}", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cpu", (1,))
+x, inv_freq = torch.randn(2, 6, 4, 16), posenc.frequencies.rope(16)[0]
+out = PF.rope(distribute_tensor(x, mesh, [Shard(2)]), None, distribute_tensor(inv_freq, mesh, [Replicate()]))
+assert out.placements == (Shard(2),) and torch.equal(out.full_tensor(), PF.rope(x, None, inv_freq))
+dist.destroy_process_group()
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("ok"), result.stderr
 
 
 def test_every_posenc_op_with_tensor_arguments_has_a_rule():

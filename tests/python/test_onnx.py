@@ -1,6 +1,8 @@
 """ONNX export (posenc.onnx): every forward op, translated to standard ONNX operators, run by ONNX Runtime and
 compared with the posenc op in PyTorch (float32 within 1e-5), at the export shapes and at other batch and sequence
-sizes (dynamic shapes). Each export takes a second or two, so every model below calls many ops at once."""
+sizes (dynamic shapes); plain torch.onnx.export, which finds the translations that import posenc registered, and
+Hugging Face models patched with posenc through torch.onnx and transformers' exporter, against the unpatched
+models. Each export takes a second or two, so every model below calls many ops at once."""
 import re
 from pathlib import Path
 
@@ -220,6 +222,145 @@ def test_rope_cos_sin_with_any_tables():
     assert "RotaryEmbedding" not in op_types(model)
 
 
+@pytest.mark.parametrize("opset", [20, 23])
+def test_plain_torch_onnx_export_finds_the_translations_at_any_opset(opset):
+    """No custom_translation_table: import posenc registered the translations with torch.onnx. Below opset 23 the
+    rotations are built without RotaryEmbedding, from the same products and sums."""
+    partial = posenc.frequencies.rope(8)[0]
+    full, scale = posenc.frequencies.rope(16, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+    mrope, mrope_axis = posenc.frequencies.mrope(16, [2, 3, 3])
+
+    def fn(q, k, positions, rows, scores):
+        return (PF.rope(q, None, partial, 1.0, "neox", "bshd", 3),
+                PF.rope(q, positions, full, scale, "gptj", "bshd", 2),
+                *PF.rope_qk(q.transpose(1, 2), k.transpose(1, 2), positions[0], full, scale, "neox", "bhsd"),
+                PF.rope(q.transpose(0, 1), positions, partial, 1.0, "gptj", "sbhd"),
+                PF.rope(q[0], None, full, 1.0, "gptj", "thd", 1, torch.tensor([0, 2, q.shape[1]])),
+                PF.rope(q, rows, mrope, 0.5, "neox", "bshd", 0, None, mrope_axis),
+                PF.add_alibi(scores, PF.alibi_slopes(3)))
+
+    def inputs(b, s):
+        return (torch.randn(b, s, 3, 16), torch.randn(b, s, 1, 16), torch.randint(0, 1 << 20, (b, s)),
+                torch.randint(0, 5000, (3, b, s)), torch.randn(b, 3, s, s))
+
+    batch, s = torch.export.Dim("batch", min=2, max=64), seq()
+    program = torch.onnx.export(Calls(fn), inputs(2, 5), dynamo=True, opset_version=opset,
+                                dynamic_shapes=(({0: batch, 1: s}, {0: batch, 1: s}, {0: batch, 1: s},
+                                                 {1: batch, 2: s}, {0: batch, 2: s, 3: s}),))
+    model = program.model_proto
+    assert {o.domain: o.version for o in model.opset_import}[""] == opset
+    assert ("RotaryEmbedding" in op_types(model)) == (opset >= 23)
+    session = onnxruntime.InferenceSession(model.SerializeToString())
+    for values in (inputs(2, 5), inputs(3, 9)):
+        actual = session.run(None, {i.name: v.numpy() for i, v in zip(session.get_inputs(), values)})
+        for a, e in zip(actual, fn(*values), strict=True):
+            torch.testing.assert_close(torch.from_numpy(a), e, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- frequencies and positions built in the graph
+
+LENGTH_SCALINGS = {
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "max_position_embeddings": 1024},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + i / 64 for i in range(64)],
+                 "long_factor": [2.0 + i / 16 for i in range(64)], "original_max_position_embeddings": 1024,
+                 "max_position_embeddings": 8192},
+    "dynamic with alpha (fixed NTK)": {"rope_type": "dynamic", "alpha": 3.0, "max_position_embeddings": 1024},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+@pytest.mark.parametrize("name", list(LENGTH_SCALINGS))
+def test_rope_frequencies_for_length_below_at_and_beyond_the_context(name, dtype):
+    rope_type, keywords = posenc.frequencies.rope_arguments(LENGTH_SCALINGS[name])
+
+    def fn(length):
+        return (torch.ops.posenc.rope_inv_freq_for_length(length, 128, 5e5, rope_type, **keywords),)
+
+    lengths = [(torch.tensor(n, dtype=dtype),) for n in (0, 1, 1000, 1024, 1025, 4096, 10 ** 6, 2 ** 40)]
+    # float64 rounding: dynamic NTK's powers are formed in another order than the op's (measured: 16 ulps, mostly
+    # the op's own rounding, at L = 2^40); the other types are the op's own constants.
+    export_and_compare(fn, lengths[2], other_inputs=lengths, rtol=1e-14 if name == "dynamic" else 0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_rotary_module_with_per_length_frequencies(name):
+    scaling = dict(LENGTH_SCALINGS[name], max_position_embeddings=32, original_max_position_embeddings=32)
+    if name == "longrope":
+        scaling.update(short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i / 4 for i in range(8)],
+                       max_position_embeddings=256)
+    rotary = posenc.nn.RotaryEmbedding(16, scaling=scaling)
+
+    def fn(q, k, positions):
+        return (*rotary(q, k), *rotary(q, k, positions), *rotary(q, k, None, 20))
+
+    def inputs(s, far):
+        return torch.randn(2, s, 3, 16), torch.randn(2, s, 1, 16), torch.randint(0, far, (s,))
+
+    s = seq()
+    # lengths below the context (8, 28 from offset 20), beyond it (40, 60) and far beyond (positions up to 10^5)
+    export_and_compare(fn, inputs(8, 30), [{1: s}, {1: s}, {0: s}],
+                       [inputs(8, 30), inputs(40, 30), inputs(3, 10 ** 5), inputs(5, 33)], atol=1e-6)
+
+
+def vision_batch(row, pad):
+    """Two rows of token types: row then right padding, and left padding then row."""
+    token_types = torch.tensor([row + [0] * pad, [0] * pad + row], dtype=torch.int32)
+    mask = torch.ones_like(token_types)
+    mask[0, len(row):] = 0
+    mask[1, :pad] = 0
+    return token_types, mask
+
+
+@pytest.mark.parametrize("case", ["qwen2_vl", "qwen2_5_vl", "qwen2_5_vl float16 seconds", "integer seconds",
+                                  "qwen3_vl", "text only"])
+def test_mrope_positions(case):
+    """Runs of text, images and videos (the grids taken in order over both rows), padding on either side."""
+    def inputs(images, videos, pad):
+        parts = [[0] * 3]
+        for i in range(images):
+            parts += [[1] * 6, [0] * (2 + i)]
+        for _ in range(videos):
+            parts += [([2] * 4 + [0]) * 3 if case == "qwen3_vl" else [2] * 12, [0] * 3]
+        token_types, mask = vision_batch([t for part in parts for t in part], pad)
+        grids = (torch.tensor([[1, 4, 6]] * 2 * images), torch.tensor([[3, 4, 4], [3, 4, 6]][:1] * 2 * videos))
+        seconds = torch.tensor([0.5, 1.0 / 3.0, 2.0, 0.25] * videos)[:2 * videos]
+        if case == "integer seconds":
+            seconds = torch.tensor([3, 2, 1, 4] * videos)[:2 * videos]
+        return token_types, mask, *grids, seconds
+
+    def fn(token_types, mask, image_grid, video_grid, seconds):
+        if case == "text only":  # the same rows, every token text
+            return PF.mrope_positions(token_types * 0, attention_mask=mask)
+        if case.startswith("qwen2_5_vl") or case == "integer seconds":
+            if case.endswith("float16 seconds"):
+                seconds = seconds.half()
+            return PF.mrope_positions(token_types, image_grid, video_grid, mask, 2, 2.5 if case == "qwen2_5_vl" else
+                                      1.7 if "float16" in case else 2, seconds)
+        return PF.mrope_positions(token_types, image_grid, video_grid, mask, 2, split_video_frames=case == "qwen3_vl")
+
+    b, s, n_images, n_videos = (torch.export.Dim(name, min=2, max=256) for name in ("b", "s", "images", "videos"))
+    dims = [{0: b, 1: s}, {0: b, 1: s}, {0: n_images}, {0: n_videos}, {0: n_videos}]
+    export_and_compare(fn, inputs(1, 1, 2), dims, [inputs(2, 1, 3), inputs(1, 2, 5), inputs(3, 3, 1)], atol=0)
+
+
+def test_ops_without_tensor_arguments_export_their_values():
+    """Frequencies, ALiBi slopes and position grids computed inside forward: constants of the graph, the op's own
+    values (the float attention scale included)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+    def fn(x):
+        inv_freq, scale = posenc.frequencies.rope(16, 1e4, yarn)
+        return (x * scale, inv_freq, PF.alibi_slopes(6), PF.alibi_slopes(5, torch.float16),
+                PF.alibi_slopes(12, torch.float64), posenc.frequencies.sinusoidal(17, shift=1),
+                *posenc.frequencies.multiaxis([4, 6], [10.0, 20.0]), *posenc.frequencies.axial(16, 2, 100.0),
+                *posenc.frequencies.mrope(16, [2, 3, 3], 1e6, True), posenc.frequencies.mrope_pair_axis([1, 2, 1]),
+                PF.image_positions(2, 3), PF.video_positions(2, 2, 3, 2.5), PF.zigzag_positions(16, 2, 1))
+
+    export_and_compare(fn, (torch.randn(3),), atol=0)
+
+
 # ---------------------------------------------------------------- ALiBi
 
 def test_alibi():
@@ -258,14 +399,105 @@ def test_t5_buckets_and_bias(bidirectional):
     export_and_compare(lambda r: (PF.relative_position_bucket(r, bidirectional, 32, 128),), (extremes,), atol=0)
 
 
+# ---------------------------------------------------------------- Hugging Face models patched with posenc
+
+def small_hf_model(kind):
+    import transformers
+
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2))
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=64, n_layer=2, n_head=4))
+    if kind == "bloom":
+        return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=64, n_layer=2,
+                                                                      n_head=4))
+    # Eager attention: torch 2.13 cannot decompose T5's SDPA path for ONNX, patched or not (a view of a
+    # transposed tensor).
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+        relative_attention_max_distance=20, decoder_start_token_id=0, attn_implementation="eager"))
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, decoder_input_ids=None):
+        decoder = {} if decoder_input_ids is None else {"decoder_input_ids": decoder_input_ids}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **decoder).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bloom", "t5"])
+def test_patched_hugging_face_models_export_through_torch_onnx_and_transformers(kind):
+    """No extra argument: torch.onnx.export(dynamo=True) and transformers' own exporter (the prefill and the decode
+    step with a cache of its generation stages) both find posenc's translations (rope_qk, embed_learned,
+    alibi_slopes and alibi_bias, t5_bias), and ONNX Runtime gives the unpatched model's logits."""
+    import copy
+
+    from transformers.exporters.exporter_onnx import OnnxConfig, OnnxExporter
+    from transformers.exporters.utils import decompose_for_generation
+
+    from posenc.integrations import transformers as posenc_hf
+
+    model = small_hf_model(kind).eval()
+    reference = copy.deepcopy(model)
+    posenc_hf.patch(model)
+
+    def inputs(b, s):
+        tokens = torch.randint(0, 64, (b, s))
+        return (tokens, torch.ones_like(tokens)) + ((torch.randint(0, 64, (b, s - 2)),) if kind == "t5" else ())
+
+    batch, s = torch.export.Dim("batch", max=64), torch.export.Dim("seq", min=3, max=512)
+    dims = [{0: batch, 1: s}] * 2 + ([{0: batch, 1: torch.export.Dim("decoder_seq", max=512)}] if kind == "t5" else [])
+    program = torch.onnx.export(Logits(model), inputs(2, 9), dynamo=True, dynamic_shapes=tuple(dims))
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString())
+    for values in (inputs(2, 9), inputs(3, 17)):
+        (actual,) = session.run(None, {i.name: v.numpy() for i, v in zip(session.get_inputs(), values)})
+        with torch.no_grad():
+            torch.testing.assert_close(torch.from_numpy(actual), Logits(reference)(*values), atol=1e-5, rtol=0)
+
+    tokens = torch.randint(0, 64, (2, 9))
+    stages = decompose_for_generation(model, {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)})
+    for stage, (submodel, stage_inputs) in stages.items():
+        exported = OnnxExporter().export(submodel, copy.deepcopy(stage_inputs), OnnxConfig(dynamic=True))
+        with torch.no_grad():
+            expected = reference(**copy.deepcopy(stage_inputs)).logits
+        torch.testing.assert_close(exported(**copy.deepcopy(stage_inputs)).logits, expected, atol=1e-5, rtol=0,
+                                   msg=lambda m: f"{stage}: {m}")
+
+
 # ---------------------------------------------------------------- the API, its errors, the documentation
 
-def test_translation_table_covers_every_forward_op():
-    names = {op.name() for op in posenc.onnx.translation_table()}
-    assert names == {f"posenc::{name}" for name in (
-        "sinusoidal", "add_sinusoidal", "embed_sinusoidal", "learned", "add_learned", "embed_learned",
-        "make_positions", "positions_from_mask", "rope", "rope_qk", "rope_cos_sin", "alibi_bias", "add_alibi",
-        "relative_position_bucket", "t5_bias")}
+def ops_in_exported_graphs():
+    """The posenc ops a forward pass can leave in an exported graph, read from the dispatcher: every op that returns
+    a tensor, except backward ops (named *_backward: ONNX graphs here are inference graphs), in-place ones (their
+    schema mutates an argument) and those torch.export cannot trace (tensor arguments but no Meta kernel: output
+    sizes that follow the input's values)."""
+    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::"))
+    selected = []
+    for name in names:
+        schema = getattr(torch.ops.posenc, name).default._schema
+        takes_tensors = any("Tensor" in str(a.type) for a in schema.arguments)
+        traceable = not takes_tensors or torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{name}", "Meta")
+        if any("Tensor" in str(r.type) for r in schema.returns) and traceable and not name.endswith("_backward") \
+                and not schema.is_mutable:
+            selected.append(name)
+    return selected
+
+
+def test_every_op_of_an_exported_graph_has_a_translation():
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    expected = ops_in_exported_graphs()
+    assert {"rope_qk", "rope_inv_freq_for_length", "mrope_positions", "alibi_slopes"} <= set(expected)
+    assert sorted(op.name() for op in posenc.onnx.translation_table()) == [f"posenc::{n}" for n in expected]
+    # torch.onnx's own table holds them too, so that no export needs a custom_translation_table.
+    for opset in (18, 20, 23):
+        registry = ONNXRegistry.from_torchlib(opset)
+        assert [n for n in expected if not registry.is_registered(getattr(torch.ops.posenc, n).default)] == []
 
 
 def test_opset_below_23_is_refused():
