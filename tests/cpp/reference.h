@@ -37,8 +37,4 @@ inline at::Tensor reference_pe(const at::Tensor& positions, const at::Tensor& in
   return out;
 }
 
-inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
 }  // namespace posenc::test

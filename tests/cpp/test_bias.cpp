@@ -5,28 +5,15 @@
 #include <torch/torch.h>
 
 #include "bias_reference.h"
-#include "reference.h"
+#include "test_helpers.h"
 
+using posenc::test::expect_error;
 using posenc::test::max_abs_diff;
 using posenc::test::reference_alibi_bias;
 using posenc::test::reference_alibi_slopes;
 using posenc::test::reference_t5_bias;
 using posenc::test::reference_t5_buckets;
 using posenc::test::reference_t5_grad;
-
-namespace {
-
-template <typename Call>
-void expect_error(Call call, const std::string& message) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error containing: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
-}
-
-}  // namespace
 
 TEST(Alibi, SlopesMatchFormulaFor1To128Heads) {
   for (int64_t heads = 1; heads <= 128; ++heads) {

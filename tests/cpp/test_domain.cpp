@@ -18,33 +18,17 @@
 #include <string>
 #include <vector>
 
+#include "test_helpers.h"
+
+using posenc::test::expect_error;
+using posenc::test::max_abs_diff;
+
 namespace {
 
 constexpr int64_t kLimit = int64_t{1} << 53;
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr int64_t kInt64Min = std::numeric_limits<int64_t>::min();
 const auto kDouble = torch::TensorOptions().dtype(torch::kDouble);
-
-// The message names "posenc.<op>" (not a longer op name that starts with it) and contains `word`.
-bool names(const std::string& message, const std::string& op, const std::string& word) {
-  const std::string tag = "posenc." + op;
-  for (auto at = message.find(tag); at != std::string::npos; at = message.find(tag, at + 1)) {
-    const auto next = at + tag.size();
-    const bool ends = next == message.size() || !(std::isalnum(message[next]) || message[next] == '_');
-    if (ends) return message.find(word) != std::string::npos;
-  }
-  return false;
-}
-
-void expect_error(const std::function<void()>& call, const std::string& op, const std::string& word,
-                  const std::string& what) {
-  try {
-    call();
-    ADD_FAILURE() << what << ": expected an error naming posenc." << op;
-  } catch (const std::exception& e) {  // c10::Error from the API; the interpreter rethrows it as std::exception
-    EXPECT_TRUE(names(e.what(), op, word)) << what << ": " << e.what();
-  }
-}
 
 // Inputs whose output is an encoding [S, 2F] of the positions: [sin || cos] for the sinusoidal family ("half"
 // layout, x = 0), [cos || sin] for the rotation of the unit vector (1, 0) of every neox pair.
@@ -77,10 +61,6 @@ at::Tensor expected_encoding(const std::string& op, const at::Tensor& absolute, 
 
 const std::vector<std::string> kPositionOps = {"sinusoidal", "add_sinusoidal", "embed_sinusoidal",
                                                "rope",       "rope_qk",        "rope_"};
-
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
 
 TEST(Domain, PositionsOutsideTwoPow53AreAnErrorInEveryOp) {
   const auto inv_freq = torch::tensor({1.0, 0.01}, kDouble);

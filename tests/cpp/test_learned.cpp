@@ -7,8 +7,9 @@
 #include <functional>
 #include <string>
 
-#include "reference.h"
+#include "test_helpers.h"
 
+using posenc::test::expect_error;
 using posenc::test::max_abs_diff;
 
 namespace {
@@ -24,15 +25,6 @@ at::Tensor gather(const at::Tensor& table, const at::Tensor& rows) {
 at::Tensor scatter(const at::Tensor& grad, const at::Tensor& rows, int64_t num_rows) {
   return torch::zeros({num_rows, grad.size(-1)}, grad.options()).index_add_(0, rows.flatten(),
                                                                              grad.reshape({-1, grad.size(-1)}));
-}
-
-void expect_error(const std::function<void()>& call, const std::string& message) {
-  try {
-    call();
-    FAIL() << "expected an error containing: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
 }
 
 }  // namespace

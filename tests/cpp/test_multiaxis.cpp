@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-namespace {
+#include "test_helpers.h"
 
-double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
+using posenc::test::max_abs_diff;
+
+namespace {
 
 // float64 multi-axis RoPE of bshd x: pair i of the layout rotates by positions[pair_axis[i], ...] * inv_freq[i],
 // positions [n_axes, S] or [n_axes, B, S]; scale multiplies cos and sin.

@@ -12,9 +12,11 @@
 #include <string>
 
 #include "rope_reference.h"
+#include "test_helpers.h"
 
 namespace {
 
+using posenc::test::expect_error;
 using posenc::test::reference_rope;
 using posenc::frequencies::RopeScaling;
 
@@ -238,15 +240,6 @@ TEST(ContextParallel, ShardedRotationEqualsTheUnshardedOne) {
 }
 
 // Each bad input is a c10::Error naming the op, the argument and the value.
-void expect_error(const std::function<void()>& call, const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one mentioning: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(fragment), std::string::npos) << e.what_without_backtrace();
-  }
-}
-
 TEST(Rope, BadInputIsAnErrorNamingTheArgument) {
   const auto x = torch::randn({1, 4, 2, 8});
   const auto inv_freq = posenc::frequencies::rope(8).inv_freq;

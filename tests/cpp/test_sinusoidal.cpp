@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "reference.h"
+#include "test_helpers.h"
 
 using posenc::test::max_abs_diff;
 using posenc::test::reference_frequencies;

@@ -12,6 +12,7 @@
 #include "bias_reference.h"
 #include "reference.h"
 #include "rope_reference.h"
+#include "test_helpers.h"
 
 using posenc::test::max_abs_diff;
 using posenc::test::reference_frequencies;

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import posenc  # noqa: F401  (loads libposenc.so, or POSENC_LIBRARY)
+from helpers import randn
 
 OPS = torch.ops.posenc
 LIMIT = 2 ** 53
@@ -33,10 +34,6 @@ F64 = torch.float64
 
 def small(draw, low=1, high=3):
     return draw(st.integers(low, high))
-
-
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=dtype)
 
 
 # ---------------------------------------------------------------- one small valid call per op

@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 import posenc  # noqa: F401  (loads libposenc.so: torch.ops.posenc.*)
+from helpers import same_bits
 
 # Outputs of more than 2^31 elements need up to 9 GiB of memory and minutes: collected on request only.
 collect_ignore = [] if os.environ.get("POSENC_BIG_TESTS") == "1" else ["test_64bit_outputs.py"]
@@ -26,31 +27,10 @@ def _seed():
     torch.manual_seed(0)
 
 
-def tensor_ops():
-    """Every posenc op that takes a tensor: the ones the reliability tests (properties, bad input, determinism,
-    concurrency) must each cover. Ops without a tensor argument (cpu_capability) answer configuration
-    questions and have tests of their own."""
-    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::"))
-    return [name for name in names
-            if any("Tensor" in str(a.type) for a in getattr(torch.ops.posenc, name).default._schema.arguments)]
-
-
 def _flatten(result):
     if isinstance(result, (tuple, list)):
         return [t for item in result for t in _flatten(item)]
     return [result]
-
-
-def same_bits(a, b):
-    """Bitwise equality (NaN payloads included), which torch.equal is not: it calls NaN unequal to itself."""
-    if a is None or b is None:
-        return a is None and b is None
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.contiguous().view(as_int), b.contiguous().view(as_int)
-    return torch.equal(a, b)
 
 
 @pytest.fixture

@@ -3,21 +3,19 @@ buffer (only the touched pages become memory), so the kernels' stride arithmetic
 ops write there. Each result must equal the same op on a small contiguous copy, bit for bit.
 test_64bit_outputs.py (POSENC_BIG_TESTS=1) writes real outputs of more than 2^31 elements.
 """
+import functools
 import math
 
 import torch
 
+import helpers
+from helpers import same_bits
 from posenc import functional as PF
 
 BF16 = torch.bfloat16
 F64 = torch.float64
 FAR = 2 ** 31 + 4096  # an element offset past int32's range
-
-
-def same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+randn = functools.partial(helpers.randn, dtype=BF16)
 
 
 def far_view(values, stride_dim=0):
@@ -31,10 +29,6 @@ def far_view(values, stride_dim=0):
     view = buffer.as_strided(shape, strides)
     view.copy_(values)
     return view
-
-
-def randn(*shape, dtype=BF16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(dtype)
 
 
 # ---------------------------------------------------------------- far offsets (always run)

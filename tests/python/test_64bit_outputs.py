@@ -5,12 +5,15 @@ float64 formulas. Integer outputs (int64: 16 GiB at 2^31 elements) are left out.
 Collected only with POSENC_BIG_TESTS=1 (conftest.py): up to 9 GiB of memory at peak (add_sinusoidal and
 add_learned of an expanded x: its contiguous copy plus the output) and a few minutes.
 """
+import functools
 import math
 import os
 
 import pytest
 import torch
 
+import helpers
+from helpers import same_bits
 from posenc import functional as PF
 
 if os.environ.get("POSENC_BIG_TESTS") != "1":  # named on the command line without the variable
@@ -18,16 +21,7 @@ if os.environ.get("POSENC_BIG_TESTS") != "1":  # named on the command line witho
 
 BF16 = torch.bfloat16
 F64 = torch.float64
-
-
-def same_bits(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
-
-
-def randn(*shape, dtype=BF16, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(dtype)
+randn = functools.partial(helpers.randn, dtype=BF16)
 
 
 ROWS = 2 ** 31 // (1024 * 128) + 1  # rows of a [ROWS, 1024, 128] output: 2^31 + 2^17 elements

@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc
+from helpers import tolerance
 from posenc import functional as PF
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -40,11 +41,6 @@ def causal_mask(q_len, k_len):
     i = torch.arange(q_len)[:, None]
     j = torch.arange(k_len)[None, :]
     return torch.zeros(q_len, k_len, dtype=torch.float64).masked_fill(j > i + (k_len - q_len), -math.inf)
-
-
-def tolerance(dtype):
-    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=2e-6),
-            torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
 
 
 # ---------------------------------------------------------------- slopes

@@ -2,14 +2,17 @@
 gives the serial results bit for bit, and posenc.nn modules (eager and scripted) shared by 8 threads for
 inference do too. The ops release the GIL while they run, so the threads really overlap, each also running
 the kernels' own intra-op threads."""
+import functools
 import random
 import threading
 
 import pytest
 import torch
 
+import helpers
 import posenc
-from conftest import same_bits, tensor_ops
+from helpers import same_bits
+from op_registry import tensor_ops
 from posenc import functional as PF
 
 THREADS = 8
@@ -25,9 +28,7 @@ def shared_inputs():
     """One set of inputs, large enough that every kernel splits its work (32768-element grain), built once
     and only read by the threads."""
     g = torch.Generator().manual_seed(0)
-
-    def randn(*shape, dtype=torch.float32, requires_grad=False):
-        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+    randn = functools.partial(helpers.randn, generator=g)
 
     def randint(high, *shape):
         return torch.randint(0, high, shape, generator=g)

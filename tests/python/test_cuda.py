@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc  # noqa: F401
-from conftest import tensor_ops
+from op_registry import tensor_ops
 from posenc import frequencies as FQ
 from posenc import functional as PF
 

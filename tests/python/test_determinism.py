@@ -10,22 +10,15 @@ import torch
 from torch.testing import assert_close
 
 import posenc
-from conftest import tensor_ops
+from helpers import randn
+from op_registry import tensor_ops
 from posenc import functional as PF
 
 F64 = torch.float64
 
 
-def generator(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def randn(*shape, dtype=torch.float32, seed=0, requires_grad=False):
-    return torch.randn(*shape, generator=generator(seed), dtype=dtype).requires_grad_(requires_grad)
-
-
 def randint(high, *shape, seed=0):
-    return torch.randint(0, high, shape, generator=generator(seed))
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def with_grads(out, inputs, seed=1):

@@ -10,6 +10,7 @@ import onnxruntime
 import pytest
 import torch
 
+import op_registry
 import posenc
 import posenc.onnx
 from posenc import functional as PF
@@ -472,20 +473,13 @@ def test_patched_hugging_face_models_export_through_torch_onnx_and_transformers(
 # ---------------------------------------------------------------- the API, its errors, the documentation
 
 def ops_in_exported_graphs():
-    """The posenc ops a forward pass can leave in an exported graph, read from the dispatcher: every op that returns
-    a tensor, except backward ops (named *_backward: ONNX graphs here are inference graphs), in-place ones (their
-    schema mutates an argument) and those torch.export cannot trace (tensor arguments but no Meta kernel: output
-    sizes that follow the input's values)."""
-    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("posenc::"))
-    selected = []
-    for name in names:
-        schema = getattr(torch.ops.posenc, name).default._schema
-        takes_tensors = any("Tensor" in str(a.type) for a in schema.arguments)
-        traceable = not takes_tensors or torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{name}", "Meta")
-        if any("Tensor" in str(r.type) for r in schema.returns) and traceable and not name.endswith("_backward") \
-                and not schema.is_mutable:
-            selected.append(name)
-    return selected
+    """The posenc ops a forward pass can leave in an exported graph (op_registry.py): the forward and configuration
+    ops that return a tensor (not backward ops: ONNX graphs here are inference graphs; nor in-place ones), except
+    those torch.export cannot trace (tensor arguments but no Meta kernel: output sizes that follow the input's
+    values)."""
+    return [op.name for op in op_registry.all_ops()
+            if op.kind in ("forward", "configuration") and op.returns_tensors
+            and (not op.takes_tensors or torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{op.name}", "Meta"))]
 
 
 def test_every_op_of_an_exported_graph_has_a_translation():

@@ -1077,7 +1077,7 @@ def run_property(name):
 
 
 def test_every_op_has_a_property_and_bad_input_cases():
-    from conftest import tensor_ops
+    from op_registry import tensor_ops
     assert sorted(set(PROPERTIES) - {"in-place overlap"}) == tensor_ops()
     assert sorted({op for op, *_ in bad_input_fuzzer.CASES.values()}) == tensor_ops()
 

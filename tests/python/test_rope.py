@@ -8,6 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc
+from helpers import tolerance
 from posenc import functional as PF
 from posenc import frequencies as FQ
 
@@ -15,11 +16,6 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
 # Where a bshd tensor's dims go in each format (thd: batch 1 dropped).
 PERMUTE = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
-
-
-def tolerance(dtype):
-    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
-            torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
 
 
 def to_format(x, fmt):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import posenc
+from helpers import tolerance
 from posenc import functional as PF
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -25,11 +26,6 @@ def reference_pe(positions, inv_freq, layout):
 
 def pad_zero_column(pe, width):
     return F.pad(pe, (0, width - pe.shape[-1]))
-
-
-def tolerance(dtype):
-    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=1e-6),
-            torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
 
 
 # ---------------------------------------------------------------- frequencies

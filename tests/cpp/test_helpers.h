@@ -1,0 +1,51 @@
+#pragma once
+// Checks shared by the C++ tests (reference.h, bias_reference.h and rope_reference.h hold the float64 references).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <exception>
+#include <functional>
+#include <string>
+
+namespace posenc::test {
+
+inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// call() must throw a c10::Error whose text (what(): the message, then the backtrace) contains `fragment`.
+template <typename Call>
+void expect_error(Call&& call, const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one mentioning: " << fragment;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what_without_backtrace();
+  }
+}
+
+// The message names "posenc.<op>" (not a longer op name that starts with it) and contains `word`.
+inline bool names(const std::string& message, const std::string& op, const std::string& word) {
+  const std::string tag = "posenc." + op;
+  for (auto at = message.find(tag); at != std::string::npos; at = message.find(tag, at + 1)) {
+    const auto next = at + tag.size();
+    const bool ends = next == message.size() || !(std::isalnum(message[next]) || message[next] == '_');
+    if (ends) return message.find(word) != std::string::npos;
+  }
+  return false;
+}
+
+// call() must throw an error naming posenc.<op> and containing `word`; `what` says which case failed.
+inline void expect_error(const std::function<void()>& call, const std::string& op, const std::string& word,
+                         const std::string& what) {
+  try {
+    call();
+    ADD_FAILURE() << what << ": expected an error naming posenc." << op;
+  } catch (const std::exception& e) {  // c10::Error from the API; the interpreter rethrows it as std::exception
+    EXPECT_TRUE(names(e.what(), op, word)) << what << ": " << e.what();
+  }
+}
+
+}  // namespace posenc::test

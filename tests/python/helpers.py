@@ -1,0 +1,36 @@
+"""Small helpers shared by the Python tests (conftest.py holds the fixtures; op_registry.py lists the ops)."""
+import torch
+
+_AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a, b, any_nan=False):
+    """Bitwise equality (NaN payloads included), which torch.equal is not: it calls NaN unequal to itself.
+    any_nan=True lets a NaN equal any NaN (in the same places): which operand's payload and sign an operation on
+    two NaNs passes on depends on the order the compiler picked, and IEEE 754 leaves it open."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    as_int = _AS_INT[a.element_size()]
+    a_bits, b_bits = a.contiguous().view(as_int), b.contiguous().view(as_int)
+    if not any_nan:
+        return torch.equal(a_bits, b_bits)
+    a_nan, b_nan = a.isnan(), b.isnan()
+    return torch.equal(a_nan, b_nan) and torch.equal(a_bits[~a_nan], b_bits[~b_nan])
+
+
+def randn(*shape, dtype=torch.float32, seed=0, generator=None, requires_grad=False):
+    """Normal values from `generator`, else from a new generator seeded with `seed`: the same values in every
+    run and process. Drawn in float32 and rounded to `dtype`, so that every dtype sees the same values."""
+    generator = generator if generator is not None else torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype).requires_grad_(requires_grad)
+
+
+def tolerance(dtype):
+    """assert_close's atol and rtol for a family's outputs against a float64 reference, by dtype: the loosest of
+    the families' needs (rope's bf16 outputs, of larger magnitude, need atol 3e-2; alibi's float32 rtol 2e-6)."""
+    return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=2e-6),
+            torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
