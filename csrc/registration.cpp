@@ -1,6 +1,6 @@
 // The single schema table of posenc. Kernels live in one file per op family and dispatch key
 // (cpu/, meta/, autograd/) and are attached there with TORCH_LIBRARY_IMPL; the ops that compute a
-// configuration's constants (frequencies, slopes, context-parallel positions) have theirs in frequencies_ops.cpp.
+// configuration's constants (frequencies, slopes, context-parallel positions) have theirs in config/ops.cpp.
 #include <torch/library.h>
 
 TORCH_LIBRARY(posenc, m) {

@@ -1,6 +1,6 @@
 #include <posenc/embedding.h>
 
-#include "common/dispatch.h"
+#include "common/find_op.h"
 
 namespace posenc {
 

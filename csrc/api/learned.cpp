@@ -1,6 +1,6 @@
 #include <posenc/learned.h>
 
-#include "common/dispatch.h"
+#include "common/find_op.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>

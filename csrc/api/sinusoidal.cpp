@@ -1,7 +1,7 @@
 #include <posenc/frequencies.h>
 #include <posenc/sinusoidal.h>
 
-#include "common/dispatch.h"
+#include "common/find_op.h"
 
 namespace posenc {
 

@@ -1,6 +1,6 @@
 #include <posenc/t5.h>
 
-#include "common/dispatch.h"
+#include "common/find_op.h"
 
 #include <ATen/ops/randn.h>
 

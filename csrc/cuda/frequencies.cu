@@ -2,8 +2,8 @@
 // (rope_inv_freq_for_length) and the context-parallel split of packed sequences (zigzag_positions_varlen). The
 // ops without a tensor argument (rope_inv_freq, sinusoidal_inv_freq, alibi_slopes, and zigzag_positions, whose
 // device argument picks where its arange runs) keep their CompositeExplicitAutograd kernels on every device.
-#include "common/dispatch.h"
-#include "common/rope_scaling.h"
+#include "common/find_op.h"
+#include "config/rope_scaling.h"
 #include "cuda/utils.cuh"
 #include "kernels/frequencies.h"
 

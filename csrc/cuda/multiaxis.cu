@@ -2,7 +2,7 @@
 // The op walks runs of tokens and reads every grid and token type, sequential work a few hundred tokens long
 // that runs once per batch, not per layer; its output sizes are known, but its errors depend on the data, so
 // the data is read either way. The errors are the CPU's, word for word.
-#include "common/dispatch.h"
+#include "common/find_op.h"
 #include "common/multiaxis.h"
 
 #include <torch/library.h>

@@ -1,17 +1,19 @@
 // Kernels of the ops that compute a configuration's constants: frequencies, ALiBi slopes, context-parallel
-// positions and the position grids of images and video. Each kernel unpacks the op's arguments and calls the C++
-// API, which holds the only implementation of every formula; Python's posenc.frequencies and posenc.functional
-// call these ops, so both languages compute the same values with the same code.
+// positions and the position grids of images and video. Each kernel unpacks the op's arguments and calls the
+// formula beside it in config/ (frequencies.cpp, multiaxis.cpp, slopes.cpp, zigzag.cpp), its only
+// implementation, also the C++ API's; Python's posenc.frequencies and posenc.functional call these ops, so both
+// languages compute the same values with the same code.
 //
 // Ops without a tensor argument dispatch on no key: the dispatcher then runs the kernel registered at
-// CompositeExplicitAutograd. rope_inv_freq_for_length reads its tensor's metadata only (the length stays on its
-// device), and its Meta kernel lets torch.compile and torch.export trace it as one node whatever the length.
+// CompositeExplicitAutograd. rope_inv_freq_for_length reads its tensor's metadata only on other devices than the
+// CPU, and its Meta kernel (meta/frequencies.cpp) lets torch.compile and torch.export trace it as one node
+// whatever the length.
 #include <posenc/alibi.h>
 #include <posenc/frequencies.h>
 #include <posenc/multiaxis.h>
 #include <posenc/rope.h>
 
-#include "common/rope_scaling.h"
+#include "config/rope_scaling.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -34,28 +36,6 @@ std::tuple<at::Tensor, double> rope_inv_freq_composite(
                                     long_factor);
   auto freqs = frequencies::rope(rotary_dim, base, scaling, seq_len);
   return {std::move(freqs.inv_freq), freqs.attention_scale};
-}
-
-// kMeta: the same checks, an empty result of the real one's shape, dtype and device.
-template <bool kMeta>
-at::Tensor rope_inv_freq_for_length_kernel(
-    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
-    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
-    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
-    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
-    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
-    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
-  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
-                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
-                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
-                                    long_factor);
-  if constexpr (kMeta) {
-    frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);
-    return at::empty({rotary_dim / 2}, seq_len.options().dtype(at::kDouble));
-  } else {
-    return frequencies::rope_for_length(rotary_dim, base, scaling, seq_len);
-  }
 }
 
 // Computed on the CPU, then moved. Ops that return one tensor and take none count as tensor constructors for
@@ -135,10 +115,6 @@ TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("mrope_inv_freq", TORCH_FN(mrope_inv_freq_composite));
   m.impl("image_positions", TORCH_FN(image_positions_composite));
   m.impl("video_positions", TORCH_FN(video_positions_composite));
-}
-
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_kernel<true>));
 }
 
 }  // namespace posenc

@@ -1,10 +1,10 @@
 // The frequency formulas of every family, written once: the C++ API (posenc::frequencies), the ops
-// registered in frequencies_ops.cpp and, through those ops, Python's posenc.frequencies all compute here. Every
+// registered in config/ops.cpp and, through those ops, Python's posenc.frequencies all compute here. Every
 // value is scalar float64 arithmetic in a fixed order with posenc's own exp and log (kernels/libm.h), so the same
 // arguments give the same bits on every CPU, capability, thread count and device.
 #include <posenc/frequencies.h>
 
-#include "common/rope_scaling.h"
+#include "config/rope_scaling.h"
 #include "kernels/frequencies.h"
 #include "kernels/libm.h"
 
@@ -302,7 +302,7 @@ at::Tensor sinusoidal(int64_t dim, double base, int64_t shift) {
 
 RopeFrequencies rope(int64_t rotary_dim, double base, const RopeScaling& scaling, std::optional<int64_t> seq_len) {
   const auto p = plan(rotary_dim, base, scaling);
-  TORCH_CHECK_VALUE(!seq_len || *seq_len >= 0, kRope, ": seq_len must be non-negative, got ", *seq_len);
+  TORCH_CHECK_VALUE(seq_len.value_or(0) >= 0, kRope, ": seq_len must be non-negative, got ", seq_len.value_or(0));
   const auto length = seq_len ? std::optional(static_cast<double>(*seq_len)) : std::nullopt;
   return {to_tensor(inv_freq_of(p, scaling, length)), p.attention_scale};
 }

@@ -1,10 +1,11 @@
 #pragma once
-// What the kernels of rope_inv_freq and rope_inv_freq_for_length share (frequencies_ops.cpp; cuda/frequencies.cu):
-// the scaling keywords of their schemas, and how the frequencies depend on the length.
+// What the kernels of rope_inv_freq and rope_inv_freq_for_length share (config/ops.cpp, meta/frequencies.cpp,
+// cuda/frequencies.cu): the scaling keywords of their schemas, and how the frequencies depend on the length.
 #include <posenc/frequencies.h>
 
 #include "kernels/frequencies.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
@@ -57,6 +58,29 @@ inline frequencies::RopeScaling make_scaling(
   if (short_factor) scaling.short_factor = short_factor->vec();
   if (long_factor) scaling.long_factor = long_factor->vec();
   return scaling;
+}
+
+// The kernel of rope_inv_freq_for_length on the CPU (config/ops.cpp), and with kMeta its Meta kernel
+// (meta/frequencies.cpp): the same checks, an empty result of the real one's shape, dtype and device.
+template <bool kMeta>
+inline at::Tensor rope_inv_freq_for_length_kernel(
+    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
+    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
+    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
+    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
+    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
+    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
+    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
+  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
+                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
+                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
+                                    long_factor);
+  if constexpr (kMeta) {
+    frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);
+    return at::empty({rotary_dim / 2}, seq_len.options().dtype(at::kDouble));
+  } else {
+    return frequencies::rope_for_length(rotary_dim, base, scaling, seq_len);
+  }
 }
 
 }  // namespace posenc
