@@ -246,35 +246,40 @@ POSENC_INLINE void reduce_pi_over_64(double a, int& j, DoubleDouble& r) {
   const int first = e - 1 > 1 ? e - 1 : 1;  // the first bit of 2/pi taken, counted from 1 after the point
   const int word = (first - 1) / 64;
   const int bit = (first - 1) % 64;
-  uint64_t w[3];
-  for (int i = 0; i < 3; ++i) {
-    w[i] = bit == 0 ? words[word + i] : (words[word + i] << bit) | (words[word + i + 1] >> (64 - bit));
-  }
-  // p = m * w in four words, p[0] the lowest.
+  // The 192 bits of 2/pi from `first` on, in three words (scalars, not an array: a GPU would keep an indexed array
+  // in local memory).
+  const auto window = [&](int i) {
+    return bit == 0 ? words[word + i] : (words[word + i] << bit) | (words[word + i + 1] >> (64 - bit));
+  };
+  // p = m * window in four words, p0 the lowest.
   uint64_t h0, h1, h2;
-  const uint64_t l0 = mul_wide(m, w[0], h0);
-  const uint64_t l1 = mul_wide(m, w[1], h1);
-  const uint64_t l2 = mul_wide(m, w[2], h2);
-  uint64_t p[5];
-  p[0] = l2;
-  p[1] = h2 + l1;
-  uint64_t carry = p[1] < l1;
-  p[2] = h1 + carry;
-  carry = p[2] < carry;
-  p[2] += l0;
-  carry += p[2] < l0;
-  p[3] = h0 + carry;
-  p[4] = 0;
+  const uint64_t l0 = mul_wide(m, window(0), h0);
+  const uint64_t l1 = mul_wide(m, window(1), h1);
+  const uint64_t l2 = mul_wide(m, window(2), h2);
+  const uint64_t p0 = l2;
+  const uint64_t p1 = h2 + l1;
+  uint64_t carry = p1 < l1;
+  uint64_t p2 = h1 + carry;
+  carry = p2 < carry;
+  p2 += l0;
+  carry += p2 < l0;
+  const uint64_t p3 = h0 + carry;
   // a 64/pi = p 2^-point: j is the 7 bits from the point up, the fraction the 128 bits below them.
   const int point = first + 186 - e;  // 185 ... 245
-  const int shift = point - 128;      // 57 ... 117
-  const int sw = shift / 64;
+  const int shift = point - 128;      // 57 ... 117: p >> shift starts in word 0 or 1
+  const bool from_word1 = shift >= 64;
   const int sb = shift % 64;
-  uint64_t z[3];
-  for (int i = 0; i < 3; ++i) z[i] = sb == 0 ? p[i + sw] : (p[i + sw] >> sb) | (p[i + sw + 1] << (64 - sb));
-  j = static_cast<int>(z[2] & 127);
-  uint64_t f_hi = z[1];
-  uint64_t f_lo = z[0];
+  const uint64_t q0 = from_word1 ? p1 : p0;
+  const uint64_t q1 = from_word1 ? p2 : p1;
+  const uint64_t q2 = from_word1 ? p3 : p2;
+  const uint64_t q3 = from_word1 ? 0 : p3;
+  const auto funnel = [sb](uint64_t low, uint64_t high) { return sb == 0 ? low : (low >> sb) | (high << (64 - sb)); };
+  const uint64_t z0 = funnel(q0, q1);
+  const uint64_t z1 = funnel(q1, q2);
+  const uint64_t z2 = funnel(q2, q3);
+  j = static_cast<int>(z2 & 127);
+  uint64_t f_hi = z1;
+  uint64_t f_lo = z0;
   const bool negative = f_hi >> 63;  // a fraction of at least 1/2 rounds up to the next j
   if (negative) {
     j = (j + 1) & 127;
