@@ -181,12 +181,11 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
 using kernels::DoubleDouble;
 namespace libm = kernels::libm;
 
-// theta^(-2i / r) for the pairs i < r / 2, each correctly rounded.
-std::vector<double> theta_powers(int64_t rotary_dim, double theta) {
-  const auto log_theta = libm::log(DoubleDouble{theta, 0.0});
+// base^(-2i / r) for the pairs i < r / 2, from ln(base), each correctly rounded.
+std::vector<double> base_powers(DoubleDouble log_base, int64_t rotary_dim) {
   std::vector<double> inv_freq(rotary_dim / 2);
   for (const auto i : c10::irange(inv_freq.size())) {
-    inv_freq[i] = kernels::inverse_power(log_theta, 2 * static_cast<int64_t>(i), rotary_dim);
+    inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), rotary_dim);
   }
   return inv_freq;
 }
@@ -229,32 +228,23 @@ std::vector<double> llama3(std::vector<double> inv_freq, const Plan& p) {
   return inv_freq;
 }
 
-// The frequencies of a checked plan at sequence length `length` (NaN where none is given: then dynamic NTK
-// keeps theta and LongRoPE its short factors). Scalar float64 in a fixed order, every power correctly rounded.
+// The frequencies of a checked plan at sequence length `length` (none given: dynamic NTK keeps theta and LongRoPE
+// its short factors). Scalar float64 in a fixed order, every power correctly rounded.
 std::vector<double> inv_freq_of(const Plan& p, const RopeScaling& s, std::optional<double> length) {
   const auto& type = p.type;
   if (type == "dynamic") {
     const kernels::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
-    const auto log_base = kernels::dynamic_ntk_log_base(ntk, length.value_or(p.context));
-    std::vector<double> inv_freq(p.rotary_dim / 2);
-    for (const auto i : c10::irange(inv_freq.size())) {
-      inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), p.rotary_dim);
-    }
-    return inv_freq;
+    return base_powers(kernels::dynamic_ntk_log_base(ntk, length.value_or(p.context)), p.rotary_dim);
   }
   if (type == "ntk") {
     // theta alpha^(r / (r - 2)), raised to -2i / r: one logarithm of the product, carried in double-double.
     const double r = static_cast<double>(p.rotary_dim);
-    const auto log_base = libm::add(libm::log(DoubleDouble{p.theta, 0.0}),
-                                    libm::mul(libm::log(DoubleDouble{p.factor, 0.0}),
-                                              libm::div(DoubleDouble{r, 0.0}, r - 2.0)));
-    std::vector<double> inv_freq(p.rotary_dim / 2);
-    for (const auto i : c10::irange(inv_freq.size())) {
-      inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), p.rotary_dim);
-    }
-    return inv_freq;
+    return base_powers(libm::add(libm::log(DoubleDouble{p.theta, 0.0}),
+                                 libm::mul(libm::log(DoubleDouble{p.factor, 0.0}),
+                                           libm::div(DoubleDouble{r, 0.0}, r - 2.0))),
+                       p.rotary_dim);
   }
-  auto inv_freq = theta_powers(p.rotary_dim, p.theta);
+  auto inv_freq = base_powers(libm::log(DoubleDouble{p.theta, 0.0}), p.rotary_dim);
   if (type == "linear") {
     for (auto& w : inv_freq) w /= p.factor;
   } else if (type == "yarn") {
@@ -275,7 +265,7 @@ at::Tensor to_tensor(const std::vector<double>& values) {
   return out;
 }
 
-// The sequence length of rope_for_length: a 0-d integer or floating tensor (metadata only, never read here).
+// The sequence length of rope_for_length: a 0-d integer or floating tensor (these checks read metadata only).
 void check_length(const at::Tensor& seq_len) {
   TORCH_CHECK(seq_len.defined() && seq_len.dim() == 0, kRope, ": seq_len must be a 0-d tensor, got shape ",
               seq_len.defined() ? seq_len.sizes() : at::IntArrayRef{});
@@ -320,16 +310,12 @@ void check_rope_for_length(int64_t rotary_dim, double base, const RopeScaling& s
   check_length(seq_len);
 }
 
-kernels::DynamicNtk dynamic_ntk(int64_t rotary_dim, double base, const RopeScaling& scaling) {
-  const auto p = plan(rotary_dim, base, scaling);
-  return {p.theta, p.type == "dynamic" ? p.factor : 1.0, p.context, p.rotary_dim};
-}
-
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling) {
   const auto p = plan(rotary_dim, base, scaling);
-  if (p.type == "dynamic") return {LengthDependence::kGrowing, p.context};
-  if (p.type == "longrope") return {LengthDependence::kStep, p.context};
-  return {LengthDependence::kNone, p.context};
+  const kernels::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
+  if (p.type == "dynamic") return {LengthDependence::kGrowing, p.context, ntk};
+  if (p.type == "longrope") return {LengthDependence::kStep, p.context, ntk};
+  return {LengthDependence::kNone, p.context, ntk};
 }
 
 }  // namespace frequencies

@@ -18,16 +18,14 @@ namespace frequencies {
 // How rope_for_length's frequencies depend on the length L: not at all (kNone); those of every L <= context,
 // then those of every L > context (kStep: LongRoPE's short and long factors); those of every L <= context, then
 // a function of L (kGrowing: dynamic NTK, whose base grows past the context; a NaN L counts as past it). The
-// CUDA op forms on the host, with the CPU's code, what does not vary with L.
+// CUDA op forms on the host, with the CPU's code, what does not vary with L, and evaluates `ntk` (kGrowing's
+// constants, kernels/frequencies.h) on the device.
 struct LengthDependence {
   enum Kind { kNone, kStep, kGrowing } kind;
   double context;
+  kernels::DynamicNtk ntk;
 };
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling);
-
-// The constants of dynamic NTK's frequencies for the device to evaluate (kernels/frequencies.h); those of a
-// theta-only base for any other type.
-kernels::DynamicNtk dynamic_ntk(int64_t rotary_dim, double base, const RopeScaling& scaling);
 
 }  // namespace frequencies
 

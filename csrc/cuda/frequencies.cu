@@ -37,7 +37,11 @@ __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencie
   if (i >= n) return;
   bool past = false;
   if (length != nullptr) past = growing ? !(*length <= context) : *length > context;
-  out[i] = !past ? values.within[i] : growing ? kernels::dynamic_ntk_inv_freq(ntk, *length, first + i) : values.beyond[i];
+  if (!past) {
+    out[i] = values.within[i];
+  } else {
+    out[i] = growing ? kernels::dynamic_ntk_inv_freq(ntk, *length, first + i) : values.beyond[i];
+  }
 }
 
 // The frequencies of the length in seq_len (a 0-d tensor on the GPU), as the CPU's rope_for_length gives them,
@@ -74,7 +78,6 @@ at::Tensor rope_inv_freq_for_length_cuda(
   auto out = at::empty({within.numel()}, seq_len.options().dtype(at::kDouble));
   const auto length = dependence.kind == LengthDependence::kNone ? at::Tensor() : seq_len.to(at::kDouble);
   const bool growing = dependence.kind == LengthDependence::kGrowing;
-  const auto ntk = frequencies::dynamic_ntk(rotary_dim, base, scaling);
   const double* within_values = within.const_data_ptr<double>();
   const double* beyond_values = beyond.const_data_ptr<double>();
   for (int64_t first = 0; first < within.numel(); first += kParamValues) {
@@ -83,8 +86,8 @@ at::Tensor rope_inv_freq_for_length_cuda(
     std::copy(within_values + first, within_values + first + n, values.within);
     std::copy(beyond_values + first, beyond_values + first + n, values.beyond);
     select_frequencies_kernel<<<1, kThreads, 0, current_stream()>>>(
-        values, n, length.defined() ? length.const_data_ptr<double>() : nullptr, dependence.context, growing, ntk,
-        first, out.mutable_data_ptr<double>() + first);
+        values, n, length.defined() ? length.const_data_ptr<double>() : nullptr, dependence.context, growing,
+        dependence.ntk, first, out.mutable_data_ptr<double>() + first);
     POSENC_CUDA_LAUNCH_CHECK();
   }
   return out;
