@@ -1,7 +1,15 @@
 // The single schema table of posenc. Kernels live in one file per op family and dispatch key
 // (cpu/, meta/, autograd/) and are attached there with TORCH_LIBRARY_IMPL; the ops that compute a
 // configuration's constants (frequencies, slopes, context-parallel positions) have theirs in config/ops.cpp.
+#include <posenc/frequencies.h>
+
 #include <torch/library.h>
+
+// ", float? rope_theta=None, ..., float[]? long_factor=None": the scaling keywords of rope_inv_freq and
+// rope_inv_freq_for_length, written from their list (posenc/frequencies.h).
+#define POSENC_SCALING_KEYWORD(A, type, key, cpp_default, schema_type, schema_default) \
+  ", " schema_type " " #key "=" schema_default
+#define POSENC_SCALING_SCHEMA POSENC_ROPE_SCALING_KEYS(POSENC_SCALING_KEYWORD, )
 
 TORCH_LIBRARY(posenc, m) {
   // The CPU capability the kernels run with: "default", "avx2" or "avx512".
@@ -19,8 +27,8 @@ TORCH_LIBRARY(posenc, m) {
 
   // Learned absolute.
   m.def("learned(Tensor weight, Tensor positions, int offset=0, int? padding_idx=None) -> Tensor");
-  m.def("add_learned(Tensor x, Tensor weight, Tensor? positions, int offset=0, int? padding_idx=None) -> Tensor");
-  m.def("embed_learned(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor");
+  m.def("add_learned(Tensor x, Tensor weight, Tensor? positions=None, int offset=0, int? padding_idx=None) -> Tensor");
+  m.def("embed_learned(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions=None, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor");
   m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
   m.def("positions_from_mask(Tensor attention_mask, int pad_position=0) -> Tensor");
 
@@ -36,9 +44,9 @@ TORCH_LIBRARY(posenc, m) {
   m.def("rope_cos_sin_backward(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor");
   // Frequencies and attention scale of a scaling type; the keywords are the keys of Hugging Face's rope_parameters
   // (absent: the type's default). seq_len selects the dynamic NTK base and LongRoPE's short or long factors.
-  m.def("rope_inv_freq(int rotary_dim, float base=10000.0, str rope_type=\"default\", *, float? rope_theta=None, float? factor=None, float? alpha=None, float? original_max_position_embeddings=None, float? max_position_embeddings=None, float? attention_factor=None, float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, float[]? short_factor=None, float[]? long_factor=None, int? seq_len=None) -> (Tensor inv_freq, float attention_scale)");
+  m.def("rope_inv_freq(int rotary_dim, float base=10000.0, str rope_type=\"default\", *" POSENC_SCALING_SCHEMA ", int? seq_len=None) -> (Tensor inv_freq, float attention_scale)");
   // The same frequencies for the length held by a 0-d tensor, on its device and without reading it (per call).
-  m.def("rope_inv_freq_for_length(Tensor seq_len, int rotary_dim, float base=10000.0, str rope_type=\"default\", *, float? rope_theta=None, float? factor=None, float? alpha=None, float? original_max_position_embeddings=None, float? max_position_embeddings=None, float? attention_factor=None, float? beta_fast=None, float? beta_slow=None, float? mscale=None, float? mscale_all_dim=None, bool truncate=True, float? low_freq_factor=None, float? high_freq_factor=None, float[]? short_factor=None, float[]? long_factor=None) -> Tensor");
+  m.def("rope_inv_freq_for_length(Tensor seq_len, int rotary_dim, float base=10000.0, str rope_type=\"default\", *" POSENC_SCALING_SCHEMA ") -> Tensor");
   // Context parallelism, dual-chunk (zigzag) split: this rank's positions (and, packed, its token indices).
   m.def("zigzag_positions(int seq_len, int cp_size, int cp_rank, Device? device=None) -> Tensor");
   m.def("zigzag_positions_varlen(Tensor cu_seqlens, int cp_size, int cp_rank) -> (Tensor positions, Tensor indices, Tensor local_cu_seqlens)");

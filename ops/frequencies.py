@@ -54,11 +54,17 @@ def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
 
 ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")
 _ROPE = "posenc.frequencies.rope"
-# The keys of a scaling dict that the ops read, by the type of their value; all others are ignored.
-_NUMBER_KEYS = ("rope_theta", "factor", "alpha", "original_max_position_embeddings", "max_position_embeddings",
-                "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "low_freq_factor",
-                "high_freq_factor")
-_LIST_KEYS = ("short_factor", "long_factor")
+
+
+def _scaling_keywords(schema_type: str) -> Tuple[str, ...]:
+    """The scaling keywords of ``rope_inv_freq`` whose schema type is ``schema_type``, in schema order: the keys of
+    a scaling dict that the ops read (all others are ignored), read from the op itself rather than listed again."""
+    arguments = torch.ops.posenc.rope_inv_freq.default._schema.arguments
+    return tuple(a.name for a in arguments if a.kwarg_only and a.name != "seq_len" and str(a.type) == schema_type)
+
+
+_NUMBER_KEYS = _scaling_keywords("Optional[float]")
+_LIST_KEYS = _scaling_keywords("Optional[List[float]]")
 
 
 def _number(key: str, value: Any) -> float:

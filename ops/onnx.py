@@ -172,13 +172,13 @@ def learned(weight, positions, offset: int = 0, padding_idx: Optional[int] = Non
     return _rows(weight, positions, None, offset)
 
 
-def add_learned(x, weight, positions, offset: int = 0, padding_idx: Optional[int] = None):
+def add_learned(x, weight, positions=None, offset: int = 0, padding_idx: Optional[int] = None):
     maths = _maths_type(x.dtype)
     table = _to(_rows(weight, positions, _size(x, -2), offset), maths)
     return _to(op.Add(_to(x, maths), table), x.dtype)
 
 
-def embed_learned(tokens, token_weight, pos_weight, positions, token_scale: float = 1.0,
+def embed_learned(tokens, token_weight, pos_weight, positions=None, token_scale: float = 1.0,
                   padding_idx: Optional[int] = None, offset: int = 0, pos_padding_idx: Optional[int] = None):
     maths = _maths_type(token_weight.dtype)
     token_rows = _to(op.Gather(token_weight, _to(tokens, _INT64), axis=0), maths)

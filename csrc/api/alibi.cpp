@@ -1,45 +1,8 @@
 #include <posenc/alibi.h>
 
-#include "common/find_op.h"
-
 #include <ATen/ops/empty.h>
 
 namespace posenc {
-
-at::Tensor alibi_bias_symint(const at::Tensor& slopes, c10::SymInt q_len, c10::SymInt k_len, std::string_view mode,
-                             int64_t head_offset, std::optional<c10::SymInt> num_heads,
-                             std::optional<at::ScalarType> dtype) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, c10::SymInt, c10::SymInt, c10::string_view, int64_t,
-                         std::optional<c10::SymInt>, std::optional<at::ScalarType>)>("posenc::alibi_bias");
-  return op.call(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads), dtype);
-}
-
-at::Tensor alibi_bias(const at::Tensor& slopes, int64_t q_len, int64_t k_len, std::string_view mode,
-                      int64_t head_offset, std::optional<int64_t> num_heads, std::optional<at::ScalarType> dtype) {
-  return alibi_bias_symint(slopes, c10::SymInt(q_len), c10::SymInt(k_len), mode, head_offset,
-                           num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
-}
-
-at::Tensor add_alibi(const at::Tensor& scores, const at::Tensor& slopes, std::string_view mode, int64_t head_offset) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>(
-      "posenc::add_alibi");
-  return op.call(scores, slopes, mode, head_offset);
-}
-
-void add_alibi_(const at::Tensor& scores, const at::Tensor& slopes, std::string_view mode, int64_t head_offset) {
-  static const auto op =
-      find_op<void(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>("posenc::add_alibi_");
-  op.call(scores, slopes, mode, head_offset);
-}
-
-at::Tensor alibi_backward(const at::Tensor& grad, const at::Tensor& slopes, std::string_view mode,
-                          int64_t head_offset) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t)>(
-      "posenc::alibi_backward");
-  return op.call(grad, slopes, mode, head_offset);
-}
-
 namespace nn {
 
 ALiBiImpl::ALiBiImpl(int64_t num_heads, std::string mode, bool learnable, int64_t head_offset,

@@ -1,46 +1,10 @@
 #include <posenc/learned.h>
 
-#include "common/find_op.h"
-
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 
 namespace posenc {
-
-at::Tensor learned(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
-                   std::optional<int64_t> padding_idx) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, std::optional<int64_t>)>(
-      "posenc::learned");
-  return op.call(weight, positions, offset, padding_idx);
-}
-
-at::Tensor add_learned(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& positions,
-                       int64_t offset, std::optional<int64_t> padding_idx) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                            int64_t, std::optional<int64_t>)>("posenc::add_learned");
-  return op.call(x, weight, positions, offset, padding_idx);
-}
-
-at::Tensor embed_learned(const at::Tensor& tokens, const at::Tensor& token_weight, const at::Tensor& pos_weight,
-                         const std::optional<at::Tensor>& positions, double token_scale,
-                         std::optional<int64_t> padding_idx, int64_t offset, std::optional<int64_t> pos_padding_idx) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                         double, std::optional<int64_t>, int64_t, std::optional<int64_t>)>("posenc::embed_learned");
-  return op.call(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset, pos_padding_idx);
-}
-
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, int64_t)>("posenc::make_positions");
-  return op.call(tokens, padding_idx);
-}
-
-at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t pad_position) {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, int64_t)>("posenc::positions_from_mask");
-  return op.call(attention_mask, pad_position);
-}
-
 namespace nn {
 namespace {
 

@@ -1,7 +1,6 @@
 #include <posenc/multiaxis.h>
 #include <posenc/rope.h>
 
-#include "common/find_op.h"
 #include "common/rope.h"
 
 #include <ATen/ops/arange.h>
@@ -15,18 +14,6 @@
 #include <numeric>
 
 namespace posenc {
-std::tuple<at::Tensor, at::Tensor> mrope_positions(const at::Tensor& token_types,
-                                                   const std::optional<at::Tensor>& image_grid_thw,
-                                                   const std::optional<at::Tensor>& video_grid_thw,
-                                                   const std::optional<at::Tensor>& attention_mask,
-                                                   int64_t spatial_merge_size, std::optional<double> tokens_per_second,
-                                                   const std::optional<at::Tensor>& second_per_grid_ts,
-                                                   bool split_video_frames) {
-  static const auto op = find_op<decltype(mrope_positions)>("posenc::mrope_positions");
-  return op.call(token_types, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size, tokens_per_second,
-                 second_per_grid_ts, split_video_frames);
-}
-
 namespace nn {
 
 MultimodalRotaryEmbeddingImpl::MultimodalRotaryEmbeddingImpl(int64_t head_dim, std::vector<int64_t> mrope_section,

@@ -1,6 +1,5 @@
 #include <posenc/rope.h>
 
-#include "common/find_op.h"
 #include "common/rope.h"
 
 #include <ATen/ops/arange.h>
@@ -11,63 +10,6 @@
 #include <limits>
 
 namespace posenc {
-
-at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  static const auto op = find_op<decltype(rope)>("posenc::rope");
-  return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-}
-
-at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                         double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  static const auto op = find_op<decltype(rope_backward)>("posenc::rope_backward");
-  return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
-                                           const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                                           double attention_scale, std::string_view layout, std::string_view format,
-                                           int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                                           const std::optional<at::Tensor>& pair_axis) {
-  static const auto op = find_op<decltype(rope_qk)>("posenc::rope_qk");
-  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-}
-
-std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
-                                                    const std::optional<at::Tensor>& positions,
-                                                    const at::Tensor& inv_freq, double attention_scale,
-                                                    std::string_view layout, std::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens,
-                                                    const std::optional<at::Tensor>& pair_axis) {
-  static const auto op = find_op<decltype(rope_qk_backward)>("posenc::rope_qk_backward");
-  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-}
-
-void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-           double attention_scale, std::string_view layout, std::string_view format, int64_t offset,
-           const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  static const auto op = find_op<decltype(rope_)>("posenc::rope_");
-  op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-}
-
-at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, std::string_view layout,
-                        std::string_view format) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, c10::string_view)>(
-          "posenc::rope_cos_sin");
-  return op.call(x, cos, sin, layout, format);
-}
-
-at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
-                                 std::string_view layout, std::string_view format) {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, c10::string_view)>(
-          "posenc::rope_cos_sin_backward");
-  return op.call(grad, cos, sin, layout, format);
-}
-
 namespace nn {
 
 RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t> rotary_dim, double base,

@@ -13,12 +13,17 @@
 //     (weight)) and embed_learned (embedding(token_weight) + embedding(pos_weight));
 //   - rope_qk / rope_qk_backward with q and k of different dtypes: two rotations, each in its own dtype, as
 //     the two elementwise expressions would give.
-// The same policy is registered for AutocastCUDA (posenc has no CUDA kernels yet; it costs nothing).
+// The same policy is registered for AutocastCUDA.
 #include <posenc/learned.h>
 #include <posenc/rope.h>
 
+#include "families.h"
+
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+
+#include <set>
+#include <string_view>
 
 namespace posenc {
 namespace {
@@ -79,36 +84,20 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autocast(const at::Tensor& q, const a
 
 template <c10::DispatchKey kAutocast>
 void register_policy(torch::Library& m) {
-  const auto same_dtypes_as_given = [&m](const char* op) { m.impl(op, torch::CppFunction::makeFallthrough()); };
-  // Rotations ~ x * cos + rotate(x) * sin: no cast, x's dtype.
-  for (const char* op : {"rope", "rope_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward"}) {
-    same_dtypes_as_given(op);
-  }
-  m.impl("rope_qk", TORCH_FN((rope_qk_autocast<kAutocast, false>)));
-  m.impl("rope_qk_backward", TORCH_FN((rope_qk_autocast<kAutocast, true>)));
-  // Sinusoidal ~ x * scale + a table computed from positions, embedding(token_weight) * scale + that table.
-  for (const char* op : {"sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backward"}) {
-    same_dtypes_as_given(op);
-  }
   // Learned ~ embedding(weight) (+ x): torch.add promotes.
-  same_dtypes_as_given("learned");
   m.impl("add_learned", TORCH_FN(add_learned_autocast<kAutocast>));
   m.impl("embed_learned", TORCH_FN(embed_learned_autocast<kAutocast>));
-  // Integer positions and buckets.
-  for (const char* op : {"make_positions", "positions_from_mask", "relative_position_bucket", "mrope_positions"}) {
-    same_dtypes_as_given(op);
-  }
-  // Configuration constants (frequencies, slopes, context-parallel positions): float64 or int64 whatever the
-  // autocast state, as the constants a model holds are; cpu_capability returns a string.
-  for (const char* op : {"sinusoidal_inv_freq", "rope_inv_freq", "rope_inv_freq_for_length", "alibi_slopes",
-                         "zigzag_positions", "zigzag_positions_varlen", "multiaxis_inv_freq", "axial_inv_freq",
-                         "mrope_pair_axis", "mrope_inv_freq", "image_positions", "video_positions", "cpu_capability"}) {
-    same_dtypes_as_given(op);
-  }
-  // ALiBi ~ scores + a bias of constant slopes (in scores' dtype); T5 ~ embedding(weight).
-  for (const char* op : {"alibi_bias", "add_alibi", "add_alibi_", "alibi_backward", "t5_bias", "t5_bias_backward"}) {
-    same_dtypes_as_given(op);
-  }
+  m.impl("rope_qk", TORCH_FN((rope_qk_autocast<kAutocast, false>)));
+  m.impl("rope_qk_backward", TORCH_FN((rope_qk_autocast<kAutocast, true>)));
+  // Every other op runs in the dtypes it is given: rotations ~ x * cos + rotate(x) * sin; sinusoidal ~ x * scale +
+  // a table computed from positions; learned() ~ embedding(weight); ALiBi ~ scores + a bias of constant slopes;
+  // T5 ~ embedding(weight); integer positions and buckets; configuration constants (float64 or int64 whatever the
+  // autocast state, as the constants a model holds are).
+  const std::set<std::string_view> cast = {"add_learned", "embed_learned", "rope_qk", "rope_qk_backward"};
+#define POSENC_SAME_DTYPES_AS_GIVEN(A, op) \
+  if (!cast.count(#op)) m.impl(#op, torch::CppFunction::makeFallthrough());
+  POSENC_ALL_OPS(POSENC_SAME_DTYPES_AS_GIVEN, )
+#undef POSENC_SAME_DTYPES_AS_GIVEN
 }
 
 }  // namespace

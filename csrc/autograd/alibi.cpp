@@ -4,6 +4,9 @@
 // nothing to record goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/alibi.h>
 
+#include "autograd/kernels.h"
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/autograd.h>
@@ -29,6 +32,8 @@ at::Tensor slopes_gradient(AutogradContext* ctx, const at::Tensor& grad) {
 }
 
 struct AlibiBias : public torch::autograd::Function<AlibiBias> {
+  static constexpr const char* kOp = "posenc::alibi_bias";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& slopes, c10::SymInt q_len, c10::SymInt k_len,
                             c10::string_view mode, int64_t head_offset, std::optional<c10::SymInt> num_heads,
                             std::optional<at::ScalarType> dtype) {
@@ -44,9 +49,12 @@ struct AlibiBias : public torch::autograd::Function<AlibiBias> {
             at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto alibi_bias_autograd = POSENC_AUTOGRAD(AlibiBias);
 
 // d/d scores is the identity; d/d slopes is computed only when the slopes are trained.
 struct AddAlibi : public torch::autograd::Function<AddAlibi> {
+  static constexpr const char* kOp = "posenc::add_alibi";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& scores, const at::Tensor& slopes,
                             c10::string_view mode, int64_t head_offset) {
     ctx->save_for_backward({slopes});
@@ -60,10 +68,13 @@ struct AddAlibi : public torch::autograd::Function<AddAlibi> {
     return {grad, ctx->needs_input_grad(1) ? slopes_gradient(ctx, grad) : at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto add_alibi_autograd = POSENC_AUTOGRAD(AddAlibi);
 
 // alibi_backward(grad) = sum over (i, j) of grad * (-d): its derivative along grad, applied to a slope
 // gradient gg, is alibi_bias(gg) broadcast to grad's shape. It does not depend on the slopes' values.
 struct AlibiBackward : public torch::autograd::Function<AlibiBackward> {
+  static constexpr const char* kOp = "posenc::alibi_backward";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& slopes,
                             c10::string_view mode, int64_t head_offset) {
     save_alibi_config(ctx, mode, head_offset);
@@ -81,35 +92,7 @@ struct AlibiBackward : public torch::autograd::Function<AlibiBackward> {
     return {bias.expand_symint(sizes), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-at::Tensor alibi_bias_autograd(const at::Tensor& slopes, c10::SymInt q_len, c10::SymInt k_len, c10::string_view mode,
-                               int64_t head_offset, std::optional<c10::SymInt> num_heads,
-                               std::optional<at::ScalarType> dtype) {
-  if (!torch::autograd::compute_requires_grad(slopes)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return alibi_bias_symint(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads),
-                             dtype);
-  }
-  return AlibiBias::apply(slopes, std::move(q_len), std::move(k_len), mode, head_offset, std::move(num_heads), dtype);
-}
-
-at::Tensor add_alibi_autograd(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
-                              int64_t head_offset) {
-  if (!torch::autograd::compute_requires_grad(scores, slopes)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return add_alibi(scores, slopes, mode, head_offset);
-  }
-  return AddAlibi::apply(scores, slopes, mode, head_offset);
-}
-
-at::Tensor alibi_backward_autograd(const at::Tensor& grad, const at::Tensor& slopes, c10::string_view mode,
-                                   int64_t head_offset) {
-  if (!torch::autograd::compute_requires_grad(grad, slopes)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return alibi_backward(grad, slopes, mode, head_offset);
-  }
-  return AlibiBackward::apply(grad, slopes, mode, head_offset);
-}
+constexpr auto alibi_backward_autograd = POSENC_AUTOGRAD(AlibiBackward);
 
 // The in-place op is for inference: it refuses to run where autograd would need to see it, and bumps the
 // version counter so that a tensor saved for some other backward is detected as modified.
@@ -127,11 +110,6 @@ void add_alibi__autograd(const at::Tensor& scores, const at::Tensor& slopes, c10
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("alibi_bias", TORCH_FN(alibi_bias_autograd));
-  m.impl("add_alibi", TORCH_FN(add_alibi_autograd));
-  m.impl("add_alibi_", TORCH_FN(add_alibi__autograd));
-  m.impl("alibi_backward", TORCH_FN(alibi_backward_autograd));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_ALIBI_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

@@ -2,6 +2,8 @@
 // through an embedding op stops here with an error instead of silently returning zeros.
 #include <posenc/embedding.h>
 
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
@@ -19,8 +21,6 @@ at::Tensor embedding_backward_autograd(const at::Tensor& grad, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("embedding_backward", TORCH_FN(embedding_backward_autograd));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_EMBEDDING_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

@@ -5,6 +5,9 @@
 #include <posenc/embedding.h>
 #include <posenc/learned.h>
 
+#include "autograd/kernels.h"
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/arange.h>
 #include <torch/autograd.h>
@@ -31,6 +34,8 @@ void save_table(AutogradContext* ctx, const char* name, const at::Tensor& table,
 }
 
 struct Learned : public torch::autograd::Function<Learned> {
+  static constexpr const char* kOp = "posenc::learned";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, const at::Tensor& positions,
                             int64_t offset, std::optional<int64_t> padding_idx) {
     ctx->save_for_backward({positions});
@@ -49,9 +54,12 @@ struct Learned : public torch::autograd::Function<Learned> {
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto learned_autograd = POSENC_AUTOGRAD(Learned);
 
 // d/dx is the identity; d/dweight scatters grad's rows to the positions read.
 struct AddLearned : public torch::autograd::Function<AddLearned> {
+  static constexpr const char* kOp = "posenc::add_learned";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& positions, int64_t offset,
                             std::optional<int64_t> padding_idx) {
@@ -74,9 +82,12 @@ struct AddLearned : public torch::autograd::Function<AddLearned> {
     return {ctx->needs_input_grad(0) ? grad : at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto add_learned_autograd = POSENC_AUTOGRAD(AddLearned);
 
 // d/dtoken_weight: grad's rows scattered to their tokens, times token_scale; d/dpos_weight: to positions.
 struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
+  static constexpr const char* kOp = "posenc::embed_learned";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& token_weight,
                             const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
                             double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
@@ -111,58 +122,14 @@ struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
             at::Tensor()};
   }
 };
+constexpr auto embed_learned_autograd = POSENC_AUTOGRAD(EmbedLearned);
 
-at::Tensor learned_autograd(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
-                            std::optional<int64_t> padding_idx) {
-  if (!torch::autograd::compute_requires_grad(weight)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return learned(weight, positions, offset, padding_idx);
-  }
-  return Learned::apply(weight, positions, offset, padding_idx);
-}
-
-at::Tensor add_learned_autograd(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& positions, int64_t offset,
-                                std::optional<int64_t> padding_idx) {
-  if (!torch::autograd::compute_requires_grad(x, weight)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return add_learned(x, weight, positions, offset, padding_idx);
-  }
-  return AddLearned::apply(x, weight, positions, offset, padding_idx);
-}
-
-at::Tensor embed_learned_autograd(const at::Tensor& tokens, const at::Tensor& token_weight,
-                                  const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
-                                  double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
-                                  std::optional<int64_t> pos_padding_idx) {
-  if (!torch::autograd::compute_requires_grad(token_weight, pos_weight)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
-                         pos_padding_idx);
-  }
-  return EmbedLearned::apply(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
-                             pos_padding_idx);
-}
-
-// Integer outputs: nothing to differentiate, even for a floating mask that requires grad.
-at::Tensor make_positions_autograd(const at::Tensor& tokens, int64_t padding_idx) {
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return make_positions(tokens, padding_idx);
-}
-
-at::Tensor positions_from_mask_autograd(const at::Tensor& attention_mask, int64_t pad_position) {
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return positions_from_mask(attention_mask, pad_position);
-}
+// Integer outputs, even for a floating mask that requires grad.
+constexpr auto make_positions_autograd = POSENC_BELOW_AUTOGRAD(make_positions);
+constexpr auto positions_from_mask_autograd = POSENC_BELOW_AUTOGRAD(positions_from_mask);
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("learned", TORCH_FN(learned_autograd));
-  m.impl("add_learned", TORCH_FN(add_learned_autograd));
-  m.impl("embed_learned", TORCH_FN(embed_learned_autograd));
-  m.impl("make_positions", TORCH_FN(make_positions_autograd));
-  m.impl("positions_from_mask", TORCH_FN(positions_from_mask_autograd));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_LEARNED_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

@@ -5,6 +5,9 @@
 // straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/rope.h>
 
+#include "autograd/kernels.h"
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -68,6 +71,8 @@ struct Angles {
 // rope (kInverse = false) and rope_backward (kInverse = true).
 template <bool kInverse>
 struct Rope : public torch::autograd::Function<Rope<kInverse>> {
+  static constexpr const char* kOp = kInverse ? "posenc::rope_backward" : "posenc::rope";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
@@ -86,10 +91,14 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto rope_autograd = POSENC_AUTOGRAD(Rope<false>);
+constexpr auto rope_backward_autograd = POSENC_AUTOGRAD(Rope<true>);
 
 // rope_qk and rope_qk_backward: one pass over both tensors each way.
 template <bool kInverse>
 struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
+  static constexpr const char* kOp = kInverse ? "posenc::rope_qk_backward" : "posenc::rope_qk";
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                double attention_scale, c10::string_view layout, c10::string_view format,
@@ -118,6 +127,8 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
                              a.cu_seqlens, a.pair_axis);
   }
 };
+constexpr auto rope_qk_autograd = POSENC_AUTOGRAD(RopeQK<false>);
+constexpr auto rope_qk_backward_autograd = POSENC_AUTOGRAD(RopeQK<true>);
 
 // rope_ rewrites x; marking it dirty rebases x's history onto this node (and bumps its version), so
 // in-place rotation of a non-leaf tensor still trains.
@@ -148,6 +159,8 @@ struct RopeInplace : public torch::autograd::Function<RopeInplace> {
 // rope_cos_sin (kTranspose = false) and rope_cos_sin_backward (kTranspose = true); the tables are saved.
 template <bool kTranspose>
 struct RopeCosSin : public torch::autograd::Function<RopeCosSin<kTranspose>> {
+  static constexpr const char* kOp = kTranspose ? "posenc::rope_cos_sin_backward" : "posenc::rope_cos_sin";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                             c10::string_view layout, c10::string_view format) {
     const char* op = kTranspose ? "rope_cos_sin_backward" : "rope_cos_sin";
@@ -172,39 +185,8 @@ struct RopeCosSin : public torch::autograd::Function<RopeCosSin<kTranspose>> {
     return transpose ? rope_cos_sin_backward(x, cos, sin, layout, format) : rope_cos_sin(x, cos, sin, layout, format);
   }
 };
-
-template <bool kInverse>
-at::Tensor rope_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                         double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  if (!torch::autograd::compute_requires_grad(x, inv_freq)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return kInverse
-               ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
-               : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-  }
-  return Rope<kInverse>::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                               pair_axis);
-}
-
-template <bool kInverse>
-std::tuple<at::Tensor, at::Tensor> rope_qk_autograd(const at::Tensor& q, const at::Tensor& k,
-                                                    const std::optional<at::Tensor>& positions,
-                                                    const at::Tensor& inv_freq, double attention_scale,
-                                                    c10::string_view layout, c10::string_view format, int64_t offset,
-                                                    const std::optional<at::Tensor>& cu_seqlens,
-                                                    const std::optional<at::Tensor>& pair_axis) {
-  if (!torch::autograd::compute_requires_grad(q, k, inv_freq)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                                       pair_axis)
-                    : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                              pair_axis);
-  }
-  const auto out = RopeQK<kInverse>::apply(q, k, positions, inv_freq, attention_scale, layout, format, offset,
-                                           cu_seqlens, pair_axis);
-  return {out[0], out[1]};
-}
+constexpr auto rope_cos_sin_autograd = POSENC_AUTOGRAD(RopeCosSin<false>);
+constexpr auto rope_cos_sin_backward_autograd = POSENC_AUTOGRAD(RopeCosSin<true>);
 
 void rope__autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
@@ -220,26 +202,8 @@ void rope__autograd(const at::Tensor& x, const std::optional<at::Tensor>& positi
   RopeInplace::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
-template <bool kTranspose>
-at::Tensor rope_cos_sin_autograd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                 c10::string_view layout, c10::string_view format) {
-  if (!torch::autograd::compute_requires_grad(x, cos, sin)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return RopeCosSin<kTranspose>::apply_tables(x, cos, sin, layout, format, kTranspose);
-  }
-  return RopeCosSin<kTranspose>::apply(x, cos, sin, layout, format);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("rope", TORCH_FN(rope_autograd<false>));
-  m.impl("rope_backward", TORCH_FN(rope_autograd<true>));
-  m.impl("rope_qk", TORCH_FN(rope_qk_autograd<false>));
-  m.impl("rope_qk_backward", TORCH_FN(rope_qk_autograd<true>));
-  m.impl("rope_", TORCH_FN(rope__autograd));
-  m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_autograd<false>));
-  m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_autograd<true>));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_ROPE_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

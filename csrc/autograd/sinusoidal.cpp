@@ -5,6 +5,9 @@
 #include <posenc/embedding.h>
 #include <posenc/sinusoidal.h>
 
+#include "autograd/kernels.h"
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -31,6 +34,8 @@ at::Tensor sinusoidal_autograd(const at::Tensor& positions, const at::Tensor& in
 
 // d(x * x_scale + PE)/dx = x_scale: nothing but the scale is saved.
 struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
+  static constexpr const char* kOp = "posenc::add_sinusoidal";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
     check_not_differentiable("add_sinusoidal", positions, inv_freq);
@@ -45,9 +50,12 @@ struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
     return {x_scale == 1.0 ? grad_outputs[0] : grad_outputs[0].mul(x_scale), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto add_sinusoidal_autograd = POSENC_AUTOGRAD(AddSinusoidal);
 
 // d/d token_weight: the rows of grad scattered back to their tokens, times token_scale.
 struct EmbedSinusoidal : public torch::autograd::Function<EmbedSinusoidal> {
+  static constexpr const char* kOp = "posenc::embed_sinusoidal";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& token_weight,
                             const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double token_scale,
                             std::optional<int64_t> padding_idx, c10::string_view layout, int64_t offset) {
@@ -68,33 +76,10 @@ struct EmbedSinusoidal : public torch::autograd::Function<EmbedSinusoidal> {
     return {at::Tensor(), grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-at::Tensor add_sinusoidal_autograd(const at::Tensor& x, const std::optional<at::Tensor>& positions,
-                                   const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
-  if (!torch::autograd::compute_requires_grad(x, positions, inv_freq)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset);
-  }
-  return AddSinusoidal::apply(x, positions, inv_freq, x_scale, layout, offset);
-}
-
-at::Tensor embed_sinusoidal_autograd(const at::Tensor& tokens, const at::Tensor& token_weight,
-                                     const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                                     double token_scale, std::optional<int64_t> padding_idx, c10::string_view layout,
-                                     int64_t offset) {
-  if (!torch::autograd::compute_requires_grad(token_weight, positions, inv_freq)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
-  }
-  return EmbedSinusoidal::apply(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
-}
+constexpr auto embed_sinusoidal_autograd = POSENC_AUTOGRAD(EmbedSinusoidal);
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("sinusoidal", TORCH_FN(sinusoidal_autograd));
-  m.impl("add_sinusoidal", TORCH_FN(add_sinusoidal_autograd));
-  m.impl("embed_sinusoidal", TORCH_FN(embed_sinusoidal_autograd));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_SINUSOIDAL_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

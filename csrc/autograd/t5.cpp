@@ -4,6 +4,9 @@
 // with nothing to record goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/t5.h>
 
+#include "autograd/kernels.h"
+#include "families.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -25,6 +28,8 @@ void save_buckets(AutogradContext* ctx, bool bidirectional, int64_t num_buckets,
 }
 
 struct T5Bias : public torch::autograd::Function<T5Bias> {
+  static constexpr const char* kOp = "posenc::t5_bias";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, c10::SymInt q_len, c10::SymInt k_len,
                             bool bidirectional, int64_t num_buckets, int64_t max_distance, c10::SymInt q_offset) {
     save_buckets(ctx, bidirectional, num_buckets, max_distance, q_offset);
@@ -40,9 +45,12 @@ struct T5Bias : public torch::autograd::Function<T5Bias> {
     return {grad_weight, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto t5_bias_autograd = POSENC_AUTOGRAD(T5Bias);
 
 // The derivative of t5_bias_backward along grad, applied to a table gradient gg, is t5_bias(gg).
 struct T5BiasBackward : public torch::autograd::Function<T5BiasBackward> {
+  static constexpr const char* kOp = "posenc::t5_bias_backward";
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
                             int64_t max_distance, c10::SymInt q_offset) {
     save_buckets(ctx, bidirectional, num_buckets, max_distance, q_offset);
@@ -60,32 +68,12 @@ struct T5BiasBackward : public torch::autograd::Function<T5BiasBackward> {
     return {grad_grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+constexpr auto t5_bias_backward_autograd = POSENC_AUTOGRAD(T5BiasBackward);
 
-at::Tensor t5_bias_autograd(const at::Tensor& weight, c10::SymInt q_len, c10::SymInt k_len, bool bidirectional,
-                            int64_t num_buckets, int64_t max_distance, c10::SymInt q_offset) {
-  if (!torch::autograd::compute_requires_grad(weight)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return t5_bias_symint(weight, std::move(q_len), std::move(k_len), bidirectional, num_buckets, max_distance,
-                          std::move(q_offset));
-  }
-  return T5Bias::apply(weight, std::move(q_len), std::move(k_len), bidirectional, num_buckets, max_distance,
-                       std::move(q_offset));
-}
-
-at::Tensor t5_bias_backward_autograd(const at::Tensor& grad, bool bidirectional, int64_t num_buckets,
-                                     int64_t max_distance, c10::SymInt q_offset) {
-  if (!torch::autograd::compute_requires_grad(grad)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return t5_bias_backward_symint(grad, bidirectional, num_buckets, max_distance, std::move(q_offset));
-  }
-  return T5BiasBackward::apply(grad, bidirectional, num_buckets, max_distance, std::move(q_offset));
-}
+constexpr auto relative_position_bucket_autograd = POSENC_BELOW_AUTOGRAD(relative_position_bucket);
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("t5_bias", TORCH_FN(t5_bias_autograd));
-  m.impl("t5_bias_backward", TORCH_FN(t5_bias_backward_autograd));
-}
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_T5_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
 
 }  // namespace posenc

@@ -2,6 +2,7 @@
 // Checks of the ALiBi family, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU and
 // CUDA kernels.
 #include "common/checks.h"
+#include "families.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
@@ -152,10 +153,7 @@ struct AlibiOps {
   }
 
   static void register_kernels(torch::Library& m) {
-    m.impl("alibi_bias", TORCH_FN(AlibiOps::alibi_bias));
-    m.impl("add_alibi", TORCH_FN(AlibiOps::add_alibi));
-    m.impl("add_alibi_", TORCH_FN(AlibiOps::add_alibi_));
-    m.impl("alibi_backward", TORCH_FN(AlibiOps::alibi_backward));
+    POSENC_ALIBI_OPS(POSENC_IMPL_MEMBER, AlibiOps)
   }
 
  private:

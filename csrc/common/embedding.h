@@ -2,6 +2,7 @@
 // Checks of embedding_backward, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU and
 // CUDA kernels.
 #include "common/checks.h"
+#include "families.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -54,7 +55,7 @@ struct EmbeddingOps {
   }
 
   static void register_kernels(torch::Library& m) {
-    m.impl("embedding_backward", TORCH_FN(EmbeddingOps::embedding_backward));
+    POSENC_EMBEDDING_OPS(POSENC_IMPL_MEMBER, EmbeddingOps)
   }
 };
 

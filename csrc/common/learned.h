@@ -3,6 +3,7 @@
 // shared by the CPU and CUDA kernels. The range of position values needs the data, so each device's reader of
 // table rows checks it.
 #include "common/checks.h"
+#include "families.h"
 #include "common/positions.h"
 
 #include <ATen/Dispatch.h>
@@ -191,11 +192,7 @@ struct LearnedOps {
   }
 
   static void register_kernels(torch::Library& m) {
-    m.impl("learned", TORCH_FN(LearnedOps::learned));
-    m.impl("add_learned", TORCH_FN(LearnedOps::add_learned));
-    m.impl("embed_learned", TORCH_FN(LearnedOps::embed_learned));
-    m.impl("make_positions", TORCH_FN(LearnedOps::make_positions));
-    m.impl("positions_from_mask", TORCH_FN(LearnedOps::positions_from_mask));
+    POSENC_LEARNED_OPS(POSENC_IMPL_MEMBER, LearnedOps)
   }
 };
 

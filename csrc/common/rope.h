@@ -2,8 +2,12 @@
 // Checks of the rotary family, shared by its CPU, CUDA and Meta kernels (metadata only, SymInt-aware), and the
 // check of pair_axis's values that the CPU and CUDA ops run on a host copy of it.
 #include "common/checks.h"
+#include "families.h"
+#include "kernels/types.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <array>
 #include <string>
@@ -201,17 +205,45 @@ RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, Ro
   return view;
 }
 
-// Rotates inputs[v] into outputs[v] (the same tensor in place) by the angles of the positions, on one device.
-using RotateFn = void (*)(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                          const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                          double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                          const std::optional<at::Tensor>& pair_axis, bool inverse);
+// A rotation by angles as the op layer hands it to a device: inputs[v] rotated into outputs[v] (the same tensor in
+// place) by angle(p, i) = p * inv_freq[i] (by minus it when inverse), the inputs of `batch` x `seq` tokens.
+struct Rotation {
+  const char* op;
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> outputs;
+  RopeArgs args;
+  int64_t batch;
+  int64_t seq;
+  const std::optional<at::Tensor>& positions;
+  const at::Tensor& inv_freq;
+  double attention_scale;
+  int64_t offset;
+  const std::optional<at::Tensor>& cu_seqlens;
+  const std::optional<at::Tensor>& pair_axis;
+  bool inverse;
+};
 
-// The kernels of rope, rope_backward, rope_qk, rope_qk_backward and rope_ on a device whose rotation is `rotate`:
-// the same checks and allocation on every device. Functional outputs are fresh and contiguous in the input's
-// own format (the Meta kernels agree).
-template <RotateFn rotate>
-struct RopeKernels {
+// The ops of the rotary family on one device: checks, allocation and empty outputs, the same on every device.
+// Functional outputs are fresh and contiguous in the input's own format (the Meta kernels agree). The device
+// supplies the rest:
+//   rotate(rotation)        the Rotation, reading and checking positions as it needs;
+//   rotate_by_tables<scalar_t, opmath>(view, batch, seq, cos, sin, args, transpose)
+//                           view's input rotated into its output by cos/sin tables [.., seq, rotary_dim] of type
+//                           opmath (contiguous), or by the transposed rotation.
+template <typename Device>
+struct RopeOps {
+  static void rotate(const char* op, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                     const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                     double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                     const std::optional<at::Tensor>& pair_axis, bool inverse) {
+    const typename Device::Guard guard(inputs[0].device());
+    const auto order = rope_dim_order(args.format);
+    const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
+    const int64_t seq = inputs[0].size(order[1]);
+    Device::rotate({op, std::move(inputs), std::move(outputs), args, batch, seq, positions, inv_freq, attention_scale,
+                    offset, cu_seqlens, pair_axis, inverse});
+  }
+
   static at::Tensor one(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
                         const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                         c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
@@ -282,6 +314,36 @@ struct RopeKernels {
     check_no_internal_overlap(op, "x", x, "rotate a copy with posenc.rope");
     rotate(op, {x}, {x}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, false);
   }
+
+  static at::Tensor by_tables(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              c10::string_view layout, c10::string_view format, bool transpose) {
+    const auto args = check_rope_cos_sin(op, transpose ? "grad" : "x", x, cos, sin, layout, format);
+    auto out = at::empty(x.sizes(), x.options());
+    if (x.numel() == 0) return out;
+    const typename Device::Guard guard(x.device());
+    const auto order = rope_dim_order(args.format);
+    const int64_t batch = order[0] < 0 ? 1 : x.size(order[0]);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_rope_cos_sin", [&] {
+      using opmath = opmath_t<scalar_t>;
+      const auto cos_table = cos.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
+      const auto sin_table = sin.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
+      Device::template rotate_by_tables<scalar_t, opmath>(rotary_view<scalar_t>(x, out, args.format), batch,
+                                                          x.size(order[1]), cos_table, sin_table, args, transpose);
+    });
+    return out;
+  }
+
+  static at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                 c10::string_view layout, c10::string_view format) {
+    return by_tables("rope_cos_sin", x, cos, sin, layout, format, false);
+  }
+
+  static at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                          c10::string_view layout, c10::string_view format) {
+    return by_tables("rope_cos_sin_backward", grad, cos, sin, layout, format, true);
+  }
+
+  static void register_kernels(torch::Library& m) { POSENC_ROPE_OPS(POSENC_IMPL_MEMBER, RopeOps) }
 };
 
 }  // namespace posenc

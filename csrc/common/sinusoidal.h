@@ -2,6 +2,7 @@
 // Checks of the sinusoidal family, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU
 // and CUDA kernels.
 #include "common/checks.h"
+#include "families.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -134,9 +135,7 @@ struct SinusoidalOps {
   }
 
   static void register_kernels(torch::Library& m) {
-    m.impl("sinusoidal", TORCH_FN(SinusoidalOps::sinusoidal));
-    m.impl("add_sinusoidal", TORCH_FN(SinusoidalOps::add_sinusoidal));
-    m.impl("embed_sinusoidal", TORCH_FN(SinusoidalOps::embed_sinusoidal));
+    POSENC_SINUSOIDAL_OPS(POSENC_IMPL_MEMBER, SinusoidalOps)
   }
 };
 

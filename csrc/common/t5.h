@@ -2,6 +2,7 @@
 // Checks of the T5 relative bias, shared by its CPU, CUDA and Meta kernels, and its op layer, shared by the CPU
 // and CUDA kernels.
 #include "common/checks.h"
+#include "families.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -113,9 +114,7 @@ struct T5Ops {
   }
 
   static void register_kernels(torch::Library& m) {
-    m.impl("relative_position_bucket", TORCH_FN(T5Ops::relative_position_bucket));
-    m.impl("t5_bias", TORCH_FN(T5Ops::t5_bias));
-    m.impl("t5_bias_backward", TORCH_FN(T5Ops::t5_bias_backward));
+    POSENC_T5_OPS(POSENC_IMPL_MEMBER, T5Ops)
   }
 };
 

@@ -14,6 +14,7 @@
 #include <posenc/rope.h>
 
 #include "config/rope_scaling.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -22,18 +23,10 @@
 namespace posenc {
 namespace {
 
-std::tuple<at::Tensor, double> rope_inv_freq_composite(
-    int64_t rotary_dim, double base, c10::string_view rope_type, std::optional<double> rope_theta,
-    std::optional<double> factor, std::optional<double> alpha, std::optional<double> original_max_position_embeddings,
-    std::optional<double> max_position_embeddings, std::optional<double> attention_factor,
-    std::optional<double> beta_fast, std::optional<double> beta_slow, std::optional<double> mscale,
-    std::optional<double> mscale_all_dim, bool truncate, std::optional<double> low_freq_factor,
-    std::optional<double> high_freq_factor, std::optional<c10::ArrayRef<double>> short_factor,
-    std::optional<c10::ArrayRef<double>> long_factor, std::optional<int64_t> seq_len) {
-  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
-                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
-                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
-                                    long_factor);
+std::tuple<at::Tensor, double> rope_inv_freq_composite(int64_t rotary_dim, double base,
+                                                       c10::string_view rope_type POSENC_SCALING_PARAMETERS,
+                                                       std::optional<int64_t> seq_len) {
+  const auto scaling = POSENC_SCALING(rope_type);
   auto freqs = frequencies::rope(rotary_dim, base, scaling, seq_len);
   return {std::move(freqs.inv_freq), freqs.attention_scale};
 }
@@ -99,22 +92,14 @@ at::Tensor video_positions_composite(int64_t frames, int64_t height, int64_t wid
   return video_positions(frames, height, width, time_interval, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
+constexpr auto rope_inv_freq_for_length_composite = &rope_inv_freq_for_length_kernel<false>;
+// The output size depends on cu_seqlens' values: no Meta kernel can know it.
+constexpr auto zigzag_positions_varlen_composite = &zigzag_positions_varlen;
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
-  m.impl("sinusoidal_inv_freq", TORCH_FN(sinusoidal_inv_freq_composite));
-  m.impl("rope_inv_freq", TORCH_FN(rope_inv_freq_composite));
-  m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_kernel<false>));
-  m.impl("alibi_slopes", TORCH_FN(alibi_slopes_composite));
-  m.impl("zigzag_positions", TORCH_FN(zigzag_positions_composite));
-  // The output size depends on cu_seqlens' values: no Meta kernel can know it.
-  m.impl("zigzag_positions_varlen", TORCH_FN(zigzag_positions_varlen));
-  m.impl("multiaxis_inv_freq", TORCH_FN(multiaxis_inv_freq_composite));
-  m.impl("axial_inv_freq", TORCH_FN(axial_inv_freq_composite));
-  m.impl("mrope_pair_axis", TORCH_FN(mrope_pair_axis_composite));
-  m.impl("mrope_inv_freq", TORCH_FN(mrope_inv_freq_composite));
-  m.impl("image_positions", TORCH_FN(image_positions_composite));
-  m.impl("video_positions", TORCH_FN(video_positions_composite));
+  POSENC_CONFIG_OPS(POSENC_IMPL_SUFFIXED, _composite)
 }
 
 }  // namespace posenc

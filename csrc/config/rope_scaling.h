@@ -29,50 +29,36 @@ LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeSc
 
 }  // namespace frequencies
 
-// The scaling keywords shared by rope_inv_freq and rope_inv_freq_for_length, in schema order.
-inline frequencies::RopeScaling make_scaling(
-    c10::string_view rope_type, std::optional<double> rope_theta, std::optional<double> factor,
-    std::optional<double> alpha, std::optional<double> original_max_position_embeddings,
-    std::optional<double> max_position_embeddings, std::optional<double> attention_factor,
-    std::optional<double> beta_fast, std::optional<double> beta_slow, std::optional<double> mscale,
-    std::optional<double> mscale_all_dim, bool truncate, std::optional<double> low_freq_factor,
-    std::optional<double> high_freq_factor, std::optional<c10::ArrayRef<double>> short_factor,
-    std::optional<c10::ArrayRef<double>> long_factor) {
-  frequencies::RopeScaling scaling;
-  scaling.rope_type = std::string(rope_type);
-  scaling.rope_theta = rope_theta;
-  scaling.factor = factor;
-  scaling.alpha = alpha;
-  scaling.original_max_position_embeddings = original_max_position_embeddings;
-  scaling.max_position_embeddings = max_position_embeddings;
-  scaling.attention_factor = attention_factor;
-  scaling.beta_fast = beta_fast;
-  scaling.beta_slow = beta_slow;
-  scaling.mscale = mscale;
-  scaling.mscale_all_dim = mscale_all_dim;
-  scaling.truncate = truncate;
-  scaling.low_freq_factor = low_freq_factor;
-  scaling.high_freq_factor = high_freq_factor;
-  if (short_factor) scaling.short_factor = short_factor->vec();
-  if (long_factor) scaling.long_factor = long_factor->vec();
-  return scaling;
-}
+// The scaling keywords of rope_inv_freq and rope_inv_freq_for_length as a kernel's parameters, in schema order
+// (after rope_type), and the struct they fill; both written from the list of keys (posenc/frequencies.h). A kernel
+// takes `c10::string_view rope_type POSENC_SCALING_PARAMETERS` and makes its struct with POSENC_SCALING(rope_type).
+template <typename Field>
+struct ScalingArgument {  // a field's kernel argument is the field itself...
+  using type = Field;
+  static Field field(Field value) { return value; }
+};
+template <>
+struct ScalingArgument<std::vector<double>> {  // ...but a list of floats, which the dispatcher passes as a view
+  using type = std::optional<c10::ArrayRef<double>>;
+  static std::vector<double> field(type value) { return value ? value->vec() : std::vector<double>(); }
+};
+#define POSENC_SCALING_PARAMETER(A, field, key, ...) , typename ScalingArgument<field>::type key
+#define POSENC_SCALING_PARAMETERS POSENC_ROPE_SCALING_KEYS(POSENC_SCALING_PARAMETER, )
+#define POSENC_SCALING_FIELD(scaling, field_type, key, ...) scaling.key = ScalingArgument<field_type>::field(key);
+#define POSENC_SCALING(rope_type)                                 \
+  [&] {                                                           \
+    frequencies::RopeScaling scaling;                             \
+    scaling.rope_type = std::string(rope_type);                   \
+    POSENC_ROPE_SCALING_KEYS(POSENC_SCALING_FIELD, scaling)        \
+    return scaling;                                               \
+  }()
 
 // The kernel of rope_inv_freq_for_length on the CPU (config/ops.cpp), and with kMeta its Meta kernel
 // (meta/frequencies.cpp): the same checks, an empty result of the real one's shape, dtype and device.
 template <bool kMeta>
-inline at::Tensor rope_inv_freq_for_length_kernel(
-    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
-    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
-    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
-    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
-    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
-    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
-  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
-                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
-                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
-                                    long_factor);
+inline at::Tensor rope_inv_freq_for_length_kernel(const at::Tensor& seq_len, int64_t rotary_dim, double base,
+                                                  c10::string_view rope_type POSENC_SCALING_PARAMETERS) {
+  const auto scaling = POSENC_SCALING(rope_type);
   if constexpr (kMeta) {
     frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);
     return at::empty({rotary_dim / 2}, seq_len.options().dtype(at::kDouble));

@@ -1,8 +1,7 @@
-// CUDA kernels of the constant-computing ops that take a tensor: the frequencies for a length held on the GPU
-// (rope_inv_freq_for_length) and the context-parallel split of packed sequences (zigzag_positions_varlen). The
-// ops without a tensor argument (rope_inv_freq, sinusoidal_inv_freq, alibi_slopes, and zigzag_positions, whose
-// device argument picks where its arange runs) keep their CompositeExplicitAutograd kernels on every device.
-#include "common/find_op.h"
+// CUDA kernel of rope_inv_freq_for_length: the frequencies for a length held on the GPU. The configuration ops
+// without a tensor argument (rope_inv_freq, sinusoidal_inv_freq, alibi_slopes, and zigzag_positions, whose device
+// argument picks where its arange runs) keep their CompositeExplicitAutograd kernels on every device, and
+// zigzag_positions_varlen runs on the host (cuda/host.cu).
 #include "config/rope_scaling.h"
 #include "cuda/utils.cuh"
 #include "kernels/frequencies.h"
@@ -49,19 +48,10 @@ __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencie
 // of every length up to the context, and LongRoPE's long ones past it), and one kernel picks by the length. Past
 // the context, dynamic NTK's frequencies are a function of the length, which the kernel evaluates with the CPU's
 // formula and posenc's own exp and log (kernels/frequencies.h): the CPU's bits.
-at::Tensor rope_inv_freq_for_length_cuda(
-    const at::Tensor& seq_len, int64_t rotary_dim, double base, c10::string_view rope_type,
-    std::optional<double> rope_theta, std::optional<double> factor, std::optional<double> alpha,
-    std::optional<double> original_max_position_embeddings, std::optional<double> max_position_embeddings,
-    std::optional<double> attention_factor, std::optional<double> beta_fast, std::optional<double> beta_slow,
-    std::optional<double> mscale, std::optional<double> mscale_all_dim, bool truncate,
-    std::optional<double> low_freq_factor, std::optional<double> high_freq_factor,
-    std::optional<c10::ArrayRef<double>> short_factor, std::optional<c10::ArrayRef<double>> long_factor) {
+at::Tensor rope_inv_freq_for_length_cuda(const at::Tensor& seq_len, int64_t rotary_dim, double base,
+                                         c10::string_view rope_type POSENC_SCALING_PARAMETERS) {
   using frequencies::LengthDependence;
-  const auto scaling = make_scaling(rope_type, rope_theta, factor, alpha, original_max_position_embeddings,
-                                    max_position_embeddings, attention_factor, beta_fast, beta_slow, mscale,
-                                    mscale_all_dim, truncate, low_freq_factor, high_freq_factor, short_factor,
-                                    long_factor);
+  const auto scaling = POSENC_SCALING(rope_type);
   frequencies::check_rope_for_length(rotary_dim, base, scaling, seq_len);  // the CPU's checks, in its order
   const auto dependence = frequencies::length_dependence(rotary_dim, base, scaling);
   const auto host_length = [](double length) {
@@ -93,21 +83,10 @@ at::Tensor rope_inv_freq_for_length_cuda(
   return out;
 }
 
-// The CPU's kernel on a host copy of cu_seqlens (a few values, which the sizes of the outputs depend on: one
-// read is unavoidable), its outputs copied to cu_seqlens' device; its errors are the CPU's, word for word.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> zigzag_positions_varlen_cuda(const at::Tensor& cu_seqlens,
-                                                                            int64_t cp_size, int64_t cp_rank) {
-  static const auto cpu_op = find_op<decltype(zigzag_positions_varlen_cuda)>("posenc::zigzag_positions_varlen");
-  const auto [positions, indices, local_cu_seqlens] = cpu_op.call(cu_seqlens.cpu(), cp_size, cp_rank);
-  const auto device = cu_seqlens.device();
-  return {positions.to(device), indices.to(device), local_cu_seqlens.to(device)};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
   m.impl("rope_inv_freq_for_length", TORCH_FN(rope_inv_freq_for_length_cuda));
-  m.impl("zigzag_positions_varlen", TORCH_FN(zigzag_positions_varlen_cuda));
 }
 
 }  // namespace posenc::cuda

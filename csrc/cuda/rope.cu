@@ -279,95 +279,63 @@ void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch
   }
 }
 
-// Rotates inputs[v] into outputs[v] (the same tensor in place) by the angles of the positions: the shared body
-// of rope, rope_backward, rope_ and the qk variants.
-void rotate(const char* op, const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-            const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-            double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-            const std::optional<at::Tensor>& pair_axis, bool inverse) {
-  const c10::cuda::CUDAGuard guard(inputs[0].device());
-  const auto order = rope_dim_order(args.format);
-  const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
-  const int64_t seq = inputs[0].size(order[1]);
-  const int64_t n_axes = pair_axis ? positions->size(0) : 1;
-  // The CPU's checks in the CPU's order (cu_seqlens, pair_axis, positions), on host copies of the small index
-  // tensors; none can be read under graph capture.
-  if (pair_axis && !capturing()) {
-    if (cu_seqlens) check_cu_seqlens_values(op, cu_seqlens->cpu(), seq);
-    read_pair_axis(op, pair_axis->cpu(), n_axes);
-  }
-  auto pos = angle_positions(op, positions, seq, offset, cu_seqlens);
-  // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
-  if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
-  bool empty = true;
-  for (const auto& t : inputs) empty = empty && t.numel() == 0;
-  if (empty) return;
-  const auto axes = pair_axis ? pair_axis->to(at::kInt).contiguous() : at::Tensor();
-  const auto freq = inv_freq.to(at::kDouble).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
-    using opmath = opmath_t<scalar_t>;
-    std::vector<RotaryView<scalar_t>> views;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].numel() > 0) views.push_back(rotary_view<scalar_t>(inputs[i], outputs[i], args.format));
-    }
-    const auto scale = static_cast<opmath>(attention_scale);
-    const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
-                                     offset,
-                                     args.shared_positions,
-                                     seq,
-                                     n_axes,
-                                     axes.defined() ? axes.const_data_ptr<int32_t>() : nullptr,
-                                     freq.const_data_ptr<double>(),
-                                     freq.numel(),
-                                     scale,
-                                     inverse ? -scale : scale};
-    launch_rotary(views, batch, seq, freq.numel(), args.layout, coeffs);
-  });
-}
+struct CudaRope {
+  using Guard = c10::cuda::CUDAGuard;
 
-at::Tensor rope_cos_sin_cuda_impl(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                  c10::string_view layout, c10::string_view format, bool transpose) {
-  const auto args = check_rope_cos_sin(op, transpose ? "grad" : "x", x, cos, sin, layout, format);
-  auto out = at::empty(x.sizes(), x.options());
-  if (x.numel() == 0) return out;
-  const c10::cuda::CUDAGuard guard(x.device());
-  const auto order = rope_dim_order(args.format);
-  const int64_t pairs = cos.size(-1) / 2;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_rope_cos_sin_cuda", [&] {
-    using opmath = opmath_t<scalar_t>;
-    const auto cos_table = cos.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
-    const auto sin_table = sin.to(c10::CppTypeToScalarType<opmath>::value).contiguous();
-    const int64_t seq = x.size(order[1]);
+  static void rotate(const Rotation& r) {
+    const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;
+    // The CPU's checks in the CPU's order (cu_seqlens, pair_axis, positions), on host copies of the small index
+    // tensors; none can be read under graph capture.
+    if (r.pair_axis && !capturing()) {
+      if (r.cu_seqlens) check_cu_seqlens_values(r.op, r.cu_seqlens->cpu(), r.seq);
+      read_pair_axis(r.op, r.pair_axis->cpu(), n_axes);
+    }
+    auto pos = angle_positions(r.op, r.positions, r.seq, r.offset, r.cu_seqlens);
+    // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
+    if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
+    bool empty = true;
+    for (const auto& t : r.inputs) empty = empty && t.numel() == 0;
+    if (empty) return;
+    const auto axes = r.pair_axis ? r.pair_axis->to(at::kInt).contiguous() : at::Tensor();
+    const auto freq = r.inv_freq.to(at::kDouble).contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
+      using opmath = opmath_t<scalar_t>;
+      std::vector<RotaryView<scalar_t>> views;
+      for (size_t i = 0; i < r.inputs.size(); ++i) {
+        if (r.inputs[i].numel() == 0) continue;
+        views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
+      }
+      const auto scale = static_cast<opmath>(r.attention_scale);
+      const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
+                                       r.offset,
+                                       r.args.shared_positions,
+                                       r.seq,
+                                       n_axes,
+                                       axes.defined() ? axes.const_data_ptr<int32_t>() : nullptr,
+                                       freq.const_data_ptr<double>(),
+                                       freq.numel(),
+                                       scale,
+                                       r.inverse ? -scale : scale};
+      launch_rotary(views, r.batch, r.seq, freq.numel(), r.args.layout, coeffs);
+    });
+  }
+
+  template <typename scalar_t, typename opmath>
+  static void rotate_by_tables(const RotaryView<scalar_t>& view, int64_t batch, int64_t seq, const at::Tensor& cos,
+                               const at::Tensor& sin, const RopeArgs& args, bool transpose) {
+    const int64_t pairs = cos.size(-1) / 2;
     const bool neox = args.layout == RopeLayout::Neox;
-    const TableCoeffs<opmath> coeffs{cos_table.const_data_ptr<opmath>(), sin_table.const_data_ptr<opmath>(),
+    const TableCoeffs<opmath> coeffs{cos.const_data_ptr<opmath>(), sin.const_data_ptr<opmath>(),
                                      args.shared_positions, seq, cos.size(-1), neox ? 1 : 2, neox ? pairs : 1,
                                      transpose};
-    launch_rotary<scalar_t>({rotary_view<scalar_t>(x, out, args.format)}, order[0] < 0 ? 1 : x.size(order[0]), seq,
-                            pairs, args.layout, coeffs);
-  });
-  return out;
-}
-
-at::Tensor rope_cos_sin_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                             c10::string_view layout, c10::string_view format) {
-  return rope_cos_sin_cuda_impl("rope_cos_sin", x, cos, sin, layout, format, false);
-}
-
-at::Tensor rope_cos_sin_backward_cuda(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
-                                      c10::string_view layout, c10::string_view format) {
-  return rope_cos_sin_cuda_impl("rope_cos_sin_backward", grad, cos, sin, layout, format, true);
-}
+    launch_rotary<scalar_t>({view}, batch, seq, pairs, args.layout, coeffs);
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope", TORCH_FN(RopeKernels<rotate>::rope));
-  m.impl("rope_backward", TORCH_FN(RopeKernels<rotate>::rope_backward));
-  m.impl("rope_qk", TORCH_FN(RopeKernels<rotate>::rope_qk));
-  m.impl("rope_qk_backward", TORCH_FN(RopeKernels<rotate>::rope_qk_backward));
-  m.impl("rope_", TORCH_FN(RopeKernels<rotate>::rope_));
-  m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_cuda));
-  m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_backward_cuda));
+  RopeOps<CudaRope>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda

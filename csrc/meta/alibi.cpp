@@ -1,5 +1,6 @@
 // Meta kernels of ALiBi: the same checks and output metadata as CPU, no data read.
 #include "common/alibi.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -32,11 +33,6 @@ at::Tensor alibi_backward_meta(const at::Tensor& grad, const at::Tensor& slopes,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("alibi_bias", TORCH_FN(alibi_bias_meta));
-  m.impl("add_alibi", TORCH_FN(add_alibi_meta));
-  m.impl("add_alibi_", TORCH_FN(add_alibi__meta));
-  m.impl("alibi_backward", TORCH_FN(alibi_backward_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_ALIBI_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -1,5 +1,6 @@
 // Meta kernel of embedding_backward.
 #include "common/embedding.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,8 +16,6 @@ at::Tensor embedding_backward_meta(const at::Tensor& grad, const at::Tensor& ind
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("embedding_backward", TORCH_FN(embedding_backward_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_EMBEDDING_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -1,5 +1,6 @@
 // Meta kernels of the learned family: the same checks and output metadata as CPU, no data read.
 #include "common/learned.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -43,12 +44,6 @@ at::Tensor positions_from_mask_meta(const at::Tensor& attention_mask, int64_t pa
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("learned", TORCH_FN(learned_meta));
-  m.impl("add_learned", TORCH_FN(add_learned_meta));
-  m.impl("embed_learned", TORCH_FN(embed_learned_meta));
-  m.impl("make_positions", TORCH_FN(make_positions_meta));
-  m.impl("positions_from_mask", TORCH_FN(positions_from_mask_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_LEARNED_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -1,5 +1,6 @@
 // Meta kernel of mrope_positions: its checks and output metadata ([3, B, S] and [B, 1], int64), no data read.
 #include "common/multiaxis.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -26,6 +27,6 @@ std::tuple<at::Tensor, at::Tensor> mrope_positions_meta(const at::Tensor& token_
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) { m.impl("mrope_positions", TORCH_FN(mrope_positions_meta)); }
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_MULTIAXIS_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -2,6 +2,7 @@
 // the input's dtype), no data read. Value checks of cu_seqlens and pair_axis need data and run on real tensors
 // only.
 #include "common/rope.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -68,14 +69,6 @@ at::Tensor rope_cos_sin_backward_meta(const at::Tensor& grad, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("rope", TORCH_FN(rope_meta));
-  m.impl("rope_backward", TORCH_FN(rope_backward_meta));
-  m.impl("rope_qk", TORCH_FN(rope_qk_meta));
-  m.impl("rope_qk_backward", TORCH_FN(rope_qk_backward_meta));
-  m.impl("rope_", TORCH_FN(rope__meta));
-  m.impl("rope_cos_sin", TORCH_FN(rope_cos_sin_meta));
-  m.impl("rope_cos_sin_backward", TORCH_FN(rope_cos_sin_backward_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_ROPE_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -1,5 +1,6 @@
 // Meta kernels of the sinusoidal family: the same checks and output metadata as CPU, no data read.
 #include "common/sinusoidal.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -33,10 +34,6 @@ at::Tensor embed_sinusoidal_meta(const at::Tensor& tokens, const at::Tensor& tok
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("sinusoidal", TORCH_FN(sinusoidal_meta));
-  m.impl("add_sinusoidal", TORCH_FN(add_sinusoidal_meta));
-  m.impl("embed_sinusoidal", TORCH_FN(embed_sinusoidal_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_SINUSOIDAL_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

@@ -1,5 +1,6 @@
 // Meta kernels of the T5 relative bias: the same checks and output metadata as CPU, no data read.
 #include "common/t5.h"
+#include "families.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -27,10 +28,6 @@ at::Tensor t5_bias_backward_meta(const at::Tensor& grad, bool bidirectional, int
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("relative_position_bucket", TORCH_FN(relative_position_bucket_meta));
-  m.impl("t5_bias", TORCH_FN(t5_bias_meta));
-  m.impl("t5_bias_backward", TORCH_FN(t5_bias_backward_meta));
-}
+TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_T5_OPS(POSENC_IMPL_SUFFIXED, _meta) }
 
 }  // namespace posenc

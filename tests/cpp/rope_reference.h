@@ -6,16 +6,15 @@
 
 namespace posenc::test {
 
-// x [..., S, H, D] with positions broadcastable to [..., S]: pairs (x1, x2) of the layout become
-// (x1 cos - x2 sin, x2 cos + x1 sin) * scale, angle = p * inv_freq; channels past 2F pass through.
-inline at::Tensor reference_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
-                                 const std::string& layout, double scale = 1.0) {
+// x [..., S, H, D] rotated in float64 from the definition: pair i of the layout, (x1, x2), becomes
+// (x1 cos - x2 sin, x2 cos + x1 sin) * scale with angle [..., S, F]; channels past 2F pass through.
+inline at::Tensor rotate_pairs(const at::Tensor& x, const at::Tensor& angle, const std::string& layout,
+                               double scale = 1.0) {
   using at::indexing::Slice;
-  const int64_t pairs = inv_freq.size(0);
+  const int64_t pairs = angle.size(-1);
   const auto xd = x.to(at::kDouble);
   auto out = xd.clone();
-  const auto angle = positions.to(at::kDouble).unsqueeze(-1) * inv_freq.to(at::kDouble);  // [..., S, F]
-  const auto cos = (angle.cos() * scale).unsqueeze(-2);                                   // [..., S, 1, F]
+  const auto cos = (angle.cos() * scale).unsqueeze(-2);  // [..., S, 1, F]
   const auto sin = (angle.sin() * scale).unsqueeze(-2);
   const auto first = layout == "neox" ? Slice(0, pairs) : Slice(0, 2 * pairs, 2);
   const auto second = layout == "neox" ? Slice(pairs, 2 * pairs) : Slice(1, 2 * pairs, 2);
@@ -24,6 +23,13 @@ inline at::Tensor reference_rope(const at::Tensor& x, const at::Tensor& position
   out.index_put_({"...", first}, x1 * cos - x2 * sin);
   out.index_put_({"...", second}, x2 * cos + x1 * sin);
   return out;
+}
+
+// x [..., S, H, D] with positions broadcastable to [..., S]: pairs (x1, x2) of the layout become
+// (x1 cos - x2 sin, x2 cos + x1 sin) * scale, angle = p * inv_freq; channels past 2F pass through.
+inline at::Tensor reference_rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& inv_freq,
+                                 const std::string& layout, double scale = 1.0) {
+  return rotate_pairs(x, positions.to(at::kDouble).unsqueeze(-1) * inv_freq.to(at::kDouble), layout, scale);
 }
 
 }  // namespace posenc::test

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "rope_reference.h"
 #include "test_helpers.h"
 
 using posenc::test::max_abs_diff;
@@ -22,21 +23,8 @@ namespace {
 // positions [n_axes, S] or [n_axes, B, S]; scale multiplies cos and sin.
 at::Tensor reference(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& pair_axis,
                      const at::Tensor& inv_freq, const std::string& layout, double scale = 1.0) {
-  using at::indexing::Slice;
-  const int64_t pairs = inv_freq.size(0);
-  const auto xd = x.to(at::kDouble);
-  auto out = xd.clone();
   const auto per_pair = positions.to(at::kDouble).index_select(0, pair_axis.to(at::kLong));  // [F, (B,) S]
-  const auto angle = per_pair.movedim(0, -1) * inv_freq.to(at::kDouble);                    // [(B,) S, F]
-  const auto cos = (angle.cos() * scale).unsqueeze(-2);
-  const auto sin = (angle.sin() * scale).unsqueeze(-2);
-  const auto first = layout == "neox" ? Slice(0, pairs) : Slice(0, 2 * pairs, 2);
-  const auto second = layout == "neox" ? Slice(pairs, 2 * pairs) : Slice(1, 2 * pairs, 2);
-  const auto x1 = xd.index({"...", first});
-  const auto x2 = xd.index({"...", second});
-  out.index_put_({"...", first}, x1 * cos - x2 * sin);
-  out.index_put_({"...", second}, x2 * cos + x1 * sin);
-  return out;
+  return posenc::test::rotate_pairs(x, per_pair.movedim(0, -1) * inv_freq.to(at::kDouble), layout, scale);
 }
 
 std::vector<int64_t> values(const at::Tensor& t) {

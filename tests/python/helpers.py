@@ -34,3 +34,20 @@ def tolerance(dtype):
     the families' needs (rope's bf16 outputs, of larger magnitude, need atol 3e-2; alibi's float32 rtol 2e-6)."""
     return {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=2e-6, rtol=2e-6),
             torch.bfloat16: dict(atol=3e-2, rtol=1e-2), torch.float16: dict(atol=4e-3, rtol=1e-3)}[dtype]
+
+
+def rotate_pairs(x, angle, layout="neox", scale=1.0):
+    """float64 rotation of x [..., S, H, D] from the definition: pair i of the layout, (x1, x2), becomes
+    (x1 cos - x2 sin, x2 cos + x1 sin) * scale with angle [..., S, pairs]; channels past the pairs pass through."""
+    x = x.double()
+    pairs = angle.shape[-1]
+    cos, sin = (angle.cos() * scale)[..., None, :], (angle.sin() * scale)[..., None, :]
+    if layout == "neox":
+        first, second = torch.arange(pairs), torch.arange(pairs) + pairs
+    else:
+        first, second = torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
+    out = x.clone()
+    x1, x2 = x[..., first], x[..., second]
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x2 * cos + x1 * sin
+    return out

@@ -14,26 +14,15 @@ import posenc
 from posenc import frequencies as FQ
 from posenc import functional as PF
 # The rotary tests' dtypes, formats, tolerances and layout helpers: the multi-axis calls share the op and its layouts.
+from helpers import rotate_pairs
 from test_rope import DTYPES, FORMATS, from_format, to_format, tolerance
 
 
 def reference_axes(x, positions, pair_axis, inv_freq, layout="neox", scale=1.0):
     """float64 multi-axis RoPE of bshd x from the definition: pair i of the layout rotates by
     positions[pair_axis[i], ...] * inv_freq[i]; positions [n_axes, S] (shared) or [n_axes, B, S]."""
-    x = x.double()
-    pairs = inv_freq.numel()
     per_pair = positions.double()[pair_axis.long()]  # [pairs, (B,) S]
-    angle = per_pair.movedim(0, -1) * inv_freq.double()  # [(B,) S, pairs]
-    cos, sin = (angle.cos() * scale)[..., None, :], (angle.sin() * scale)[..., None, :]
-    if layout == "neox":
-        first, second = torch.arange(pairs), torch.arange(pairs) + pairs
-    else:
-        first, second = torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
-    out = x.clone()
-    x1, x2 = x[..., first], x[..., second]
-    out[..., first] = x1 * cos - x2 * sin
-    out[..., second] = x2 * cos + x1 * sin
-    return out
+    return rotate_pairs(x, per_pair.movedim(0, -1) * inv_freq.double(), layout, scale)
 
 
 # ---------------------------------------------------------------- the ops against the float64 reference

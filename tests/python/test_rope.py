@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc
-from helpers import tolerance
+from helpers import rotate_pairs, tolerance
 from posenc import functional as PF
 from posenc import frequencies as FQ
 
@@ -28,21 +28,8 @@ def from_format(x, fmt):
 
 
 def reference_rope(x, positions, inv_freq, layout="neox", scale=1.0):
-    """float64 RoPE of bshd x, written from the definition: each pair (x1, x2) of the layout becomes
-    (x1 cos - x2 sin, x2 cos + x1 sin) * scale with angle = p * inv_freq; positions [S] or [B, S]."""
-    x = x.double()
-    pairs = inv_freq.numel()
-    angle = positions.double()[..., None] * inv_freq.double()  # [.., S, F]
-    cos, sin = (angle.cos() * scale)[..., None, :], (angle.sin() * scale)[..., None, :]
-    if layout == "neox":
-        first, second = torch.arange(pairs), torch.arange(pairs) + pairs
-    else:
-        first, second = torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
-    out = x.clone()
-    x1, x2 = x[..., first], x[..., second]
-    out[..., first] = x1 * cos - x2 * sin
-    out[..., second] = x2 * cos + x1 * sin
-    return out
+    """float64 RoPE of bshd x, written from the definition: angle = p * inv_freq; positions [S] or [B, S]."""
+    return rotate_pairs(x, positions.double()[..., None] * inv_freq.double(), layout, scale)
 
 
 # ---------------------------------------------------------------- frequencies (formulas written here)

@@ -145,12 +145,8 @@ void count_positions_kernel(const CountPositionsProblem& problem) {
 }
 
 }  // namespace
-}  // namespace POSENC_CPU_CAPABILITY
-}  // namespace posenc::cpu
-POSENC_KERNELS_END
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
-namespace posenc::cpu {
-inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_FLOATING_KERNELS(sinusoidal_stub, sinusoidal_kernel);
 POSENC_REGISTER_FLOATING_KERNELS(learned_stub, learned_kernel);
 POSENC_REGISTER_KERNEL(count_positions_stub, &count_positions_kernel);

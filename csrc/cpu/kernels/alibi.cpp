@@ -70,12 +70,8 @@ void alibi_backward_kernel(const AlibiBackwardProblem<scalar_t>& p) {
 }
 
 }  // namespace
-}  // namespace POSENC_CPU_CAPABILITY
-}  // namespace posenc::cpu
-POSENC_KERNELS_END
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
-namespace posenc::cpu {
-inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_FLOATING_KERNELS(alibi_stub, alibi_kernel);
 POSENC_REGISTER_FLOATING_KERNELS(alibi_backward_stub, alibi_backward_kernel);
 }  // namespace POSENC_CPU_CAPABILITY

@@ -81,12 +81,8 @@ void embedding_backward_kernel(const EmbeddingBackwardProblem<scalar_t>& problem
 }
 
 }  // namespace
-}  // namespace POSENC_CPU_CAPABILITY
-}  // namespace posenc::cpu
-POSENC_KERNELS_END
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
-namespace posenc::cpu {
-inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_FLOATING_KERNELS(embedding_backward_stub, embedding_backward_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu

@@ -112,12 +112,8 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
 }
 
 }  // namespace
-}  // namespace POSENC_CPU_CAPABILITY
-}  // namespace posenc::cpu
-POSENC_KERNELS_END
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
-namespace posenc::cpu {
-inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_FLOATING_KERNELS(rope_stub, rope_kernel);
 POSENC_REGISTER_KERNEL((rope_tables_stub<float, float>), (&rope_tables_kernel<float, float>));
 POSENC_REGISTER_KERNEL((rope_tables_stub<double, double>), (&rope_tables_kernel<double, double>));

@@ -105,12 +105,8 @@ void t5_bias_backward_kernel(const T5BiasBackwardProblem<scalar_t>& p) {
 }
 
 }  // namespace
-}  // namespace POSENC_CPU_CAPABILITY
-}  // namespace posenc::cpu
-POSENC_KERNELS_END
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
-namespace posenc::cpu {
-inline namespace POSENC_CPU_CAPABILITY {
 POSENC_REGISTER_KERNEL(relative_bucket_stub<int64_t>, &relative_bucket_kernel<int64_t>);
 POSENC_REGISTER_KERNEL(relative_bucket_stub<int32_t>, &relative_bucket_kernel<int32_t>);
 POSENC_REGISTER_FLOATING_KERNELS(t5_bias_stub, t5_bias_kernel);

@@ -15,28 +15,36 @@ namespace posenc::frequencies {
 // shift 1: fairseq / tensor2tensor / Whisper / diffusers. dim >= 2, base finite and positive.
 at::Tensor sinusoidal(int64_t dim, double base = 10000.0, int64_t shift = 0);
 
-// RoPE scaling, the fields of a Hugging Face `rope_scaling` / `rope_parameters` dict. An unset field takes its
-// type's default; a set one is used as given, so an invalid value (a zero factor, say) is refused, never
-// replaced by the default. Fields of no use to the type are ignored.
+// The RoPE scaling keys, the fields of a Hugging Face `rope_scaling` / `rope_parameters` dict after rope_type, in
+// the order of the keyword arguments of the ops rope_inv_freq and rope_inv_freq_for_length:
+// X(A, C++ type, key, C++ default, schema type, schema default). RopeScaling's fields, those ops' schemas and
+// their kernels' arguments are all written from this list.
+#define POSENC_ROPE_SCALING_KEYS(X, A)                                                                           \
+  X(A, std::optional<double>, rope_theta, std::nullopt, "float?", "None") /* replaces `base` when set */         \
+  X(A, std::optional<double>, factor, std::nullopt, "float?", "None")                                           \
+  X(A, std::optional<double>, alpha, std::nullopt, "float?", "None") /* fixed NTK; `factor` when unset */       \
+  X(A, std::optional<double>, original_max_position_embeddings, std::nullopt, "float?", "None")                 \
+  X(A, std::optional<double>, max_position_embeddings, std::nullopt, "float?", "None") /* the context */        \
+  X(A, std::optional<double>, attention_factor, std::nullopt, "float?", "None")                                 \
+  X(A, std::optional<double>, beta_fast, std::nullopt, "float?", "None")                                        \
+  X(A, std::optional<double>, beta_slow, std::nullopt, "float?", "None")                                        \
+  X(A, std::optional<double>, mscale, std::nullopt, "float?", "None")                                           \
+  X(A, std::optional<double>, mscale_all_dim, std::nullopt, "float?", "None")                                   \
+  X(A, bool, truncate, true, "bool", "True")                                                                    \
+  X(A, std::optional<double>, low_freq_factor, std::nullopt, "float?", "None")                                  \
+  X(A, std::optional<double>, high_freq_factor, std::nullopt, "float?", "None")                                 \
+  X(A, std::vector<double>, short_factor, {}, "float[]?", "None")                                               \
+  X(A, std::vector<double>, long_factor, {}, "float[]?", "None")
+
+// RoPE scaling. An unset field takes its type's default; a set one is used as given, so an invalid value (a zero
+// factor, say) is refused, never replaced by the default. Fields of no use to the type are ignored.
 struct RopeScaling {
   // "default", "linear", "dynamic" (NTK, runtime), "ntk" (fixed NTK, alpha), "yarn", "llama3", "longrope".
   // "ntk_alpha", and "dynamic" with alpha set (HunYuan checkpoints), mean "ntk".
   std::string rope_type = "default";
-  std::optional<double> rope_theta;  // replaces `base` when set (Hugging Face v5 keeps theta here)
-  std::optional<double> factor;
-  std::optional<double> alpha;  // fixed NTK: theta * alpha^(r / (r - 2)); `factor` when unset
-  std::optional<double> original_max_position_embeddings;
-  std::optional<double> max_position_embeddings;  // the model's context length (dynamic, yarn, longrope)
-  std::optional<double> attention_factor;
-  std::optional<double> beta_fast;
-  std::optional<double> beta_slow;
-  std::optional<double> mscale;
-  std::optional<double> mscale_all_dim;
-  bool truncate = true;
-  std::optional<double> low_freq_factor;
-  std::optional<double> high_freq_factor;
-  std::vector<double> short_factor;
-  std::vector<double> long_factor;
+#define POSENC_ROPE_SCALING_FIELD(A, type, key, cpp_default, ...) type key = cpp_default;
+  POSENC_ROPE_SCALING_KEYS(POSENC_ROPE_SCALING_FIELD, )
+#undef POSENC_ROPE_SCALING_FIELD
 };
 
 struct RopeFrequencies {

@@ -4,6 +4,8 @@
 // A position p reads row p + offset of its table; every row must lie in [0, L_max), L_max = the
 // table's row count, or the op raises an error naming the op, the position and L_max. Positions are
 // absent (offset + arange(S)), [S] (shared by every leading index) or one per row; int64 or int32.
+#include <posenc/find_op.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -14,30 +16,45 @@ namespace posenc {
 
 // weight[positions + offset]: shape positions.shape + [D]. Gradient into weight; the padding_idx row
 // gets none.
-at::Tensor learned(const at::Tensor& weight, const at::Tensor& positions, int64_t offset = 0,
-                   std::optional<int64_t> padding_idx = std::nullopt);
+inline at::Tensor learned(const at::Tensor& weight, const at::Tensor& positions, int64_t offset = 0,
+                          std::optional<int64_t> padding_idx = std::nullopt) {
+  static const auto op = detail::find_op<decltype(learned)>("posenc::learned");
+  return op.call(weight, positions, offset, padding_idx);
+}
 
 // x [..., S, D] + weight[positions + offset]. Gradients into x and weight (not its padding_idx row).
-at::Tensor add_learned(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& positions = std::nullopt, int64_t offset = 0,
-                       std::optional<int64_t> padding_idx = std::nullopt);
+inline at::Tensor add_learned(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& positions = std::nullopt, int64_t offset = 0,
+                              std::optional<int64_t> padding_idx = std::nullopt) {
+  static const auto op = detail::find_op<decltype(add_learned)>("posenc::add_learned");
+  return op.call(x, weight, positions, offset, padding_idx);
+}
 
 // token_weight[tokens] * token_scale + pos_weight[positions + offset] in one pass (GPT-2/BERT wte + wpe).
 // Gradients into both tables; padding_idx is a row of token_weight, pos_padding_idx one of pos_weight,
 // and neither receives a gradient.
-at::Tensor embed_learned(const at::Tensor& tokens, const at::Tensor& token_weight, const at::Tensor& pos_weight,
-                         const std::optional<at::Tensor>& positions = std::nullopt, double token_scale = 1.0,
-                         std::optional<int64_t> padding_idx = std::nullopt, int64_t offset = 0,
-                         std::optional<int64_t> pos_padding_idx = std::nullopt);
+inline at::Tensor embed_learned(const at::Tensor& tokens, const at::Tensor& token_weight, const at::Tensor& pos_weight,
+                                const std::optional<at::Tensor>& positions = std::nullopt, double token_scale = 1.0,
+                                std::optional<int64_t> padding_idx = std::nullopt, int64_t offset = 0,
+                                std::optional<int64_t> pos_padding_idx = std::nullopt) {
+  static const auto op = detail::find_op<decltype(embed_learned)>("posenc::embed_learned");
+  return op.call(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset, pos_padding_idx);
+}
 
 // fairseq's make_positions over the last dimension: padding keeps padding_idx, real tokens are
 // numbered padding_idx + 1, padding_idx + 2, ... (int64).
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx);
+inline at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
+  static const auto op = detail::find_op<decltype(make_positions)>("posenc::make_positions");
+  return op.call(tokens, padding_idx);
+}
 
 // Positions of a left-padded batch from its attention mask [..., S] (nonzero = real token): real tokens
 // count from 0 (cumsum(mask) - 1), masked ones get pad_position (int64). OPT: pad_position = -1 with
 // offset 2, so padding reads row 1. With a cache, the new tokens' positions are the last S columns.
-at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t pad_position = 0);
+inline at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t pad_position = 0) {
+  static const auto op = detail::find_op<decltype(positions_from_mask)>("posenc::positions_from_mask");
+  return op.call(attention_mask, pad_position);
+}
 
 namespace nn {
 

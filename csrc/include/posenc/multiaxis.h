@@ -5,6 +5,8 @@
 // modules. Twins of Python's posenc.frequencies, posenc.functional and posenc.nn.
 #include <posenc/frequencies.h>
 
+#include <posenc/find_op.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -63,14 +65,16 @@ at::Tensor video_positions(int64_t frames, int64_t height, int64_t width, double
 // (1 without tokens_per_second: Qwen2-VL); split_video_frames makes every frame its own grid (Qwen3-VL).
 // Tokens outside attention_mask get 0. Returns positions [3, B, S] int64 and rope_deltas [B, 1] (max position
 // + 1 - the row's token count: decoding continues at cache length + delta).
-std::tuple<at::Tensor, at::Tensor> mrope_positions(const at::Tensor& token_types,
-                                                   const std::optional<at::Tensor>& image_grid_thw = std::nullopt,
-                                                   const std::optional<at::Tensor>& video_grid_thw = std::nullopt,
-                                                   const std::optional<at::Tensor>& attention_mask = std::nullopt,
-                                                   int64_t spatial_merge_size = 2,
-                                                   std::optional<double> tokens_per_second = std::nullopt,
-                                                   const std::optional<at::Tensor>& second_per_grid_ts = std::nullopt,
-                                                   bool split_video_frames = false);
+inline std::tuple<at::Tensor, at::Tensor> mrope_positions(
+    const at::Tensor& token_types, const std::optional<at::Tensor>& image_grid_thw = std::nullopt,
+    const std::optional<at::Tensor>& video_grid_thw = std::nullopt,
+    const std::optional<at::Tensor>& attention_mask = std::nullopt, int64_t spatial_merge_size = 2,
+    std::optional<double> tokens_per_second = std::nullopt,
+    const std::optional<at::Tensor>& second_per_grid_ts = std::nullopt, bool split_video_frames = false) {
+  static const auto op = detail::find_op<decltype(mrope_positions)>("posenc::mrope_positions");
+  return op.call(token_types, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size, tokens_per_second,
+                 second_per_grid_ts, split_video_frames);
+}
 
 namespace nn {
 

@@ -2,6 +2,8 @@
 // Rotary position embeddings.
 #include <posenc/frequencies.h>
 
+#include <posenc/find_op.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -21,47 +23,69 @@ namespace posenc {
 // Multi-axis positions (images, video, multimodal text): pair_axis [r / 2] (int64 or int32) gives the axis of
 // each frequency pair, positions carry a leading axis dimension ([n_axes, S], [n_axes, B, S] or [n_axes, T]),
 // and angle(i) = positions[pair_axis[i], ...] * inv_freq[i] (see posenc::frequencies::mrope / multiaxis).
-at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
-                int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                const std::optional<at::Tensor>& pair_axis = std::nullopt);
+inline at::Tensor rope(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                       double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
+                       int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                       const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(rope)>("posenc::rope");
+  return op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
 
 // The gradient of rope: grad rotated by -angle (times attention_scale).
-at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                         double attention_scale = 1.0, std::string_view layout = "neox",
-                         std::string_view format = "bshd", int64_t offset = 0,
-                         const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                         const std::optional<at::Tensor>& pair_axis = std::nullopt);
+inline at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::Tensor>& positions,
+                                const at::Tensor& inv_freq, double attention_scale = 1.0,
+                                std::string_view layout = "neox", std::string_view format = "bshd", int64_t offset = 0,
+                                const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                                const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(rope_backward)>("posenc::rope_backward");
+  return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
 
 // q and k rotated in one pass (the angles are formed once for both); their head counts may differ.
-std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
-                                           const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                                           double attention_scale = 1.0, std::string_view layout = "neox",
-                                           std::string_view format = "bshd", int64_t offset = 0,
-                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                                           const std::optional<at::Tensor>& pair_axis = std::nullopt);
+inline std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
+                                                  const std::optional<at::Tensor>& positions,
+                                                  const at::Tensor& inv_freq, double attention_scale = 1.0,
+                                                  std::string_view layout = "neox", std::string_view format = "bshd",
+                                                  int64_t offset = 0,
+                                                  const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                                                  const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(rope_qk)>("posenc::rope_qk");
+  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
 
-std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
-                                                    const std::optional<at::Tensor>& positions,
-                                                    const at::Tensor& inv_freq, double attention_scale = 1.0,
-                                                    std::string_view layout = "neox", std::string_view format = "bshd",
-                                                    int64_t offset = 0,
-                                                    const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                                                    const std::optional<at::Tensor>& pair_axis = std::nullopt);
+inline std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                                           const std::optional<at::Tensor>& positions,
+                                                           const at::Tensor& inv_freq, double attention_scale = 1.0,
+                                                           std::string_view layout = "neox",
+                                                           std::string_view format = "bshd", int64_t offset = 0,
+                                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                                                           const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(rope_qk_backward)>("posenc::rope_qk_backward");
+  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
 
 // rope in place, for inference paths (x's own strides are kept).
-void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-           double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
-           int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-           const std::optional<at::Tensor>& pair_axis = std::nullopt);
+inline void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                  double attention_scale = 1.0, std::string_view layout = "neox", std::string_view format = "bshd",
+                  int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                  const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(rope_)>("posenc::rope_");
+  op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
 
 // Hugging Face's apply_rotary_pos_emb for one tensor: x * cos + rotate(x) * sin with explicit tables
 // [S, r] or [B or 1, S, r] ([T, r] for thd), r <= head_dim; the other channels pass through.
-at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                        std::string_view layout = "neox", std::string_view format = "bshd");
+inline at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               std::string_view layout = "neox", std::string_view format = "bshd") {
+  static const auto op = detail::find_op<decltype(rope_cos_sin)>("posenc::rope_cos_sin");
+  return op.call(x, cos, sin, layout, format);
+}
 
-at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
-                                 std::string_view layout = "neox", std::string_view format = "bshd");
+inline at::Tensor rope_cos_sin_backward(const at::Tensor& grad, const at::Tensor& cos, const at::Tensor& sin,
+                                        std::string_view layout = "neox", std::string_view format = "bshd") {
+  static const auto op = detail::find_op<decltype(rope_cos_sin_backward)>("posenc::rope_cos_sin_backward");
+  return op.call(grad, cos, sin, layout, format);
+}
 
 // Context parallelism, dual-chunk (zigzag) split: the sequence is cut into 2 * cp_size chunks and rank r
 // holds chunks r and 2 * cp_size - 1 - r. Returns the positions of its tokens, which are also their

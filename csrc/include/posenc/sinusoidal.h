@@ -1,5 +1,7 @@
 #pragma once
 // Sinusoidal positional encodings.
+#include <posenc/find_op.h>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -11,18 +13,29 @@
 namespace posenc {
 
 // positions.shape + [2F]: sin/cos of (positions + offset) * inv_freq, "interleaved" or "half".
-at::Tensor sinusoidal(const at::Tensor& positions, const at::Tensor& inv_freq, std::string_view layout = "interleaved",
-                      std::optional<at::ScalarType> dtype = std::nullopt, int64_t offset = 0);
+inline at::Tensor sinusoidal(const at::Tensor& positions, const at::Tensor& inv_freq,
+                             std::string_view layout = "interleaved",
+                             std::optional<at::ScalarType> dtype = std::nullopt, int64_t offset = 0) {
+  static const auto op = detail::find_op<decltype(sinusoidal)>("posenc::sinusoidal");
+  return op.call(positions, inv_freq, layout, dtype, offset);
+}
 
 // x [..., S, D] * x_scale + PE; positions absent (offset + arange(S)), [S] or x's leading shape.
-at::Tensor add_sinusoidal(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                          double x_scale = 1.0, std::string_view layout = "interleaved", int64_t offset = 0);
+inline at::Tensor add_sinusoidal(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                                 const at::Tensor& inv_freq, double x_scale = 1.0,
+                                 std::string_view layout = "interleaved", int64_t offset = 0) {
+  static const auto op = detail::find_op<decltype(add_sinusoidal)>("posenc::add_sinusoidal");
+  return op.call(x, positions, inv_freq, x_scale, layout, offset);
+}
 
 // token_weight[tokens] * token_scale + PE, in one pass; the padding_idx row gets no gradient.
-at::Tensor embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& token_weight,
-                            const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                            double token_scale = 1.0, std::optional<int64_t> padding_idx = std::nullopt,
-                            std::string_view layout = "interleaved", int64_t offset = 0);
+inline at::Tensor embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& token_weight,
+                                   const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                   double token_scale = 1.0, std::optional<int64_t> padding_idx = std::nullopt,
+                                   std::string_view layout = "interleaved", int64_t offset = 0) {
+  static const auto op = detail::find_op<decltype(embed_sinusoidal)>("posenc::embed_sinusoidal");
+  return op.call(tokens, token_weight, positions, inv_freq, token_scale, padding_idx, layout, offset);
+}
 
 namespace nn {
 
