@@ -1,7 +1,7 @@
 #pragma once
 // Argument checks shared by every family. Each error names the op, the argument and the value
 // (see docs/errors.md); every check reads metadata only, so CPU and Meta kernels run the same ones.
-#include "kernels/types.h"
+#include "portable/types.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>

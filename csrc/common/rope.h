@@ -3,7 +3,7 @@
 // check of pair_axis's values that the CPU and CUDA ops run on a host copy of it.
 #include "common/checks.h"
 #include "families.h"
-#include "kernels/types.h"
+#include "portable/types.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>

@@ -1,12 +1,12 @@
 // The frequency formulas of every family, written once: the C++ API (posenc::frequencies), the ops
 // registered in config/ops.cpp and, through those ops, Python's posenc.frequencies all compute here. Every
-// value is scalar float64 arithmetic in a fixed order with posenc's own exp and log (kernels/libm.h), so the same
+// value is scalar float64 arithmetic in a fixed order with posenc's own exp and log (portable/libm.h), so the same
 // arguments give the same bits on every CPU, capability, thread count and device.
 #include <posenc/frequencies.h>
 
 #include "config/rope_scaling.h"
-#include "kernels/frequencies.h"
-#include "kernels/libm.h"
+#include "portable/frequencies.h"
+#include "portable/libm.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -65,7 +65,7 @@ double optional(const std::string& type, const char* key, const std::optional<do
 
 // YaRN's attention factor g(s, m) = 0.1 m ln s + 1 (1 for s <= 1).
 double yarn_mscale(double scale, double mscale = 1.0) {
-  return scale <= 1.0 ? 1.0 : 0.1 * mscale * kernels::libm::log(scale) + 1.0;
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * portable::libm::log(scale) + 1.0;
 }
 
 // A RopeScaling checked, with its type's defaults filled in: the numbers the formulas read.
@@ -169,7 +169,7 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
     } else if (p.factor > 1.0) {
       TORCH_CHECK_VALUE(p.context > 1.0, kRope, ": longrope original_max_position_embeddings must exceed 1 to ",
                         "derive the attention factor sqrt(1 + ln(factor) / ln(original)), got ", repr(p.context));
-      p.attention_scale = std::sqrt(1.0 + kernels::libm::log(p.factor) / kernels::libm::log(p.context));
+      p.attention_scale = std::sqrt(1.0 + portable::libm::log(p.factor) / portable::libm::log(p.context));
     }
   } else {
     TORCH_CHECK_VALUE(false, kRope, ": unknown rope_type \"", s.rope_type,
@@ -178,14 +178,14 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
   return p;
 }
 
-using kernels::DoubleDouble;
-namespace libm = kernels::libm;
+using portable::DoubleDouble;
+namespace libm = portable::libm;
 
 // base^(-2i / r) for the pairs i < r / 2, from ln(base), each correctly rounded.
 std::vector<double> base_powers(DoubleDouble log_base, int64_t rotary_dim) {
   std::vector<double> inv_freq(rotary_dim / 2);
   for (const auto i : c10::irange(inv_freq.size())) {
-    inv_freq[i] = kernels::inverse_power(log_base, 2 * static_cast<int64_t>(i), rotary_dim);
+    inv_freq[i] = portable::inverse_power(log_base, 2 * static_cast<int64_t>(i), rotary_dim);
   }
   return inv_freq;
 }
@@ -233,8 +233,8 @@ std::vector<double> llama3(std::vector<double> inv_freq, const Plan& p) {
 std::vector<double> inv_freq_of(const Plan& p, const RopeScaling& s, std::optional<double> length) {
   const auto& type = p.type;
   if (type == "dynamic") {
-    const kernels::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
-    return base_powers(kernels::dynamic_ntk_log_base(ntk, length.value_or(p.context)), p.rotary_dim);
+    const portable::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
+    return base_powers(portable::dynamic_ntk_log_base(ntk, length.value_or(p.context)), p.rotary_dim);
   }
   if (type == "ntk") {
     // theta alpha^(r / (r - 2)), raised to -2i / r: one logarithm of the product, carried in double-double.
@@ -286,7 +286,7 @@ at::Tensor sinusoidal(int64_t dim, double base, int64_t shift) {
                     shift);
   const auto log_base = libm::log(DoubleDouble{base, 0.0});
   std::vector<double> inv_freq(pairs);
-  for (const auto i : c10::irange(pairs)) inv_freq[i] = kernels::inverse_power(log_base, i, pairs - shift);
+  for (const auto i : c10::irange(pairs)) inv_freq[i] = portable::inverse_power(log_base, i, pairs - shift);
   return to_tensor(inv_freq);
 }
 
@@ -312,7 +312,7 @@ void check_rope_for_length(int64_t rotary_dim, double base, const RopeScaling& s
 
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling) {
   const auto p = plan(rotary_dim, base, scaling);
-  const kernels::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
+  const portable::DynamicNtk ntk{p.theta, p.factor, p.context, p.rotary_dim};
   if (p.type == "dynamic") return {LengthDependence::kGrowing, p.context, ntk};
   if (p.type == "longrope") return {LengthDependence::kStep, p.context, ntk};
   return {LengthDependence::kNone, p.context, ntk};

@@ -3,7 +3,7 @@
 // cuda/frequencies.cu): the scaling keywords of their schemas, and how the frequencies depend on the length.
 #include <posenc/frequencies.h>
 
-#include "kernels/frequencies.h"
+#include "portable/frequencies.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/ArrayRef.h>
@@ -19,11 +19,11 @@ namespace frequencies {
 // then those of every L > context (kStep: LongRoPE's short and long factors); those of every L <= context, then
 // a function of L (kGrowing: dynamic NTK, whose base grows past the context; a NaN L counts as past it). The
 // CUDA op forms on the host, with the CPU's code, what does not vary with L, and evaluates `ntk` (kGrowing's
-// constants, kernels/frequencies.h) on the device.
+// constants, portable/frequencies.h) on the device.
 struct LengthDependence {
   enum Kind { kNone, kStep, kGrowing } kind;
   double context;
-  kernels::DynamicNtk ntk;
+  portable::DynamicNtk ntk;
 };
 LengthDependence length_dependence(int64_t rotary_dim, double base, const RopeScaling& scaling);
 

@@ -1,7 +1,7 @@
 // ALiBi's slopes (the paper's geometric sequence, and BLOOM's interleaving past the largest power of two).
 #include <posenc/alibi.h>
 
-#include "kernels/libm.h"
+#include "portable/libm.h"
 
 #include <ATen/ops/empty.h>
 
@@ -16,10 +16,10 @@ at::Tensor alibi_slopes(int64_t num_heads, at::ScalarType dtype) {
   double* m = slopes.mutable_data_ptr<double>();
   // 2^(-8k / n), and 2^(-4(2j - 1) / n) for the heads past the power of two n: posenc's own exp2 of the exact
   // exponent, the same bits on every machine (an integer exponent gives the power of two exactly).
-  namespace libm = kernels::libm;
+  namespace libm = portable::libm;
   const auto n = static_cast<double>(power);
   const auto slope = [&](int64_t numerator) {
-    return libm::exp2(libm::div(kernels::DoubleDouble{static_cast<double>(-numerator), 0.0}, n));
+    return libm::exp2(libm::div(portable::DoubleDouble{static_cast<double>(-numerator), 0.0}, n));
   };
   for (int64_t k = 1; k <= power; ++k) m[k - 1] = slope(8 * k);
   for (int64_t j = 1; j <= num_heads - power; ++j) m[power + j - 1] = slope(4 * (2 * j - 1));

@@ -86,7 +86,7 @@ struct TableEncoding {
     }
     const auto chunk = load_vec<V>(table + at.row * width + d0);
 #pragma unroll
-    for (int k = 0; k < V; ++k) pe[k] = kernels::to_opmath(chunk.v[k]);
+    for (int k = 0; k < V; ++k) pe[k] = portable::to_opmath(chunk.v[k]);
   }
 };
 
@@ -109,8 +109,8 @@ __global__ void __launch_bounds__(kThreads)
     additive_kernel(const __grid_constant__ AdditiveRows<scalar_t> r, opmath_t<scalar_t> scale,
                     const __grid_constant__ Encoding encoding) {
   using opmath = opmath_t<scalar_t>;
-  using kernels::from_opmath;
-  using kernels::to_opmath;
+  using portable::from_opmath;
+  using portable::to_opmath;
   const double local_max = encoding.max_frequency();
   const int64_t tiles = r.num_positions * r.chunks;
   const int64_t lead_begin = blockIdx.y * r.leads_per_block;

@@ -1,4 +1,4 @@
-// ALiBi on the GPU, under the op layer of common/alibi.h: the shared bias formula (kernels/alibi.h).
+// ALiBi on the GPU, under the op layer of common/alibi.h: the shared bias formula (portable/alibi.h).
 //
 // Forward (alibi_bias, add_alibi, add_alibi_): a thread writes V consecutive keys of one row (b, h, i),
 // V = 16 bytes / element size where rows are contiguous, whole vectors and aligned, else 1 with any strides;
@@ -8,7 +8,7 @@
 // tail; one sequential sum otherwise), then each slope adds its rows' sums in row order.
 #include "common/alibi.h"
 #include "cuda/utils.cuh"
-#include "kernels/alibi.h"
+#include "portable/alibi.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -16,13 +16,13 @@
 namespace posenc::cuda {
 namespace {
 
-using kernels::alibi_batch;
-using kernels::alibi_bias;
-using kernels::alibi_distance0;
-using kernels::alibi_head;
-using kernels::alibi_row_offset;
-using kernels::from_opmath;
-using kernels::to_opmath;
+using portable::alibi_batch;
+using portable::alibi_bias;
+using portable::alibi_distance0;
+using portable::alibi_head;
+using portable::alibi_row_offset;
+using portable::from_opmath;
+using portable::to_opmath;
 
 // The slope of row n in maths precision: slopes (float64) [B or 1, total_heads], head_offset applied.
 struct Slopes {

@@ -1,10 +1,10 @@
 #pragma once
 // The angle engine on the GPU, choosing per token as the CPU's sincos_row (sincos_row_axes) does: for float32
 // maths, a token whose angles all lie within kFastAngle (|p| * max_i |inv_freq[i]| <= kFastAngle for each of
-// its positions) takes the shared quarter-turn reduction (kernels/angle.h), any other posenc's own sin and cos
-// of the angle (kernels/libm.h); float64 maths always takes those. Both are the CPU's code compiled for the
+// its positions) takes the shared quarter-turn reduction (portable/angle.h), any other posenc's own sin and cos
+// of the angle (portable/libm.h); float64 maths always takes those. Both are the CPU's code compiled for the
 // device, without contraction into FMA: the CPU's bits on either path, in float32 and in float64.
-#include "kernels/angle.h"
+#include "portable/angle.h"
 
 #include <type_traits>
 
@@ -29,7 +29,7 @@ template <typename opmath>
 __device__ __forceinline__ bool slow_angles(const double* positions, int64_t n_axes, double local_max) {
   if constexpr (std::is_same_v<opmath, float>) {
     bool slow = false;
-    for (int64_t a = 0; a < n_axes; ++a) slow = slow || !(fabs(positions[a]) * local_max <= kernels::kFastAngle);
+    for (int64_t a = 0; a < n_axes; ++a) slow = slow || !(fabs(positions[a]) * local_max <= portable::kFastAngle);
     return __syncthreads_or(slow);
   } else {
     return true;
@@ -46,11 +46,11 @@ template <typename opmath>
 __device__ __forceinline__ void angle_sincos(double angle, bool slow, opmath& sin_out, opmath& cos_out) {
   if constexpr (std::is_same_v<opmath, float>) {
     if (!slow) {
-      kernels::sincos_reduced(angle, sin_out, cos_out);
+      portable::sincos_reduced(angle, sin_out, cos_out);
       return;
     }
   }
-  kernels::sincos_exact(angle, sin_out, cos_out);
+  portable::sincos_exact(angle, sin_out, cos_out);
 }
 
 }  // namespace posenc::cuda

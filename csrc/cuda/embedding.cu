@@ -27,8 +27,8 @@ __global__ void __launch_bounds__(kThreads)
                               const int64_t* __restrict__ group_start, int64_t num_rows, int64_t width,
                               int64_t chunks, int64_t skip, opmath_t<scalar_t> scale, scalar_t* __restrict__ out) {
   using opmath = opmath_t<scalar_t>;
-  using kernels::from_opmath;
-  using kernels::to_opmath;
+  using portable::from_opmath;
+  using portable::to_opmath;
   constexpr int kInFlight = 4;  // gradient rows loaded before the first is added
   const int64_t tiles = num_rows * chunks;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {

@@ -4,7 +4,7 @@
 // zigzag_positions_varlen runs on the host (cuda/host.cu).
 #include "config/rope_scaling.h"
 #include "cuda/utils.cuh"
-#include "kernels/frequencies.h"
+#include "portable/frequencies.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -31,7 +31,7 @@ struct HostFrequencies {
 // CPU); no length (kNone): within[i].
 __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencies values, int64_t n,
                                           const double* length, double context, bool growing,
-                                          kernels::DynamicNtk ntk, int64_t first, double* out) {
+                                          portable::DynamicNtk ntk, int64_t first, double* out) {
   const int64_t i = threadIdx.x;
   if (i >= n) return;
   bool past = false;
@@ -39,7 +39,7 @@ __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencie
   if (!past) {
     out[i] = values.within[i];
   } else {
-    out[i] = growing ? kernels::dynamic_ntk_inv_freq(ntk, *length, first + i) : values.beyond[i];
+    out[i] = growing ? portable::dynamic_ntk_inv_freq(ntk, *length, first + i) : values.beyond[i];
   }
 }
 
@@ -47,7 +47,7 @@ __global__ void select_frequencies_kernel(const __grid_constant__ HostFrequencie
 // without reading the length: whatever does not vary with it is the CPU's code run on the host (the frequencies
 // of every length up to the context, and LongRoPE's long ones past it), and one kernel picks by the length. Past
 // the context, dynamic NTK's frequencies are a function of the length, which the kernel evaluates with the CPU's
-// formula and posenc's own exp and log (kernels/frequencies.h): the CPU's bits.
+// formula and posenc's own exp and log (portable/frequencies.h): the CPU's bits.
 at::Tensor rope_inv_freq_for_length_cuda(const at::Tensor& seq_len, int64_t rotary_dim, double base,
                                          c10::string_view rope_type POSENC_SCALING_PARAMETERS) {
   using frequencies::LengthDependence;

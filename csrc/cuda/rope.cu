@@ -1,5 +1,5 @@
 // CUDA ops of the rotary family: the CPU op layer's checks and outputs, the shared per-element maths
-// (kernels/angle.h, kernels/rotary.h), one kernel for every op.
+// (portable/angle.h, portable/rotary.h), one kernel for every op.
 //
 // A block rotates one token: it forms the token's coefficients once in shared memory (cos and sin of each pair,
 // from the angle engine or from rope_cos_sin's tables), then its threads rotate every head of x (or of q and
@@ -16,7 +16,7 @@
 #include "cuda/angle.cuh"
 #include "cuda/positions.cuh"
 #include "cuda/utils.cuh"
-#include "kernels/rotary.h"
+#include "portable/rotary.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -29,10 +29,10 @@
 namespace posenc::cuda {
 namespace {
 
-using kernels::from_opmath;
-using kernels::rotate_first;
-using kernels::rotate_second;
-using kernels::to_opmath;
+using portable::from_opmath;
+using portable::rotate_first;
+using portable::rotate_second;
+using portable::to_opmath;
 
 // Pairs whose coefficients a block holds at once (a multiple of every vector width): 4 KiB of float32.
 constexpr int64_t kChunkPairs = 256;
@@ -79,7 +79,7 @@ struct AngleCoeffs {
     if (pair_axis == nullptr) return t.position * inv_freq[i];
     const int32_t axis = pair_axis[i];
     if (axis < 0 || axis >= n_axes) return quiet_nan<double>();
-    return kernels::pair_angle(t.positions, pair_axis, inv_freq, i);
+    return portable::pair_angle(t.positions, pair_axis, inv_freq, i);
   }
 
   __device__ void fill(const Token& t, int64_t i, opmath& c1, opmath& s1, opmath& c2, opmath& s2) const {

@@ -1,4 +1,4 @@
-// The T5 relative bias on the GPU, under the op layer of common/t5.h: the shared bucketing (kernels/t5.h).
+// The T5 relative bias on the GPU, under the op layer of common/t5.h: the shared bucketing (portable/t5.h).
 //
 // T5 buckets distances with a float32 logarithm; as on the CPU, the host tabulates with t5_bucket the least
 // distance of each log-spaced bucket, and the GPU buckets by counting the thresholds below a distance
@@ -10,7 +10,7 @@
 // order, then each bucket its diagonals in diagonal order, in float64: the CPU's sums, the CPU's bits.
 #include "common/t5.h"
 #include "cuda/utils.cuh"
-#include "kernels/t5.h"
+#include "portable/t5.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
@@ -21,7 +21,7 @@
 namespace posenc::cuda {
 namespace {
 
-using kernels::T5Buckets;
+using portable::T5Buckets;
 
 // The bucketing of one call: T5's constants and the thresholds of its log-spaced buckets, held in the kernel
 // parameters up to kInlineThresholds (a bidirectional num_buckets up to 1028), else in device memory.
@@ -35,7 +35,7 @@ struct T5Table {
 
   __device__ int64_t bucket(int64_t relative_position) const {
     const int64_t* thresholds = count > kInlineThresholds ? spilled : inline_values;
-    return kernels::t5_bucket_tabulated(t5, thresholds, count, relative_position);
+    return portable::t5_bucket_tabulated(t5, thresholds, count, relative_position);
   }
 };
 
@@ -47,8 +47,8 @@ struct T5Thresholds {
 
 T5Thresholds tabulate(bool bidirectional, int64_t num_buckets, int64_t max_distance, const at::Device& device) {
   T5Thresholds out{};
-  out.table.t5 = kernels::make_t5_buckets(bidirectional, num_buckets, max_distance);
-  const auto values = kernels::t5_log_thresholds(out.table.t5);
+  out.table.t5 = portable::make_t5_buckets(bidirectional, num_buckets, max_distance);
+  const auto values = portable::t5_log_thresholds(out.table.t5);
   out.table.count = static_cast<int64_t>(values.size());
   if (out.table.count <= kInlineThresholds) {
     std::copy(values.begin(), values.end(), out.table.inline_values);
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
     const scalar_t* head = grad + h * q_len * k_len;
     double sum = 0.0;
     for (int64_t i = i_begin; i < i_end; ++i) {
-      sum += static_cast<double>(kernels::to_opmath(head[i * k_len + r - (q_len - 1 - i)]));
+      sum += static_cast<double>(portable::to_opmath(head[i * k_len + r - (q_len - 1 - i)]));
     }
     sums[e] = sum;
   }

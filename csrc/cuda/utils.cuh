@@ -2,7 +2,7 @@
 // What every CUDA op file shares: launch geometry, 16-byte vector access, the current stream and device, and
 // whether the stream is being captured into a CUDA graph. Only c10's CUDA parts (c10_cuda, the CUDA runtime):
 // no cuBLAS or other toolkit headers, which a partial CUDA toolkit may lack.
-#include "kernels/convert.h"
+#include "portable/convert.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>

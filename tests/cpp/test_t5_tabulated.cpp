@@ -1,7 +1,7 @@
-// T5 buckets from tabulated thresholds (what the CUDA kernels compute, kernels/t5.h) equal T5's float32-log
+// T5 buckets from tabulated thresholds (what the CUDA kernels compute, portable/t5.h) equal T5's float32-log
 // buckets (what the CPU kernels compute) for every distance of several configurations: the GPU's buckets are the
 // CPU's whatever the device's logarithm.
-#include "kernels/t5.h"
+#include "portable/t5.h"
 
 #include <gtest/gtest.h>
 
@@ -12,10 +12,10 @@
 
 namespace {
 
-using posenc::kernels::make_t5_buckets;
-using posenc::kernels::t5_bucket;
-using posenc::kernels::t5_bucket_tabulated;
-using posenc::kernels::t5_log_thresholds;
+using posenc::portable::make_t5_buckets;
+using posenc::portable::t5_bucket;
+using posenc::portable::t5_bucket_tabulated;
+using posenc::portable::t5_log_thresholds;
 
 void expect_same_buckets(bool bidirectional, int64_t num_buckets, int64_t max_distance) {
   const auto t5 = make_t5_buckets(bidirectional, num_buckets, max_distance);

@@ -1,4 +1,4 @@
-"""posenc's own exp, log, pow and sin/cos (csrc/kernels/libm.h), through the ops that use them, against mpmath at
+"""posenc's own exp, log, pow and sin/cos (csrc/portable/libm.h), through the ops that use them, against mpmath at
 300 bits: every configuration value is the correctly rounded value of its formula, and float64 sin/cos (and the
 float32 ones of angles past the fast reduction) are correctly rounded for any angle. Together with
 test_capabilities.py (the same bits on every CPU) this is what makes the frequencies machine-independent."""

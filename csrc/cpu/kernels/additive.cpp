@@ -4,15 +4,15 @@
 #include "cpu/kernels/additive.h"
 
 POSENC_KERNELS_BEGIN
-#include "kernels/angle.h"
-#include "kernels/rows.h"
-#include "kernels/tiling.h"
+#include "portable/angle.h"
+#include "portable/rows.h"
+#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 namespace {
 
-using namespace posenc::kernels;
+using namespace posenc::portable;
 
 // The encoding of one position, pe[0, 2F), in maths precision; `scratch` holds 2F values.
 template <typename opmath_t>

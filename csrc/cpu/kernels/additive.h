@@ -2,7 +2,7 @@
 // Kernel interface of the sinusoidal and learned families (the additive kernels): what the op layer
 // (cpu/sinusoidal.cpp, cpu/learned.cpp) hands the per-capability kernels (cpu/kernels/additive.cpp).
 #include "cpu/dispatch.h"
-#include "kernels/types.h"
+#include "portable/types.h"
 
 namespace posenc::cpu {
 

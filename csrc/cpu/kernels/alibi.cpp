@@ -3,14 +3,14 @@
 #include "cpu/kernels/alibi.h"
 
 POSENC_KERNELS_BEGIN
-#include "kernels/alibi.h"
-#include "kernels/tiling.h"
+#include "portable/alibi.h"
+#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 namespace {
 
-using namespace posenc::kernels;
+using namespace posenc::portable;
 
 // Key positions 0..K-1 in the maths type.
 template <typename T>

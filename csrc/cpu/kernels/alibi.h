@@ -1,7 +1,7 @@
 #pragma once
 // Kernel interface of ALiBi (cpu/alibi.cpp -> cpu/kernels/alibi.cpp).
 #include "cpu/dispatch.h"
-#include "kernels/types.h"
+#include "portable/types.h"
 
 namespace posenc::cpu {
 

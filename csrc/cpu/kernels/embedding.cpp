@@ -4,14 +4,14 @@
 #include "cpu/kernels/embedding.h"
 
 POSENC_KERNELS_BEGIN
-#include "kernels/convert.h"
-#include "kernels/tiling.h"
+#include "portable/convert.h"
+#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 namespace {
 
-using namespace posenc::kernels;
+using namespace posenc::portable;
 
 // Gradient rows grouped by the table row they go to, each group in increasing order (a stable counting
 // sort): row r's gradient rows are order[start[r] .. start[r + 1]). The skipped (padding) row gets none.

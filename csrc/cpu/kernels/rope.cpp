@@ -4,15 +4,15 @@
 #include "cpu/kernels/rope.h"
 
 POSENC_KERNELS_BEGIN
-#include "kernels/angle.h"
-#include "kernels/rotary.h"
-#include "kernels/tiling.h"
+#include "portable/angle.h"
+#include "portable/rotary.h"
+#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 namespace {
 
-using namespace posenc::kernels;
+using namespace posenc::portable;
 
 // cos/sin of each pair of token `index` (the angle engine's row: one position, or one per axis), times the
 // attention scale; sin negated for the inverse rotation.

@@ -1,7 +1,7 @@
 #pragma once
 // Kernel interface of the rotary family (cpu/rope.cpp -> cpu/kernels/rope.cpp).
 #include "cpu/dispatch.h"
-#include "kernels/types.h"
+#include "portable/types.h"
 
 namespace posenc::cpu {
 

@@ -4,15 +4,15 @@
 #include "cpu/kernels/t5.h"
 
 POSENC_KERNELS_BEGIN
-#include "kernels/convert.h"
-#include "kernels/t5.h"
-#include "kernels/tiling.h"
+#include "portable/convert.h"
+#include "portable/t5.h"
+#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
 namespace {
 
-using namespace posenc::kernels;
+using namespace posenc::portable;
 
 T5Buckets buckets_of(const T5BucketParams& params) {
   return make_t5_buckets(params.bidirectional, params.num_buckets, params.max_distance);

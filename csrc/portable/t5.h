@@ -1,14 +1,14 @@
 #pragma once
 // T5's relative-position bucketing (Mesh TensorFlow, Hugging Face `_relative_position_bucket`), with its
 // float32 steps kept as they are: bucket edges land where T5's rounding puts them, not where exact maths would.
-#include "kernels/libm.h"
-#include "kernels/macros.h"
+#include "portable/libm.h"
+#include "portable/macros.h"
 
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // T5 splits num_buckets into N' = num_buckets / 2 per direction (bidirectional) or N' = num_buckets (causal);
 // the first e = N' / 2 buckets hold exact distances, the rest log-spaced ones up to max_distance.
@@ -105,4 +105,4 @@ inline const std::vector<int64_t>& t5_log_thresholds(const T5Buckets& t5) {
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

@@ -1,12 +1,12 @@
 #pragma once
-// The frequency formulas' per-pair maths, with posenc's own exp and log (kernels/libm.h): the same bits on every
+// The frequency formulas' per-pair maths, with posenc's own exp and log (portable/libm.h): the same bits on every
 // CPU and on the GPU, which evaluates dynamic NTK's frequencies for a length it holds.
-#include "kernels/libm.h"
-#include "kernels/macros.h"
+#include "portable/libm.h"
+#include "portable/macros.h"
 
 #include <cstdint>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // Dynamic NTK (Hugging Face's runtime rule): past the context C, the base becomes
 // theta (1 + factor (L - C) / C)^(r / (r - 2)); up to it, theta. A NaN length gives NaN frequencies.
@@ -42,4 +42,4 @@ POSENC_INLINE double dynamic_ntk_inv_freq(const DynamicNtk& p, double length, in
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

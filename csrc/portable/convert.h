@@ -5,8 +5,8 @@
 // - bf16: round to nearest even, every NaN to 0x7FC0 (c10's rule);
 // - fp16: round to nearest even, NaNs quieted with their payload kept (what F16C's vcvtps2ph does, and so
 //   what torch's vectorized Tensor.half() gives), so the CPU capabilities with F16C and those without agree.
-#include "kernels/macros.h"
-#include "kernels/types.h"
+#include "portable/macros.h"
+#include "portable/types.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #endif
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 inline namespace POSENC_KERNEL_NAMESPACE {
 
@@ -113,4 +113,4 @@ inline void narrow(const opmath_t<T>* src, T* dst, int64_t n) {
 #endif
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

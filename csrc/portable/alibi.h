@@ -2,12 +2,12 @@
 // ALiBi's bias: row (b, h, i) of a [B, H, Q, K] bias holds -m * d_j (causal) or -m * |d_j| (symmetric),
 // d_j = i + (K - Q) - j (bottom-right aligned: the last query sits on the last key), m the head's slope.
 // Distances are formed in the maths type: exact for every key index below 2^24 (float32 maths).
-#include "kernels/convert.h"
+#include "portable/convert.h"
 
 #include <cmath>
 #include <cstdint>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 inline namespace POSENC_KERNEL_NAMESPACE {
 
 POSENC_INLINE int64_t alibi_batch(const AlibiRows& rows, int64_t n) { return n / (rows.heads * rows.q_len); }
@@ -83,4 +83,4 @@ double alibi_row_gradient(const scalar_t* row, int64_t stride, int64_t k_len, do
 #endif
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

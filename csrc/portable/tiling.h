@@ -1,11 +1,11 @@
 #pragma once
 // How the CPU kernels cut their work: grain sizes, position blocks that stay in L2, prefetches of gathered rows.
-#include "kernels/macros.h"
+#include "portable/macros.h"
 
 #include <algorithm>
 #include <cstdint>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // Elements per parallel task, as ATen's TensorIterator uses: below this, threading costs more than it saves.
 constexpr int64_t kGrainSize = 32768;
@@ -39,4 +39,4 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

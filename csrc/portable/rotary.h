@@ -6,15 +6,15 @@
 // multiply-add, so every CPU capability (with FMA or without, vector body or scalar tail) and the GPU give
 // the same bits, and float32 results equal eager PyTorch's x * cos + rotate_half(x) * sin for the same
 // cos and sin.
-#include "kernels/convert.h"
-#include "kernels/types.h"
+#include "portable/convert.h"
+#include "portable/types.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // The rotation coefficients of one token, one entry per channel pair.
 template <typename opmath_t>
@@ -228,4 +228,4 @@ void rotate_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeff
 #endif
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

@@ -11,14 +11,14 @@
 // functions evaluate in double-double arithmetic (a value hi + lo carried to about 2^-104 relative) and round
 // once at the end, so each result is the correctly rounded value of the exact function except where the exact
 // value lies within about 2^-100 of a rounding boundary, which no input of ours has been seen to hit.
-#include "kernels/macros.h"
+#include "portable/macros.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // hi + lo with |lo| <= ulp(hi) / 2: hi is the value rounded to float64.
 struct DoubleDouble {
@@ -350,4 +350,4 @@ POSENC_INLINE void sincos(double x, DoubleDouble& sin_out, DoubleDouble& cos_out
 
 }  // namespace libm
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

@@ -2,13 +2,13 @@
 // Row adders of the additive families (sinusoidal, learned): out = in * scale + pe over one row, in maths
 // precision, rounded once. `pe` is the encoding (maths precision: sinusoidal) or a table row (storage
 // precision: learned); the row's channels past `encoded` (an odd width's last channel) get no encoding.
-#include "kernels/convert.h"
+#include "portable/convert.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 inline namespace POSENC_KERNEL_NAMESPACE {
 
 #if !defined(__CUDACC__)
@@ -64,4 +64,4 @@ inline void add_row(const scalar_t* in, const pe_t* pe, scalar_t* out, int64_t e
 #endif
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable

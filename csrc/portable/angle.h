@@ -5,17 +5,17 @@
 // The float32 result is sin/cos of the float64 angle fl(p * w), rounded to float32, to within 2e-7, for
 // every angle: a row whose angles all lie within kFastAngle is reduced by quarter turns in float64 with
 // plain arithmetic (so the loop vectorizes); any other row, and every float64 result, takes posenc's own
-// sin/cos (kernels/libm.h), whose reduction is exact for any argument and whose bits are the same on every
+// sin/cos (portable/libm.h), whose reduction is exact for any argument and whose bits are the same on every
 // CPU and on the GPU. The reduction must be float64: at p = 2^20 a float32 product p * w alone is off by up
 // to 0.06 rad.
-#include "kernels/libm.h"
-#include "kernels/macros.h"
+#include "portable/libm.h"
+#include "portable/macros.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-namespace posenc::kernels {
+namespace posenc::portable {
 
 // pi/2 in four parts (round to nearest, 26 bits at a time): the first three have at most 26 significant
 // bits, so q * part is exact for every quarter-turn count |q| < 2^27, and the reduction is as exact as the
@@ -52,7 +52,7 @@ POSENC_INLINE void sincos_reduced(double angle, float& sin_out, float& cos_out) 
   cos_out = ((bits + 1) & 2) ? -cos_value : cos_value;
 }
 
-// sin and cos of any angle, correctly rounded but in the rarest cases (kernels/libm.h): the path of angles
+// sin and cos of any angle, correctly rounded but in the rarest cases (portable/libm.h): the path of angles
 // beyond the fast reduction, and of every float64 result.
 POSENC_INLINE void sincos_exact(double angle, float& sin_out, float& cos_out) {
   DoubleDouble s, c;
@@ -122,4 +122,4 @@ inline void sincos_row_axes(const double* positions, int64_t /*n_axes*/, const i
 #endif
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace posenc::kernels
+}  // namespace posenc::portable
