@@ -1,15 +1,27 @@
 #include <posenc/rope.h>
 
 #include "common/rope.h"
+#include "config/rope_scaling.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/where.h>
 
 #include <limits>
 
 namespace posenc {
+
+at::Tensor frequencies::rope_for_length_op(int64_t rotary_dim, double base, const RopeScaling& scaling,
+                                           const at::Tensor& seq_len) {
+  using Signature = at::Tensor(const at::Tensor& seq_len, int64_t rotary_dim, double base,
+                               c10::string_view rope_type POSENC_SCALING_PARAMETERS);
+  static const auto op = detail::find_op<Signature>("posenc::rope_inv_freq_for_length");
+  return op.call(seq_len, rotary_dim, base,
+                 scaling.rope_type POSENC_ROPE_SCALING_KEYS(POSENC_SCALING_ARGUMENT, scaling));
+}
+
 namespace nn {
 
 RotaryEmbeddingImpl::RotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t> rotary_dim, double base,
@@ -41,15 +53,19 @@ at::Tensor RotaryEmbeddingImpl::inv_freq(std::optional<int64_t> seq_len) const {
   return frequencies::rope(rotary_dim_, base_, scaling_, seq_len).inv_freq.to(inv_freq_.device());
 }
 
-int64_t RotaryEmbeddingImpl::seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions,
-                                        int64_t offset, const std::optional<at::Tensor>& cu_seqlens) const {
-  if (positions) return positions->numel() == 0 ? offset : positions->max().item<int64_t>() + offset + 1;
+// The length as a 0-d int64 tensor on q's device, computed there: max position + 1, the longest packed sequence, or
+// the sequence dimension, plus offset.
+at::Tensor RotaryEmbeddingImpl::seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions,
+                                           int64_t offset, const std::optional<at::Tensor>& cu_seqlens) const {
+  const auto on_q = q.options().dtype(at::kLong);
+  if (positions && positions->numel() > 0) return positions->max().to(at::kLong).add(offset + 1);
+  if (positions) return at::scalar_tensor(offset, on_q);
   if (cu_seqlens && cu_seqlens->numel() > 1) {
     const auto lengths = cu_seqlens->slice(0, 1).sub(cu_seqlens->slice(0, 0, -1));
-    return lengths.max().item<int64_t>() + offset;
+    return lengths.max().to(at::kLong).add(offset);
   }
   const auto order = rope_dim_order(parse_rope_format("nn.RotaryEmbedding", format_));
-  return q.size(order[1]) + offset;
+  return at::scalar_tensor(q.size(order[1]) + offset, on_q);
 }
 
 std::tuple<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor& q, const at::Tensor& k,
@@ -57,7 +73,10 @@ std::tuple<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor
                                                                 int64_t offset,
                                                                 const std::optional<at::Tensor>& cu_seqlens) {
   if (inv_freq_.device() != q.device()) inv_freq_ = inv_freq_.to(q.device());
-  const auto freq = per_call_scaling() ? inv_freq(seq_len_of(q, positions, offset, cu_seqlens)) : inv_freq_;
+  // A per-call length stays a tensor: on the GPU the frequencies are formed there, without a host read.
+  const auto freq = per_call_scaling() ? frequencies::rope_for_length_op(rotary_dim_, base_, scaling_,
+                                                                         seq_len_of(q, positions, offset, cu_seqlens))
+                                       : inv_freq_;
   return rope_qk(q, k, positions, freq, attention_scale_, layout_, format_, offset, cu_seqlens);
 }
 

@@ -36,15 +36,21 @@ template <typename Field>
 struct ScalingArgument {  // a field's kernel argument is the field itself...
   using type = Field;
   static Field field(Field value) { return value; }
+  static type argument(const Field& value) { return value; }
 };
 template <>
 struct ScalingArgument<std::vector<double>> {  // ...but a list of floats, which the dispatcher passes as a view
   using type = std::optional<c10::ArrayRef<double>>;
   static std::vector<double> field(type value) { return value ? value->vec() : std::vector<double>(); }
+  static type argument(const std::vector<double>& value) {
+    return value.empty() ? type() : type(c10::ArrayRef<double>(value));
+  }
 };
 #define POSENC_SCALING_PARAMETER(A, field, key, ...) , typename ScalingArgument<field>::type key
 #define POSENC_SCALING_PARAMETERS POSENC_ROPE_SCALING_KEYS(POSENC_SCALING_PARAMETER, )
 #define POSENC_SCALING_FIELD(scaling, field_type, key, ...) scaling.key = ScalingArgument<field_type>::field(key);
+// `, scaling.rope_theta, ..., scaling.long_factor` as the kernel arguments.
+#define POSENC_SCALING_ARGUMENT(scaling, field_type, key, ...) , ScalingArgument<field_type>::argument(scaling.key)
 #define POSENC_SCALING(rope_type)                                 \
   [&] {                                                           \
     frequencies::RopeScaling scaling;                             \

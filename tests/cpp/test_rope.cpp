@@ -210,6 +210,38 @@ TEST(RotaryEmbedding, ForwardMatchesRopeQkAndFrequenciesSurviveBFloat16) {
   EXPECT_FALSE(torch::equal(freqs, module->inv_freq()));
 }
 
+// The per-call length (a tensor, never read back by the module): max position + 1 + offset with positions, the
+// longest packed sequence + offset with cu_seqlens; LongRoPE switches to its long factors past the context.
+TEST(RotaryEmbedding, PerCallLengthFromPositionsAndPackedSequences) {
+  RopeScaling scaling;
+  scaling.rope_type = "longrope";
+  scaling.original_max_position_embeddings = 16;
+  scaling.max_position_embeddings = 64;
+  scaling.short_factor = {1.0, 1.5, 2.0, 2.5};
+  scaling.long_factor = {3.0, 4.0, 5.0, 6.0};
+  posenc::nn::RotaryEmbedding module(8, std::nullopt, 10000.0, "neox", scaling);
+  const auto q = torch::randn({1, 4, 2, 8});
+  const auto k = torch::randn({1, 4, 1, 8});
+  const auto expect = [&](const std::optional<at::Tensor>& positions, int64_t offset, int64_t length,
+                          const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& qq, const at::Tensor& kk,
+                          const char* format) {
+    const auto freqs = posenc::frequencies::rope(8, 10000.0, scaling, length);
+    const auto [q_ref, k_ref] =
+        posenc::rope_qk(qq, kk, positions, freqs.inv_freq, freqs.attention_scale, "neox", format, offset, cu_seqlens);
+    posenc::nn::RotaryEmbedding packed(8, std::nullopt, 10000.0, "neox", scaling, format);
+    const auto [q_out, k_out] = (cu_seqlens ? packed : module)(qq, kk, positions, offset, cu_seqlens);
+    EXPECT_TRUE(torch::equal(q_out, q_ref)) << length;
+    EXPECT_TRUE(torch::equal(k_out, k_ref)) << length;
+  };
+  expect(torch::tensor({0, 3, 14, 2}), 1, 16, std::nullopt, q, k, "bshd");  // 14 + 1 + 1: the short factors
+  expect(torch::tensor({0, 3, 15, 2}), 1, 17, std::nullopt, q, k, "bshd");  // one past the context: the long ones
+  expect(std::nullopt, 14, 18, std::nullopt, q, k, "bshd");                  // 4 tokens after a cache of 14
+  const auto cu_seqlens = torch::tensor({0, 3, 20, 24}, torch::kInt);       // the longest sequence holds 17 tokens
+  const auto packed_q = torch::randn({24, 2, 8});
+  const auto packed_k = torch::randn({24, 1, 8});
+  expect(std::nullopt, 0, 17, cu_seqlens, packed_q, packed_k, "thd");
+}
+
 TEST(ContextParallel, ShardedRotationEqualsTheUnshardedOne) {
   torch::manual_seed(6);
   const auto x = torch::randn({2, 16, 2, 8});

@@ -64,6 +64,10 @@ RopeFrequencies rope(int64_t rotary_dim, double base = 10000.0, const RopeScalin
 // for the same L.
 at::Tensor rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len);
 
+// rope_for_length through the op posenc::rope_inv_freq_for_length, whose kernel on the GPU evaluates the formulas
+// on the device: a length held on the GPU is never read by the host, so the caller never waits for the GPU.
+at::Tensor rope_for_length_op(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len);
+
 // Every check of rope_for_length, reading metadata only: the Meta kernel of posenc::rope_inv_freq_for_length
 // refuses what the real one refuses.
 void check_rope_for_length(int64_t rotary_dim, double base, const RopeScaling& scaling, const at::Tensor& seq_len);

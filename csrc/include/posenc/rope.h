@@ -120,8 +120,8 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 
  private:
   bool per_call_scaling() const;
-  int64_t seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions, int64_t offset,
-                     const std::optional<at::Tensor>& cu_seqlens) const;
+  at::Tensor seq_len_of(const at::Tensor& q, const std::optional<at::Tensor>& positions, int64_t offset,
+                        const std::optional<at::Tensor>& cu_seqlens) const;
 
   int64_t head_dim_;
   int64_t rotary_dim_;
