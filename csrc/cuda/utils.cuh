@@ -36,9 +36,18 @@ __device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
   return *reinterpret_cast<const Vec<T, N>*>(p);
 }
 
+// A 16-byte vector is stored as one uint4 through __stwb: nvcc splits a plain assignment of the vector into
+// 2- and 4-byte stores whenever the row address involves a division (scripts/cuda_static_checks.sh checks the
+// SASS for STG.E.128).
 template <int N, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& value) {
-  *reinterpret_cast<Vec<T, N>*>(p) = value;
+  if constexpr (sizeof(Vec<T, N>) == sizeof(uint4)) {
+    uint4 bits;
+    memcpy(&bits, &value, sizeof(bits));
+    __stwb(reinterpret_cast<uint4*>(p), bits);
+  } else {
+    *reinterpret_cast<Vec<T, N>*>(p) = value;
+  }
 }
 
 inline bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }

@@ -4,17 +4,21 @@ capability (POSENC_CPU_CAPABILITY, or an emulated CPU) and test_capabilities.py 
 lists the posenc ops the run called, so that a new op fails the comparison until it is run here.
 
 Usage: python tests/python/capability_outputs.py OUT.pt
-Inputs include every class of value: random bit patterns of fp16/bf16 (NaN payloads, infinities,
-denormals, -0), float32 specials, positions whose angles take the slow path, odd widths, strided views. Every
-input is made with integer arithmetic or posenc's own ops, so that the inputs themselves are the same bits on
-every CPU (torch's vectorized kernels, torch.cos say, differ between CPUs).
+Three parts: every op's registry sample (op_registry.SAMPLES: a new op is run here once it has its sample) in every
+dtype with its gradients, on its values as made and with float specials written in; the ops that form angles at
+positions whose angles take the slow path (far, float, NaN and infinite positions), in every layout and format, on
+random bit patterns of fp16/bf16 (NaN payloads, infinities, denormals, -0) and float32 specials, odd widths and
+strided views; and the configuration formulas. Every input is made with integer arithmetic or posenc's own ops,
+so that the inputs themselves are the same bits on every CPU (torch's vectorized kernels, torch.cos and
+torch.randn say, differ between CPUs).
 """
 import sys
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 import posenc
+from op_registry import SAMPLES, outputs_and_grads, uses_dtype
 from posenc import functional as PF
 
 # Every scaling type of posenc.frequencies.rope, with each of its optional keys given somewhere.
@@ -36,19 +40,24 @@ SCALINGS = {
 }
 
 
-class RecordOps(TorchDispatchMode):
-    """Names the posenc ops called under it."""
+class RecordOps(TorchFunctionMode):
+    """Names the posenc ops called (from Python) under it. A function mode, not a dispatch mode: it sees only the
+    calls made from Python, not every aten op the calls run below autograd, which cost seconds under qemu."""
 
     def __init__(self):
         super().__init__()
         self.names = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "posenc":
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.OpOverloadPacket) and func._qualified_op_name.startswith("posenc::"):
+            self.names.add(func._qualified_op_name.split("::")[1])
+        elif isinstance(func, torch._ops.OpOverload) and func.namespace == "posenc":
             self.names.add(func._schema.name.split("::")[1])
         return func(*args, **(kwargs or {}))
 
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SPECIALS = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 65504.0, 1e30]
 
 
 def data(shape, dtype, seed):
@@ -60,12 +69,46 @@ def data(shape, dtype, seed):
     # own kernels differ between CPU capabilities).
     x = (torch.randint(-2 ** 22, 2 ** 22, shape, generator=g, dtype=torch.int64).double() * 2.0 ** -20).to(dtype)
     flat = x.view(-1)
-    specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3e-39, 65504.0, 1e30]
-    flat[: len(specials)] = torch.tensor(specials, dtype=torch.float64).to(dtype)
+    flat[: len(SPECIALS)] = torch.tensor(SPECIALS, dtype=torch.float64).to(dtype)
     return x
 
 
 def outputs():
+    out = samples()
+    out.update(far_angles_and_special_values())
+    out.update(configuration())
+    return out
+
+
+def samples():
+    """Every op's registry sample (op_registry.SAMPLES, size "small": odd widths, views, offsets, every format, varlen,
+    multi-axis, GQA, ...) in every dtype (one for the ops with no floating data), with the gradients of its inputs.
+    Its inputs are made by integer arithmetic too (op_registry.exact_values); each sample runs on them as made, and
+    again with float specials (NaN, infinities, zeros of both signs, denormals, ...) in the first values of its
+    data."""
+    out = {}
+    for name in sorted(SAMPLES):
+        for dtype in DTYPES if uses_dtype(name) else DTYPES[:1]:
+            for values in ("exact", "special"):
+                sample = SAMPLES[name](dtype=dtype, requires_grad=True)
+                if values == "special":
+                    if not sample.data:
+                        continue
+                    with torch.no_grad():
+                        for data in sample.data:  # the first values of each, whatever views the op reads
+                            n = min(len(SPECIALS), data.numel())
+                            data.view(-1)[:n] = torch.tensor(SPECIALS[:n], dtype=torch.float64).to(data.dtype)
+                # One flat tensor for the results of each dtype: fewer, larger tensors to compare.
+                results = outputs_and_grads(sample)
+                for result_dtype in dict.fromkeys(r.dtype for r in results):
+                    key = f"sample/{name}/{str(dtype).split('.')[1]}/{values}/{str(result_dtype).split('.')[1]}"
+                    out[key] = torch.cat([r.detach().flatten() for r in results if r.dtype == result_dtype])
+    return out
+
+
+def far_angles_and_special_values():
+    """The ops that form angles, at positions whose angles take the slow path (far, float, NaN and infinite
+    positions), in every layout and format, on data of every class of value."""
     out = {}
     positions = torch.tensor([0, 1, 7, 4095, 2 ** 20, 2 ** 26 + 3, 2 ** 40 + 1, -(2 ** 53)])
     float_positions = torch.tensor([0.0, 0.5, -3.25, 1e6 + 0.125, float("nan"), float("inf")], dtype=torch.float64)
@@ -82,15 +125,6 @@ def outputs():
         weight = data((50, 130), dtype, 2)
         tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(3))
         out[f"embed_sinusoidal/{d}"] = PF.embed_sinusoidal(tokens, weight, positions, inv_freq, 2.5)
-        grad = data((3, 8, 130), dtype, 4)
-        out[f"embedding_backward/{d}"] = PF.embedding_backward(grad, tokens, 50, 0.5, 3)
-
-        table = data((70, 130), dtype, 5)
-        rows = torch.tensor([0, 69, 3, 3, 17, 60, 1, 2])
-        x = data((3, 8, 130), dtype, 6)
-        out[f"learned/{d}"] = PF.learned(table, rows, 0)
-        out[f"add_learned/{d}"] = PF.add_learned(x, table, None, 40)
-        out[f"embed_learned/{d}"] = PF.embed_learned(tokens, weight, table, rows, 0.5, 1, 0, 2)
 
         for layout in ("neox", "gptj"):
             for fmt, shape in (("bshd", (2, 8, 3, 134)), ("bhsd", (2, 3, 8, 134)), ("sbhd", (8, 2, 3, 134)),
@@ -100,13 +134,12 @@ def outputs():
                 key = f"{d}/{layout}/{fmt}"
                 pos = positions if fmt == "thd" else positions.expand(2, 8)
                 out[f"rope/{key}"] = PF.rope(q, pos, freq, 0.9, layout, fmt)
-                out[f"rope_backward/{key}"] = PF.rope_backward(q, None, freq, 1.0, layout, fmt, 3)
                 qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
                 out[f"rope_qk/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                 qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
                 out[f"rope_qk_backward/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                 strided = data(shape[:-1] + (2 * shape[-1],), dtype, 9)[..., ::2]
-                out[f"rope_strided/{key}"] = PF.rope(strided, None, freq, 1.0, layout, fmt)
+                out[f"rope_backward_strided/{key}"] = PF.rope_backward(strided, positions, freq, 1.0, layout, fmt)
                 inplace = q.clone()
                 PF.rope_(inplace, positions, freq, 1.0, layout, fmt)
                 out[f"rope_/{key}"] = inplace
@@ -118,35 +151,13 @@ def outputs():
                     rows = torch.stack([axes, axes.roll(1, 1)], 1)  # [3, B, S]
                     qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
                     out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-                table = PF.sinusoidal(positions[:8], freq, "half", torch.float64)
-                cos, sin = table[:, 65:].repeat(1, 2), table[:, :65].repeat(1, 2)
-                out[f"rope_cos_sin/{key}"] = PF.rope_cos_sin(q, cos, sin, layout, fmt)
-                out[f"rope_cos_sin_backward/{key}"] = PF.rope_cos_sin_backward(q, cos, sin, layout, fmt)
 
-        slopes = PF.alibi_slopes(12)
-        scores = data((2, 4, 5, 67), dtype, 10)
-        for mode in ("causal", "symmetric"):
-            out[f"alibi_bias/{d}/{mode}"] = PF.alibi_bias(slopes, 5, 67, mode, 2, 4, dtype)
-            out[f"add_alibi/{d}/{mode}"] = PF.add_alibi(scores, slopes, mode, 3)
-            inplace = scores.clone()
-            PF.add_alibi_(inplace, slopes, mode, 3)
-            out[f"add_alibi_/{d}/{mode}"] = inplace
-            out[f"alibi_backward/{d}/{mode}"] = PF.alibi_backward(scores.nan_to_num(0, 0, 0), slopes, mode, 3)
-
-        t5_weight = data((32, 4), dtype, 11)
-        out[f"t5_bias/{d}"] = PF.t5_bias(t5_weight, 5, 70, True, 32, 128, 3)
-        out[f"t5_bias_backward/{d}"] = PF.t5_bias_backward(data((1, 4, 5, 70), dtype, 12).nan_to_num(0, 0, 0), False,
-                                                           32, 20, 2)
-
-    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]])
-    out["make_positions"] = PF.make_positions(mask * 5, 0)
-    out["positions_from_mask"] = PF.positions_from_mask(mask, -1)
+    # Relative positions near int64's limits, for several bucket configurations.
     distances = torch.cat([torch.arange(-3000, 3000), torch.tensor([2 ** 40, -(2 ** 62), 2 ** 63 - 1])])
     for bidirectional in (False, True):
         for num_buckets, max_distance in ((32, 128), (64, 1000), (320, 2048), (7, 13)):
             out[f"relative_position_bucket/{bidirectional}/{num_buckets}/{max_distance}"] = (
                 PF.relative_position_bucket(distances, bidirectional, num_buckets, max_distance))
-    out.update(configuration())
     return out
 
 

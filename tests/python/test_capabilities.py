@@ -79,9 +79,11 @@ def test_an_unknown_capability_is_an_error():
 
 
 def test_the_outputs_cover_every_op(native):
-    """capability_outputs.py must call every registered op, so that a new op is compared across CPUs too."""
+    """capability_outputs.py must call every registered op, so that a new op is compared across CPUs too: it runs
+    every registry sample (op_registry.SAMPLES), which an op that takes a tensor must have."""
     registered = set(op_registry.ops()) - {"cpu_capability"}  # names the capability, which differs by design
     assert sorted(registered - set(native["default"]["ops_called"])) == []
+    assert sorted(set(op_registry.tensor_ops()) - set(op_registry.SAMPLES)) == []
 
 
 def test_every_capability_computes_the_same_bits(native):

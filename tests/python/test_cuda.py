@@ -1,8 +1,8 @@
-"""CUDA kernels against the CPU kernels: every op, forward and backward, over dtypes, layouts, formats, strides,
-alignments and position kinds, with the CPU's bits (far angles and float64 data included: both devices run
-posenc's own sin/cos); the CPU's errors for bad index data; streams and CUDA-graph
-capture. The comparisons need a GPU and skip without one; opcheck, torch.compile and torch.export run on every
-device of the `device` fixture (the CPU everywhere, CUDA where present)."""
+"""CUDA kernels against the CPU kernels: every op's registry samples (op_registry.SAMPLES), then every op, forward
+and backward, over dtypes, layouts, formats, strides, alignments and position kinds, with the CPU's bits (far
+angles and float64 data included: both devices run posenc's own sin/cos); the CPU's errors for bad index data;
+streams and CUDA-graph capture. The comparisons need a GPU and skip without one; opcheck, torch.compile and
+torch.export run on every device of the `device` fixture (the CPU everywhere, CUDA where present)."""
 import math
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc  # noqa: F401
-from op_registry import tensor_ops
+from op_registry import SAMPLES, SIZES, sample_outputs, tensor_ops, uses_dtype
 from posenc import frequencies as FQ
 from posenc import functional as PF
 
@@ -57,6 +57,25 @@ def test_every_op_has_a_cuda_kernel():
     assert {"rope", "mrope_positions", "rope_inv_freq_for_length", "zigzag_positions_varlen"} <= set(names)
     missing = [n for n in names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"posenc::{n}", "CUDA")]
     assert not missing, f"no CUDA kernel for {missing}: was posenc built with POSENC_CUDA?"
+
+
+# ---------------------------------------------------------------- every op: its registry samples
+
+def test_every_op_has_a_sample_to_compare():
+    assert set(tensor_ops()) <= set(SAMPLES), set(tensor_ops()) - set(SAMPLES)
+
+
+@cuda_only
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_sample_on_cuda_equals_the_cpu(name):
+    """Each op's registry sample (op_registry.SAMPLES) at both sizes, in every dtype (one for the ops with no
+    floating data), with the gradients of its inputs, built on each device from the same values."""
+    for size in SIZES:
+        for dtype in FLOATS if uses_dtype(name) else FLOATS[:1]:
+            expected = sample_outputs(name, dtype=dtype, size=size, requires_grad=True)
+            actual = sample_outputs(name, dtype=dtype, size=size, device="cuda", requires_grad=True)
+            assert len(actual) == len(expected), (size, dtype)
+            same(actual, expected)
 
 
 # ---------------------------------------------------------------- rotary
