@@ -10,7 +10,6 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 

@@ -11,7 +11,6 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/arange.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {

@@ -10,7 +10,6 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {

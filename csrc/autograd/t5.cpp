@@ -9,7 +9,6 @@
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 namespace posenc {
