@@ -1,7 +1,7 @@
 """Benchmarks posenc's ops against the paths users run today, as ratios measured in the same run.
 
     python scripts/bench.py [--ops rope,sinusoidal,...] [--repeat 10] [--quick] [--reuse-memory] [--no-thp]
-                            [--json bench.json] [--markdown bench.md] [--from-json bench.json]
+                            [--json bench.json] [--markdown bench.md] [--from-json bench.json] [--check]
 
 For every op and shape: our median time, each baseline's median time and its ratio to ours (> 1: we are
 faster), and two bounds, each with our time over it:
@@ -875,6 +875,61 @@ def markdown(rows: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- targets (--check)
+
+# The CPU targets, each a limit on one measure of the rows it selects (op, a piece of the shape, dtype, mode: None
+# matches any): ours over the copy bound ("ours_over_copy"), a baseline's time over ours ("speedup:<baseline>",
+# > 1: we are faster), or the per-call overhead over torch.add's ("overhead").
+TARGETS = [
+    ("rope_qk fwd, training shape", dict(op="rope_qk", shape="[4, 2048", mode="fwd"), "ours_over_copy", "<=", 1.10),
+    ("rope_qk fwd+bwd, training shape", dict(op="rope_qk", shape="[4, 2048", mode="fwd+bwd"), "ours_over_copy",
+     "<=", 1.15),
+    ("rope_ in place bf16", dict(op="rope_qk", shape="[4, 2048", dtype="bfloat16", mode="fwd in place"),
+     "ours_over_copy", "<=", 1.0),
+    ("M-RoPE fwd", dict(op="rope_qk mrope", mode="fwd"), "ours_over_copy", "<=", 1.2),
+    ("axial / Flux gptj fwd", dict(op="rope_qk axial", mode="fwd"), "ours_over_copy", "<=", 1.2),
+    ("add_sinusoidal fwd, fwd+bwd", dict(op="add_sinusoidal"), "ours_over_copy", "<=", 1.2),
+    ("embed_sinusoidal fwd bf16", dict(op="embed_sinusoidal", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=",
+     1.3),
+    ("embed_learned fwd bf16", dict(op="embed_learned", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=", 1.3),
+    ("add_learned fwd fp32 against eager", dict(op="add_learned", dtype="float32", mode="fwd"),
+     "speedup:eager x+embedding", ">=", 1.2),
+    ("add_learned fwd fp32", dict(op="add_learned", dtype="float32", mode="fwd"), "ours_over_copy", "<=", 1.2),
+    ("per-call overhead against torch.add", dict(op="overhead"), "overhead", "<=", 1.2),
+    ("decode rope_qk [8, 1, 32, 128] fwd", dict(op="rope_qk", shape="[8, 1, 32", mode="fwd"), "ours_over_copy", "<=",
+     1.5),
+    ("decode rope_qk [8, 1, 32, 128] fwd+bwd", dict(op="rope_qk", shape="[8, 1, 32", mode="fwd+bwd"),
+     "ours_over_copy", "<=", 2.5),
+]
+
+
+def measure(row: dict, what: str) -> Optional[float]:
+    if what == "overhead":
+        parts = row.get("us_per_call_parts", {})
+        return row["us_per_call"] / parts["torch.add"] if "torch.add" in parts else None
+    if what.startswith("speedup:"):
+        return row.get("speedup", {}).get(what.split(":", 1)[1])
+    return row.get(what)
+
+
+def check(rows: List[dict]) -> List[str]:
+    """One line per target and dtype: the measured values of the rows it selects, and met or missed."""
+    lines = []
+    for name, select, what, relation, limit in TARGETS:
+        chosen = [r for r in rows if r["op"] == select["op"] and select.get("shape", "") in r["shape"]
+                  and select.get("dtype") in (None, r["dtype"]) and select.get("mode") in (None, r["mode"])]
+        if not chosen:
+            lines.append(f"{name:<42} {relation} {limit:<5} not measured in this run")
+            continue
+        for row in chosen:
+            value = measure(row, what)
+            met = value is not None and (value <= limit if relation == "<=" else value >= limit)
+            shown = "n/a" if value is None else f"{value:.2f}"
+            lines.append(f"{name:<42} {relation} {limit:<5} {row['dtype']:<9} {row['mode']:<12} {shown:>6}  "
+                         + ("met" if met else "MISSED"))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", help="comma-separated: " + ",".join(BENCHMARKS) + " (with --device cuda: "
@@ -887,6 +942,8 @@ def main() -> None:
     parser.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
     parser.add_argument("--markdown", help="also write the rows as a markdown table to this file")
     parser.add_argument("--from-json", help="format the rows of an earlier --json run instead of measuring")
+    parser.add_argument("--check", action="store_true",
+                        help="after the rows, each CPU target (TARGETS) with its measured ratio and met/missed")
     parser.add_argument("--reuse-memory", action="store_true",
                         help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
     args = parser.parse_args()
@@ -914,6 +971,10 @@ def main() -> None:
                 import traceback
                 traceback.print_exc()
                 failed.append(name)
+    if args.check:
+        print("\n== targets (from the rows above" + ("" if args.reuse_memory else "; they are set for the kernels "
+              "alone: run with --reuse-memory") + ")")
+        print("\n".join(check(rows)))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
