@@ -97,6 +97,41 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
   return out;
 }
 
+// The positions offset + arange(count) (restarting per sequence with host cu_seqlens, the longest `longest` long)
+// lie in `domain` when the first and the last do; otherwise the element-wise reader raises its error.
+template <typename T>
+void check_arange(const char* op, int64_t count, int64_t longest, int64_t offset, const PositionDomain& domain,
+                  const std::optional<at::Tensor>& host_cu_seqlens = std::nullopt) {
+  if (longest == 0) return;
+  if (offset >= domain.lo && offset <= domain.hi - (longest - 1)) return;
+  read_positions<T>(op, std::nullopt, count, offset, domain, host_cu_seqlens);
+  TORCH_INTERNAL_ASSERT(false, "posenc.", op, ": positions failed a range check that the host check passed");
+}
+
+// Positions as the CPU kernels read them: the values read (offset added, domain checked), or for an arange
+// (positions and cu_seqlens absent) no values at all, the kernels taking first + n: no host buffer the size of the
+// positions is made for the common case of none given.
+template <typename T>
+struct HostPositions {
+  std::vector<T> values;
+  int64_t first = 0;
+  int64_t count = 0;
+  const T* data() const { return values.empty() ? nullptr : values.data(); }
+};
+
+template <typename T>
+HostPositions<T> read_host_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
+                                     int64_t offset, const PositionDomain& domain,
+                                     const std::optional<at::Tensor>& cu_seqlens = std::nullopt) {
+  if (!positions && !cu_seqlens) {
+    check_arange<T>(op, count, count, offset, domain);
+    return {{}, offset, count};
+  }
+  auto values = read_positions<T>(op, positions, count, offset, domain, cu_seqlens);
+  const auto n = static_cast<int64_t>(values.size());
+  return {std::move(values), 0, n};
+}
+
 // cu_seqlens (on the host) must start at 0, never decrease and end at T: checked before any token is read.
 inline void check_cu_seqlens_values(const char* op, const std::optional<at::Tensor>& cu_seqlens, int64_t tokens) {
   if (!cu_seqlens) return;

@@ -17,9 +17,9 @@ struct CpuLearned {
     explicit Guard(c10::Device) {}
   };
 
-  static std::vector<int64_t> read_table_rows(const char* op, const std::optional<at::Tensor>& positions,
-                                              int64_t count, int64_t offset, const PositionDomain& domain) {
-    return read_positions<int64_t>(op, positions, count, offset, domain);
+  static HostPositions<int64_t> read_table_rows(const char* op, const std::optional<at::Tensor>& positions,
+                                                int64_t count, int64_t offset, const PositionDomain& domain) {
+    return read_host_positions<int64_t>(op, positions, count, offset, domain);
   }
 
   static constexpr auto check_indices = &check_indices_in_range;
@@ -28,13 +28,13 @@ struct CpuLearned {
   // indices) added to out's rows.
   template <typename scalar_t>
   static void add_rows(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out, const at::Tensor& table,
-                       const std::vector<int64_t>& table_rows, double scale) {
+                       const HostPositions<int64_t>& table_rows, double scale) {
     const int64_t width = out.size(-1);
     const RowInput<scalar_t> rows{in.defined() ? in.const_data_ptr<scalar_t>() : nullptr,
                                   ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr};
     cpu::learned_stub<scalar_t>({rows, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
-                                 table.const_data_ptr<scalar_t>(), table_rows.data(),
-                                 static_cast<int64_t>(table_rows.size()), scale});
+                                 table.const_data_ptr<scalar_t>(), table_rows.data(), table_rows.first,
+                                 table_rows.count, scale});
   }
 
   // Each row of a [..., S] mask is scanned along S.

@@ -34,8 +34,8 @@ struct CpuRope {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);
     const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;
     const auto axes = r.pair_axis ? read_pair_axis(r.op, *r.pair_axis, n_axes) : std::vector<int32_t>();
-    auto pos = read_positions<double>(r.op, r.positions, r.seq, r.offset, angle_domain(), r.cu_seqlens);
-    if (n_axes > 1) pos = tokens_major(pos, n_axes);
+    auto pos = read_host_positions<double>(r.op, r.positions, r.seq, r.offset, angle_domain(), r.cu_seqlens);
+    if (n_axes > 1) pos.values = tokens_major(pos.values, n_axes);
     bool empty = true;
     for (const auto& t : r.inputs) empty = empty && t.numel() == 0;
     if (empty) return;
@@ -47,8 +47,9 @@ struct CpuRope {
         views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
       }
       cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.data(),
-                                r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr, freq.data(),
-                                freq.size(), freq.max_abs(), r.attention_scale, r.inverse, r.args.layout});
+                                pos.first, r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr,
+                                freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
+                                r.args.layout});
     });
   }
 

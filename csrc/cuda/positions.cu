@@ -92,17 +92,6 @@ void launch_over(int64_t n, Kernel kernel, Args... args) {
   POSENC_CUDA_LAUNCH_CHECK();
 }
 
-// The positions of offset + arange(count) (restarting per sequence with host cu_seqlens) lie in `domain` when
-// the smallest and the largest do; otherwise the CPU's reader raises its error.
-template <typename T>
-void check_arange(const char* op, int64_t count, int64_t longest, int64_t offset, const PositionDomain& domain,
-                  const std::optional<at::Tensor>& host_cu_seqlens) {
-  if (longest == 0) return;
-  if (offset >= domain.lo && offset <= domain.hi - (longest - 1)) return;
-  read_positions<T>(op, std::nullopt, count, offset, domain, host_cu_seqlens);
-  TORCH_INTERNAL_ASSERT(false, "posenc.", op, ": positions failed a range check that the host check passed");
-}
-
 // Raises the CPU's error about `positions` (a host copy of them is checked there) when the flag is set.
 template <typename T>
 void raise_if_flagged(const char* op, const at::Tensor& flag, const at::Tensor& positions, int64_t count,

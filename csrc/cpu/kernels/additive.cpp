@@ -90,7 +90,10 @@ class EncodingBlocks {
     first_ = first;
     opmath* scratch = buffer_.data() + (buffer_.size() - encoded_);
     for (int64_t p = 0; p < count; ++p) {
-      encode_position(problem_.positions[first + p], problem_.inv_freq, problem_.pairs, problem_.max_abs_freq,
+      const int64_t n = first + p;
+      const double position = problem_.positions != nullptr ? problem_.positions[n]
+                                                            : static_cast<double>(problem_.first_position + n);
+      encode_position(position, problem_.inv_freq, problem_.pairs, problem_.max_abs_freq,
                       problem_.layout, buffer_.data() + p * encoded_, scratch);
     }
   }
@@ -110,7 +113,10 @@ struct TableBlocks {
   const LearnedProblem<scalar_t>& problem;
 
   void prepare(int64_t, int64_t) {}
-  const scalar_t* row(int64_t position) const { return problem.table + problem.table_rows[position] * problem.width; }
+  const scalar_t* row(int64_t position) const {
+    const int64_t row = problem.table_rows != nullptr ? problem.table_rows[position] : problem.first_row + position;
+    return problem.table + row * problem.width;
+  }
 };
 
 template <typename scalar_t>

@@ -15,7 +15,8 @@ struct SinusoidalProblem {
   scalar_t* out;
   int64_t rows;
   int64_t width;
-  const double* positions;
+  const double* positions;  // null: positions first_position + p (an arange)
+  int64_t first_position;
   int64_t num_positions;
   const double* inv_freq;
   int64_t pairs;
@@ -32,7 +33,8 @@ struct LearnedProblem {
   int64_t rows;
   int64_t width;
   const scalar_t* table;
-  const int64_t* table_rows;
+  const int64_t* table_rows;  // null: rows first_row + p (an arange)
+  int64_t first_row;
   int64_t num_positions;
   double scale;
 };

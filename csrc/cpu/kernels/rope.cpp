@@ -21,7 +21,9 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
                   opmath_t* sin) {
   const int64_t pairs = problem.pairs;
   if (problem.pair_axis == nullptr) {
-    sincos_row(problem.positions[index], problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
+    const double position = problem.positions != nullptr ? problem.positions[index]
+                                                          : static_cast<double>(problem.first_position + index);
+    sincos_row(position, problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
   } else {
     sincos_row_axes(problem.positions + index * problem.n_axes, problem.n_axes, problem.pair_axis, problem.inv_freq,
                     pairs, problem.max_abs_freq, sin, cos);

@@ -15,7 +15,8 @@ struct RopeProblem {
   int64_t num_views;
   int64_t batch;
   int64_t seq;
-  const double* positions;
+  const double* positions;  // null: positions first_position + s (an arange; one axis)
+  int64_t first_position;
   bool shared_positions;
   int64_t n_axes;            // 1 without pair_axis
   const int32_t* pair_axis;  // [pairs], or null: every pair follows the one position
