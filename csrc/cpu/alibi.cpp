@@ -1,6 +1,7 @@
 // ALiBi on the CPU: the kernels called under the op layer of common/alibi.h; the loops are in
 // cpu/kernels/alibi.cpp.
 #include "common/alibi.h"
+#include "cpu/device.h"
 #include "cpu/kernels/alibi.h"
 
 #include <torch/library.h>
@@ -25,9 +26,7 @@ std::vector<opmath> local_slopes(const at::Tensor& slopes, int64_t head_offset, 
 }
 
 struct CpuAlibi {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   template <typename scalar_t>
   static void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,

@@ -2,6 +2,7 @@
 // cpu/kernels/embedding.cpp.
 #include "common/embedding.h"
 #include "common/positions.h"
+#include "cpu/device.h"
 #include "cpu/kernels/embedding.h"
 
 #include <torch/library.h>
@@ -10,9 +11,7 @@ namespace posenc {
 namespace {
 
 struct CpuEmbedding {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   static constexpr auto check_indices = &check_indices_in_range;
 

@@ -2,6 +2,7 @@
 // common/learned.h; the loops are in cpu/kernels/additive.cpp.
 #include "common/learned.h"
 #include "common/positions.h"
+#include "cpu/device.h"
 #include "cpu/kernels/additive.h"
 
 #include <ATen/ops/empty.h>
@@ -13,9 +14,7 @@ namespace posenc {
 namespace {
 
 struct CpuLearned {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   static HostPositions<int64_t> read_table_rows(const char* op, const std::optional<at::Tensor>& positions,
                                                 int64_t count, int64_t offset, const PositionDomain& domain) {

@@ -2,6 +2,7 @@
 // common/rope.h; the loops are in cpu/kernels/rope.cpp.
 #include "common/positions.h"
 #include "common/rope.h"
+#include "cpu/device.h"
 #include "cpu/kernels/rope.h"
 
 #include <ATen/Dispatch.h>
@@ -26,9 +27,7 @@ std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n
 }
 
 struct CpuRope {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   static void rotate(const Rotation& r) {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);

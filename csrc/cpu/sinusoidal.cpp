@@ -2,6 +2,7 @@
 // common/sinusoidal.h; the loops are in cpu/kernels/additive.cpp.
 #include "common/positions.h"
 #include "common/sinusoidal.h"
+#include "cpu/device.h"
 #include "cpu/kernels/additive.h"
 
 #include <torch/library.h>
@@ -12,9 +13,7 @@ namespace posenc {
 namespace {
 
 struct CpuSinusoidal {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   static HostPositions<double> read_positions(const char* op, const std::optional<at::Tensor>& positions,
                                               int64_t count, int64_t offset) {

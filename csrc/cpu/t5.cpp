@@ -1,6 +1,7 @@
 // The T5 relative bias on the CPU: the kernels called under the op layer of common/t5.h; the loops are in
 // cpu/kernels/t5.cpp.
 #include "common/t5.h"
+#include "cpu/device.h"
 #include "cpu/kernels/t5.h"
 
 #include <torch/library.h>
@@ -9,9 +10,7 @@ namespace posenc {
 namespace {
 
 struct CpuT5 {
-  struct Guard {
-    explicit Guard(c10::Device) {}
-  };
+  using Guard = CpuGuard;
 
   template <typename index_t>
   static void bucket(const at::Tensor& input, const at::Tensor& out, bool bidirectional, int64_t num_buckets,
