@@ -1,6 +1,7 @@
 #pragma once
 // What the kernels of rope_inv_freq and rope_inv_freq_for_length share (config/ops.cpp, meta/frequencies.cpp,
-// cuda/frequencies.cu): the scaling keywords of their schemas, and how the frequencies depend on the length.
+// cuda/frequencies.cu), and the C++ call of the latter (api/rope.cpp): the scaling keywords of their schemas, and
+// how the frequencies depend on the length.
 #include <posenc/frequencies.h>
 
 #include "portable/frequencies.h"
