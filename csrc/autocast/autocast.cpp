@@ -14,7 +14,6 @@
 //   - rope_qk / rope_qk_backward with q and k of different dtypes: two rotations, each in its own dtype, as
 //     the two elementwise expressions would give.
 // The same policy is registered for AutocastCUDA.
-#include <posenc/learned.h>
 #include <posenc/rope.h>
 
 #include "families.h"
@@ -22,43 +21,45 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <map>
 #include <set>
 #include <string_view>
+#include <vector>
 
 namespace posenc {
 namespace {
 
-// The dtype both tensors are cast to: torch.add's promotion when both are floating. Anything else is left
-// as it is, so that the op's own check names the argument.
-at::ScalarType promoted(const at::Tensor& a, const at::Tensor& b) {
-  if (!at::isFloatingType(a.scalar_type()) || !at::isFloatingType(b.scalar_type())) {
-    return a.scalar_type();
+// The arguments that the promoting ops cast (families.h). When one of them is not floating, none is cast, so that
+// the op's own check names it.
+#define POSENC_PROMOTED_ENTRY(op, ...) {#op, {__VA_ARGS__}},
+const std::map<std::string_view, std::vector<std::string_view>> kPromoted = {
+    POSENC_AUTOCAST_PROMOTED(POSENC_PROMOTED_ENTRY)};
+#undef POSENC_PROMOTED_ENTRY
+
+// A boxed kernel: reads the op's arguments by name from its schema, so an op joins the policy by its entry in
+// families.h.
+template <c10::DispatchKey kAutocast>
+void promote_like_add(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto first = stack->size() - schema.arguments().size();
+  std::vector<c10::IValue*> cast;
+  for (const auto name : kPromoted.at(std::string_view(schema.name()).substr(std::string_view("posenc::").size()))) {
+    const auto index = schema.argumentIndexWithName(name);
+    TORCH_INTERNAL_ASSERT(index, schema.name(), " has no argument ", name, " (POSENC_AUTOCAST_PROMOTED)");
+    auto& value = (*stack)[first + *index];
+    if (!value.isTensor() || !at::isFloatingType(value.toTensor().scalar_type())) {
+      cast.clear();
+      break;
+    }
+    cast.push_back(&value);
   }
-  return at::promote_types(a.scalar_type(), b.scalar_type());
-}
-
-at::Tensor cast(const at::Tensor& t, at::ScalarType type) {
-  return at::isFloatingType(t.scalar_type()) ? t.to(type) : t;
-}
-
-template <c10::DispatchKey kAutocast>
-at::Tensor add_learned_autocast(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& positions, int64_t offset,
-                                std::optional<int64_t> padding_idx) {
+  if (!cast.empty()) {
+    auto type = cast[0]->toTensor().scalar_type();
+    for (const auto* value : cast) type = at::promote_types(type, value->toTensor().scalar_type());
+    for (auto* value : cast) *value = value->toTensor().to(type);
+  }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
-  const auto type = promoted(x, weight);
-  return add_learned(cast(x, type), cast(weight, type), positions, offset, padding_idx);
-}
-
-template <c10::DispatchKey kAutocast>
-at::Tensor embed_learned_autocast(const at::Tensor& tokens, const at::Tensor& token_weight,
-                                  const at::Tensor& pos_weight, const std::optional<at::Tensor>& positions,
-                                  double token_scale, std::optional<int64_t> padding_idx, int64_t offset,
-                                  std::optional<int64_t> pos_padding_idx) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
-  const auto type = promoted(token_weight, pos_weight);
-  return embed_learned(tokens, cast(token_weight, type), cast(pos_weight, type), positions, token_scale,
-                       padding_idx, offset, pos_padding_idx);
+  op.callBoxed(stack);
 }
 
 // rope_qk (kInverse = false) and rope_qk_backward (kInverse = true).
@@ -85,17 +86,20 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autocast(const at::Tensor& q, const a
 template <c10::DispatchKey kAutocast>
 void register_policy(torch::Library& m) {
   // Learned ~ embedding(weight) (+ x): torch.add promotes.
-  m.impl("add_learned", TORCH_FN(add_learned_autocast<kAutocast>));
-  m.impl("embed_learned", TORCH_FN(embed_learned_autocast<kAutocast>));
+  for (const auto& [op, arguments] : kPromoted) {
+    m.impl(op.data(), torch::CppFunction::makeFromBoxedFunction<&promote_like_add<kAutocast>>());
+  }
   m.impl("rope_qk", TORCH_FN((rope_qk_autocast<kAutocast, false>)));
   m.impl("rope_qk_backward", TORCH_FN((rope_qk_autocast<kAutocast, true>)));
   // Every other op runs in the dtypes it is given: rotations ~ x * cos + rotate(x) * sin; sinusoidal ~ x * scale +
   // a table computed from positions; learned() ~ embedding(weight); ALiBi ~ scores + a bias of constant slopes;
   // T5 ~ embedding(weight); integer positions and buckets; configuration constants (float64 or int64 whatever the
   // autocast state, as the constants a model holds are).
-  const std::set<std::string_view> cast = {"add_learned", "embed_learned", "rope_qk", "rope_qk_backward"};
-#define POSENC_SAME_DTYPES_AS_GIVEN(A, op) \
-  if (!cast.count(#op)) m.impl(#op, torch::CppFunction::makeFallthrough());
+  const std::set<std::string_view> rotations_in_own_dtype = {"rope_qk", "rope_qk_backward"};
+#define POSENC_SAME_DTYPES_AS_GIVEN(A, op, ...)                        \
+  if (!kPromoted.count(#op) && !rotations_in_own_dtype.count(#op)) { \
+    m.impl(#op, torch::CppFunction::makeFallthrough());                \
+  }
   POSENC_ALL_OPS(POSENC_SAME_DTYPES_AS_GIVEN, )
 #undef POSENC_SAME_DTYPES_AS_GIVEN
 }

@@ -6,6 +6,8 @@ wrong name or leans on a default the op does not have.
   in order, with the same keyword-only split and the same defaults (None, numbers, strings, booleans, lists; a
   ScalarType default against a torch.dtype). Ops with no such wrapper are listed in NO_FUNCTIONAL_WRAPPER with
   what wraps them instead (posenc.frequencies' builders keep names of their own and are not compared).
+- ONNX: each translation of posenc.onnx takes the schema's parameters by name and in order (the exporter binds
+  them by name), with the same defaults.
 - C++: each function of namespace posenc (not posenc::nn, posenc::frequencies, posenc::detail, nor a class
   member) declared or defined inline in the public headers csrc/include/posenc/*.h and named after an op, or after
   an op plus "_symint", takes the schema's parameters by name and in order, with the same defaults
@@ -176,6 +178,38 @@ def test_python_exceptions_name_real_arguments():
         assert name in PYTHON_WRAPPED and argument in [a.name for a in schema_of(name).arguments], (name, argument)
     for name, argument in RENAMED:
         assert argument in [a.name for a in schema_of(name).arguments], (name, argument)
+
+
+# ---------------------------------------------------------------- ONNX translations
+
+def onnx_translations():
+    """(op, translation) for every translation posenc.onnx registers, the ones below opset 23 included. The
+    exporter binds the op's arguments to a translation's parameters by name. Translations that bind them from the
+    schema themselves (*args: the configuration constants) have no list to compare."""
+    import posenc.onnx as onnx
+    pairs = [(target._schema.name.split("::")[1], fn) for target, fn in onnx.translation_table().items()]
+    pairs += [(f"{fn.__name__}-below-opset-{onnx.OPSET}", fn) for fn in onnx._rope_for_opset(onnx.OPSET - 1)]
+    return [(name, fn) for name, fn in pairs
+            if not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in inspect.signature(fn).parameters.values())]
+
+
+ONNX_TRANSLATIONS = onnx_translations()
+
+
+@pytest.mark.parametrize("case,translation", ONNX_TRANSLATIONS, ids=[case for case, _ in ONNX_TRANSLATIONS])
+def test_onnx_translation_matches_the_schema(case, translation):
+    """Names in order and defaults; a translation may take the scaling keywords as **kwargs."""
+    name = case.split("-")[0]
+    schema = schema_of(name)
+    parameters = [p for p in inspect.signature(translation).parameters.values()
+                  if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    arguments = schema.arguments[:len(parameters)]
+    assert [p.name for p in parameters] == [a.name for a in arguments]
+    rest = schema.arguments[len(parameters):]
+    assert not rest or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                           for p in inspect.signature(translation).parameters.values()), [a.name for a in rest]
+    defaults = [NO_DEFAULT if p.default is inspect.Parameter.empty else p.default for p in parameters]
+    assert default_differences(name, schema, defaults) == {}
 
 
 # ---------------------------------------------------------------- C++ header parser
