@@ -1,7 +1,8 @@
-"""The one list of posenc's ops for the tests: every op the dispatcher knows in the posenc namespace, each with
-one kind read from its schema, and one sample call of each op that takes a tensor. Coverage tests (properties,
-bad inputs, determinism, concurrency, no_grad, CUDA, autocast, DTensor, ONNX, CPU capabilities) select from here,
-so that a new op fails each of them until it is covered.
+"""The one list of posenc's ops for the tests, and the per-op entries the coverage tests run: every op the
+dispatcher knows in the posenc namespace, each with one kind read from its schema; and, for each op that takes a
+tensor, one sample call (SAMPLES), its hypothesis property (PROPERTIES) and its bad-input cases (BAD_INPUTS).
+Coverage tests (properties, bad inputs, determinism, concurrency, no_grad, CUDA, autocast, DTensor, ONNX, CPU
+capabilities) select from here, so that a new op fails each of them until it is covered.
 
 Kinds, decided in this order (the first rule that holds):
 - "inplace": the schema mutates an argument (Tensor(a!)): rope_, add_alibi_.
@@ -12,12 +13,44 @@ Kinds, decided in this order (the first rule that holds):
   rope_inv_freq_for_length). A schema cannot tell index data from values to encode, so the name decides there.
 - "forward": everything else (rope, add_alibi, t5_bias, relative_position_bucket, ...).
 
+Per-op entries: an op's family test file (test_<family>.py, the families of csrc/families.h: test_sinusoidal.py,
+test_learned.py (with embedding_backward), test_rope.py, test_alibi.py, test_t5.py, test_multiaxis.py,
+test_frequencies.py (the configuration ops that take tensors)) holds them next to its value tests, registered
+with three calls of this module:
+
+    @sample("add_learned")                    # SAMPLES["add_learned"]: see Samples below
+    def _build_add_learned(m): ...
+
+    @property_check("add_learned")            # PROPERTIES["add_learned"] = (check_add_learned,)
+    @given(st.data())
+    def check_add_learned(data): ...
+
+    @property_check("rope", "rope_backward")  # one check of several ops, given the op:
+    @given(data=st.data())                    # PROPERTIES["rope"] = (check_rope_and_its_backward, "rope")
+    def check_rope_and_its_backward(op, data): ...
+
+    bad_inputs("add_learned", base=add_learned, mutations={"x_not_floating": not_floating("x"), ...})
+
+test_properties.py runs PROPERTIES (and its own cross-op property, "in-place overlap"); bad_input_fuzzer.py runs
+BAD_INPUTS: base(draw), the keyword arguments of a small valid call, made wrong by each mutation(draw, kw) (case
+"<op>/<mutation>"), and "<op>/anything", drawn from the schema. The properties of several families share
+strategies.py (strategies, float64 checks), and their bad inputs mutations.py. An op added to a family needs an
+edit of that family's test file only: test_properties.py's test_every_op_has_a_property_and_bad_input_cases and
+every test that runs SAMPLES fail while an op of tensor_ops() has no entry.
+
+The registries (SAMPLES, PROPERTIES, BAD_INPUTS) are filled on first access: load_families() imports every
+tests/python/test_*.py with a line that starts with a registration (@sample(, @property_check( or bad_inputs(),
+so that a new family file is found too. It imports them under their bare module names, as pytest does (its
+default "prepend" import mode puts tests/python on sys.path), so that none is imported twice; the scripts that
+run cases in subprocesses (test_properties.py, bad_input_fuzzer.py, capability_outputs.py) have tests/python on
+sys.path as their own directory. Family files import this module, never the reverse at import time: no cycle.
+
 Samples: SAMPLES[name], one entry for each op of tensor_ops(), is what the tests that run every op run:
 test_determinism.py (size "large", 1, 2 and 3 threads, against the float64 reference), test_concurrency.py (both
 sizes from 8 threads), capability_outputs.py (size "small", every dtype, across CPU capabilities), test_no_grad.py
-and test_cuda.py. Each of those fails while an op of tensor_ops() has no entry; an op added here is run by all of
-them with no other edit. Adding one: a builder decorated with @_sample("name") (below, with its family) that
-draws its inputs from `m` and returns _call(*args, **kwargs) of torch.ops.posenc.<name>.
+and test_cuda.py. Each of those fails while an op of tensor_ops() has no entry; an op added to SAMPLES is run by
+all of them with no other edit. Adding one: a builder decorated with @sample("name") (in the op's family test
+file) that draws its inputs from `m` and returns call_args(*args, **kwargs) of torch.ops.posenc.<name>.
 
     SAMPLES[name](dtype=torch.float32, size="small", device="cpu", requires_grad=False, reference=False) -> Sample
 
@@ -40,7 +73,13 @@ copy of its tensor made at each run and returns it. outputs_and_grads(sample) ad
 for a fixed output gradient; sample_outputs(name, **kw) builds and runs in one call.
 """
 import functools
+import importlib
+import itertools
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -193,10 +232,95 @@ class _Inputs:
         return t
 
 
-SAMPLES = {}
+# ---------------------------------------------------------------- the registries (see the module's docstring)
+
+HERE = Path(__file__).resolve().parent
+# The order the families' entries are listed and run in: csrc/families.h's, the embedding backward (registered
+# first in test_learned.py) after the sinusoidal ops. A family file not named here follows these, by name.
+FAMILY_ORDER = ("test_sinusoidal", "test_learned", "test_rope", "test_alibi", "test_t5", "test_multiaxis",
+                "test_frequencies")
+# A family file: one with a line that starts with a registration.
+_REGISTERS = re.compile(r"^(?:@sample|@property_check|bad_inputs)\(", re.MULTILINE)
+_families = None  # None, "loading" or "loaded"
 
 
-def _sample(name):
+@functools.cache
+def family_modules():
+    """The module names of the family test files: every tests/python/test_*.py that registers an entry, those of
+    FAMILY_ORDER first, in that order."""
+    found = sorted(path.stem for path in HERE.glob("test_*.py") if _REGISTERS.search(path.read_text()))
+    return sorted(found, key=lambda name: FAMILY_ORDER.index(name) if name in FAMILY_ORDER else len(FAMILY_ORDER))
+
+
+def load_families():
+    """Imports the family test files (the first time), which fills the registries. Torch function modes are off
+    while they import: a mode that records the posenc ops called (capability_outputs.py's) sees only its caller's
+    calls, not those a family file makes when it is imported (frequencies for its constants)."""
+    global _families
+    if _families == "loaded":
+        return
+    if _families == "loading":
+        raise RuntimeError("a family test file read a registry of op_registry while the family files were imported")
+    _families = "loading"
+    try:
+        with torch._C.DisableTorchFunction():
+            for name in family_modules():
+                importlib.import_module(name)
+    except BaseException:
+        _families = None  # the next read imports the file that failed again (and raises its error again)
+        raise
+    _families = "loaded"
+
+
+class Registry(Mapping):
+    """Per-op entries, op name -> entry: a read-only mapping that imports the family test files on first access
+    (load_families). Its order is the family files' (family_modules()), each file's entries in the order it
+    registers them, whichever file was imported first (pytest imports some before the registry does)."""
+
+    _sequence = itertools.count()
+
+    def __init__(self, what):
+        self.what = what
+        self._entries = {}
+        self._origins = {}
+        self._registered = {}
+
+    def register(self, name, entry, origin):
+        """Adds `entry` for op `name`, registered by the function `origin`. An op registered twice is an error, unless
+        by the same function (a family file imported again)."""
+        where = (origin.__module__, origin.__name__)
+        if name in self._entries and self._origins[name] != where:
+            raise ValueError(f"two {self.what} entries of {name}: {'.'.join(self._origins[name])} and "
+                             f"{'.'.join(where)}")
+        self._entries[name] = entry
+        self._origins[name] = where
+        self._registered[name] = next(self._sequence)
+
+    def __getitem__(self, name):
+        load_families()
+        return self._entries[name]
+
+    def __iter__(self):
+        load_families()
+        rank = {module: i for i, module in enumerate(family_modules())}
+        return iter(sorted(self._entries, key=lambda name: (rank.get(self._origins[name][0], len(rank)),
+                                                            self._registered[name])))
+
+    def __len__(self):
+        load_families()
+        return len(self._entries)
+
+    def __repr__(self):
+        return f"Registry({self.what}: {', '.join(self)})"
+
+
+SAMPLES = Registry("sample")
+PROPERTIES = Registry("property")
+BAD_INPUTS = Registry("bad-input")
+
+
+def sample(name):
+    """Registers the builder it decorates as SAMPLES[name] (see Samples in the module's docstring)."""
     def register(build):
         def sample(dtype=torch.float32, size="small", device="cpu", requires_grad=False, reference=False):
             inputs = _Inputs(dtype, size, device, requires_grad, reference)
@@ -206,14 +330,38 @@ def _sample(name):
                           tuple(inputs.data), dtype, inputs.uses_dtype)
 
         sample.__doc__ = build.__doc__
-        SAMPLES[name] = sample
+        SAMPLES.register(name, sample, build)
         return build
 
     return register
 
 
-def _call(*args, **kwargs):
+def call_args(*args, **kwargs):
+    """What a sample builder returns: the arguments of its call."""
     return args, kwargs
+
+
+def property_check(*names):
+    """Registers the hypothesis property it decorates (a function under @given) as the property of each op of
+    `names`: PROPERTIES[name] is (check,), run as check(), for a check of one op; (check, name), run as check(name),
+    for a check of several ops (check_rope_and_its_backward(op, data))."""
+    def register(check):
+        for name in names:
+            PROPERTIES.register(name, (check, name) if len(names) > 1 else (check,), check)
+        return check
+
+    return register
+
+
+class BadInputs(NamedTuple):
+    base: Callable  # base(draw): the keyword arguments of a small valid call
+    mutations: dict  # {mutation name: mutate(draw, kw)}, each making one argument of kw wrong
+
+
+def bad_inputs(name, base, mutations):
+    """Registers the bad-input cases of op `name` (bad_input_fuzzer.py): BAD_INPUTS[name] = BadInputs(base,
+    mutations), the cases "<name>/<mutation name>" (and "<name>/anything", drawn from the schema)."""
+    BAD_INPUTS.register(name, BadInputs(base, mutations), base)
 
 
 def outputs_and_grads(sample, seed=1):
@@ -241,265 +389,3 @@ def sample_outputs(name, seed=1, **kw):
 def uses_dtype(name):
     """Whether the sample of `name` depends on its dtype (False for index and position ops)."""
     return SAMPLES[name]().uses_dtype
-
-
-def _rope_frequencies(m):
-    """(large) Llama 3's 64 frequencies; (small) partial rotary: 65 pairs (odd) of 134-channel heads."""
-    if m.large:
-        return posenc.frequencies.rope(128, 500000.0, {"rope_type": "llama3", "factor": 8.0})[0]
-    return posenc.frequencies.rope(130, 500.0)[0]
-
-
-def _sinusoidal_frequencies(m):
-    return posenc.frequencies.sinusoidal(m.size(130, 256))  # small: 65 pairs (odd)
-
-
-# Sinusoidal and embeddings. Small: widths 130/131 (odd pairs, an unencoded last channel); large: [4, 1024, 256].
-
-@_sample("sinusoidal")
-def _build_sinusoidal(m):
-    """Integer positions [4, S] (large: up to 1e5), output in the sample's dtype, an offset."""
-    positions = m.ints(m.size(5000, 100000), 4, m.size(16, 1024), seed=10)
-    return _call(positions, _sinusoidal_frequencies(m), m.size("half", "interleaved"), m.dtype, m.size(3, 5))
-
-
-@_sample("add_sinusoidal")
-def _build_add_sinusoidal(m):
-    """Small: positions absent (arange + offset), half_cos_first; large: per-row positions [B, S]."""
-    x = m.grad(m.floats(*m.size((3, 8, 131), (4, 1024, 256)), seed=11))
-    positions = m.ints(100000, 4, 1024, seed=12) if m.large else None
-    return _call(x, positions, _sinusoidal_frequencies(m), m.size(2.0, 0.5), m.size("half_cos_first", "interleaved"),
-                 m.size(3, 0))
-
-
-@_sample("embed_sinusoidal")
-def _build_embed_sinusoidal(m):
-    """Small: positions [S] given, padding_idx 0; large: positions absent, padding_idx 7."""
-    vocab = m.size(50, 3000)
-    tokens = m.ints(vocab, *m.size((3, 8), (4, 1024)), seed=13)
-    table = m.grad(m.floats(vocab, m.size(130, 256), seed=14))
-    positions = None if m.large else m.ints(5000, 8, seed=15)
-    return _call(tokens, table, positions, _sinusoidal_frequencies(m), m.size(2.5, 2.0), m.size(0, 7),
-                 m.size("half", "interleaved"), m.size(4, 0))
-
-
-@_sample("embedding_backward")
-def _build_embedding_backward(m):
-    """Small: indices [S] shared by the batch, no padding_idx; large: indices [B, S], padding_idx 7."""
-    vocab = m.size(50, 3000)
-    grad = m.floats(*m.size((3, 8, 130), (4, 1024, 256)), seed=16)
-    indices = m.ints(vocab, *m.size((8,), (4, 1024)), seed=17)
-    return _call(grad, indices, vocab, m.size(1.5, 0.5), m.size(None, 7))
-
-
-# Learned absolute.
-
-@_sample("learned")
-def _build_learned(m):
-    table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=20))
-    positions = m.ints(m.size(68, 2000), *m.size((3, 8), (4, 1024)), seed=21)
-    return _call(table, positions, m.size(2, 3), m.size(1, 0))
-
-
-@_sample("add_learned")
-def _build_add_learned(m):
-    """Small: positions [B, S] given, padding_idx 0; large: positions absent, offset 1000 (a cache)."""
-    x = m.grad(m.floats(*m.size((3, 8, 130), (4, 1024, 256)), seed=22))
-    table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=23))
-    positions = None if m.large else m.ints(60, 3, 8, seed=24)
-    return _call(x, table, positions, m.size(3, 1000), m.size(0, None))
-
-
-@_sample("embed_learned")
-def _build_embed_learned(m):
-    """Small: positions absent, offset 10; large: positions [B, S] given. padding_idx 1, pos_padding_idx 0."""
-    vocab = m.size(50, 3000)
-    tokens = m.ints(vocab, *m.size((3, 8), (4, 1024)), seed=25)
-    token_table = m.grad(m.floats(vocab, m.size(130, 256), seed=26))
-    pos_table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=27))
-    positions = m.ints(2000, 4, 1024, seed=28) if m.large else None
-    return _call(tokens, token_table, pos_table, positions, m.size(2.0, 0.5), 1, m.size(10, 2), 0)
-
-
-@_sample("make_positions")
-def _build_make_positions(m):
-    return _call(m.ints(m.size(4, 5), *m.size((16, 128), (512, 1024)), seed=29), m.size(0, 1))
-
-
-@_sample("positions_from_mask")
-def _build_positions_from_mask(m):
-    """Small: a bool mask, pad_position 0; large: an int64 mask, pad_position -1."""
-    mask = m.ints(2, *m.size((8, 512), (256, 4096)), seed=30)
-    return _call(mask if m.large else mask.bool(), m.size(0, -1))
-
-
-# Rotary. Small: partial rotary (65 pairs in 134 channels; rope_qk: M-RoPE), the four formats and both layouts
-# between the ops, views, varlen, multi-axis; large: [2, 512, H, 128] bshd with Llama 3 frequencies and per-row
-# positions up to 1e5, GQA (8 and 2 heads).
-
-def _rope_positions(m):
-    return m.ints(100000, 2, 512, seed=40)
-
-
-@_sample("rope")
-def _build_rope(m):
-    """Small: bhsd as a transposed view of bshd data, positions absent, offset 5, gptj, scale 0.9."""
-    if m.large:
-        return _call(m.grad(m.floats(2, 512, 8, 128, seed=41)), _rope_positions(m), _rope_frequencies(m))
-    x = m.grad(m.floats(2, 8, 3, 134, seed=41).transpose(1, 2))
-    return _call(x, None, _rope_frequencies(m), 0.9, "gptj", "bhsd", 5)
-
-
-@_sample("rope_backward")
-def _build_rope_backward(m):
-    """Small: sbhd, a channel-strided view (the element-by-element path), positions absent, offset 2."""
-    if m.large:
-        return _call(m.grad(m.floats(2, 512, 8, 128, seed=42)), _rope_positions(m), _rope_frequencies(m))
-    grad = m.grad(m.floats(8, 2, 3, 268, seed=42)[..., ::2])
-    return _call(grad, None, _rope_frequencies(m), 0.5, "neox", "sbhd", 2)
-
-
-@_sample("rope_qk")
-def _build_rope_qk(m):
-    """GQA. Small: multi-axis (M-RoPE sections [8, 12, 12], positions [3, B, S]), offset 3."""
-    if m.large:
-        q, k = m.floats(2, 512, 8, 128, seed=43), m.floats(2, 512, 2, 128, seed=44)
-        return _call(m.grad(q), m.grad(k), _rope_positions(m), _rope_frequencies(m))
-    q, k = m.grad(m.floats(2, 16, 4, 64, seed=43)), m.grad(m.floats(2, 16, 2, 64, seed=44))
-    inv_freq, pair_axis = posenc.frequencies.mrope(64, [8, 12, 12])
-    return _call(q, k, m.ints(100000, 3, 2, 16, seed=45), inv_freq, 1.0, "neox", "bshd", 3, None, pair_axis)
-
-
-@_sample("rope_qk_backward")
-def _build_rope_qk_backward(m):
-    """GQA. Small: positions [S] shared by the batch, gptj, scale 0.5, offset 1."""
-    if m.large:
-        grad_q, grad_k = m.floats(2, 512, 8, 128, seed=46), m.floats(2, 512, 2, 128, seed=47)
-        return _call(m.grad(grad_q), m.grad(grad_k), _rope_positions(m), _rope_frequencies(m))
-    grad_q, grad_k = m.grad(m.floats(2, 8, 4, 134, seed=46)), m.grad(m.floats(2, 8, 2, 134, seed=47))
-    return _call(grad_q, grad_k, m.ints(5000, 8, seed=48), _rope_frequencies(m), 0.5, "gptj", "bshd", 1)
-
-
-@_sample("rope_")
-def _build_rope_(m):
-    """Small: thd, packed sequences (cu_seqlens, an empty one among them), positions absent, offset 1."""
-    if m.large:
-        return _call(m.grad(m.floats(2, 512, 8, 128, seed=49)), _rope_positions(m), _rope_frequencies(m))
-    x = m.grad(m.floats(16, 3, 134, seed=49))
-    return _call(x, None, _rope_frequencies(m), 1.0, "neox", "thd", 1, torch.tensor([0, 5, 5, 16]))
-
-
-@_sample("rope_cos_sin")
-def _build_rope_cos_sin(m):
-    """float32 tables; small: per-batch tables [B, S, 130], gptj."""
-    x = m.grad(m.floats(*m.size((2, 8, 3, 134), (2, 512, 8, 128)), seed=50))
-    shape = m.size((2, 8, 130), (512, 128))
-    cos, sin = m.floats(*shape, seed=51, dtype=torch.float32), m.floats(*shape, seed=52, dtype=torch.float32)
-    return _call(x, cos, sin, m.size("gptj", "neox"), "bshd")
-
-
-@_sample("rope_cos_sin_backward")
-def _build_rope_cos_sin_backward(m):
-    """Small: bhsd, a float64 cos and a float16 sin (tables need not share x's dtype)."""
-    grad = m.grad(m.floats(*m.size((2, 3, 8, 134), (2, 512, 8, 128)), seed=53))
-    shape = m.size((8, 130), (512, 128))
-    cos = m.floats(*shape, seed=54, dtype=m.size(torch.float64, torch.float32))
-    sin = m.floats(*shape, seed=55, dtype=m.size(torch.float16, torch.float32))
-    return _call(grad, cos, sin, "neox", m.size("bhsd", "bshd"))
-
-
-# ALiBi and T5. Small: 67 keys (no whole vector), head offsets; large: [2, 16, 128, 256] or [16, 128, 512].
-
-def _slopes(m, differentiable=True):
-    slopes = m.fixed(torch.ops.posenc.alibi_slopes(m.size(12, 16), torch.float32, None))
-    return m.grad(slopes) if differentiable else slopes
-
-
-@_sample("alibi_bias")
-def _build_alibi_bias(m):
-    """Small: symmetric, heads 2..5 of 12; large: causal, 512 keys for 128 queries."""
-    return _call(_slopes(m), m.size(16, 128), m.size(67, 512), m.size("symmetric", "causal"), m.size(2, 0),
-                 m.size(4, None), m.dtype)
-
-
-@_sample("add_alibi")
-def _build_add_alibi(m):
-    scores = m.grad(m.floats(*m.size((2, 4, 16, 67), (2, 16, 128, 256)), seed=60))
-    return _call(scores, _slopes(m), m.size("causal", "symmetric"), m.size(3, 0))
-
-
-@_sample("add_alibi_")
-def _build_add_alibi_(m):
-    """Not differentiable (add_alibi is). Small: scores with a key stride (a transposed view), symmetric (add_alibi's
-    small sample is causal), head offset 1."""
-    if m.large:
-        return _call(m.floats(2, 16, 128, 256, seed=61), _slopes(m, False), "symmetric", 0)
-    return _call(m.floats(2, 4, 67, 16, seed=61).transpose(2, 3), _slopes(m, False), "symmetric", 1)
-
-
-@_sample("alibi_backward")
-def _build_alibi_backward(m):
-    """Small: causal, head offset 3. Differentiable along grad only (the slopes' gradient does not depend on the
-    slopes)."""
-    grad = m.grad(m.floats(*m.size((2, 4, 16, 67), (2, 16, 128, 256)), seed=62))
-    return _call(grad, _slopes(m, False), m.size("causal", "symmetric"), m.size(3, 0))
-
-
-@_sample("relative_position_bucket")
-def _build_relative_position_bucket(m):
-    relative = m.ints(m.size(2000, 4000), *m.size((64, 64), (1024, 1024)), seed=63) - m.size(1000, 2000)
-    return _call(relative, m.large, 32, 128)
-
-
-@_sample("t5_bias")
-def _build_t5_bias(m):
-    """Small: unidirectional, max_distance 20; large: bidirectional, 512 keys for 128 queries, q_offset 3."""
-    table = m.grad(m.floats(32, m.size(4, 16), seed=64))
-    return _call(table, m.size(16, 128), m.size(70, 512), m.large, 32, m.size(20, 128), m.size(2, 3))
-
-
-@_sample("t5_bias_backward")
-def _build_t5_bias_backward(m):
-    grad = m.grad(m.floats(*m.size((1, 4, 16, 70), (1, 16, 128, 512)), seed=65))
-    return _call(grad, not m.large, 32, 128, m.size(7, 5))
-
-
-# Positions and frequencies that take tensors.
-
-@_sample("mrope_positions")
-def _build_mrope_positions(m):
-    """Rows of text and vision tokens, the last tokens padding. Small: 16 rows of text, an image (grid 1 x 8 x 8,
-    merge 2: 16 tokens), text, a video (grid 2 x 4 x 8: 16 tokens, Qwen2.5-VL's time interval) and text; large:
-    256 rows of 4096 tokens: 100 of text, an image (grid 1 x 16 x 16: 64 tokens) and text."""
-    if m.large:
-        row, rows = [0] * 100 + [1] * 64 + [0] * (4096 - 164), 256
-    else:
-        row, rows = [0] * 10 + [1] * 16 + [0] * 6 + [2] * 16 + [0] * 16, 16
-    token_types = torch.tensor(row).expand(rows, -1).contiguous()
-    mask = torch.ones_like(token_types)
-    mask[:, -m.size(4, 40):] = 0
-    images = torch.tensor([m.size([1, 8, 8], [1, 16, 16])] * rows)
-    if m.large:
-        return _call(token_types, images, None, mask)
-    videos = torch.tensor([[2, 4, 8]] * rows)
-    return _call(token_types, images, videos, mask, 2, 2.0, torch.full((rows,), 0.5))
-
-
-@_sample("rope_inv_freq_for_length")
-def _build_rope_inv_freq_for_length(m):
-    """Small: dynamic NTK past its context; large: LongRoPE past its original context (the size changes nothing:
-    the result has rotary_dim / 2 values)."""
-    if m.large:
-        rope_type, keywords = posenc.frequencies.rope_arguments({
-            "rope_type": "longrope", "original_max_position_embeddings": 2048.0, "max_position_embeddings": 8192.0,
-            "short_factor": [1.0 + i / 64 for i in range(64)], "long_factor": [4.0 + i for i in range(64)]})
-        return _call(torch.tensor(3000), 128, 1e4, rope_type, **keywords)
-    return _call(torch.tensor(5000), 64, 1e4, "dynamic", factor=2.0, max_position_embeddings=4096.0)
-
-
-@_sample("zigzag_positions_varlen")
-def _build_zigzag_positions_varlen(m):
-    """Packed sequences of multiples of 8 tokens (some empty): small 16 of them, large 4096 (about 800 k tokens)."""
-    lengths = m.ints(50, m.size(16, 4096), seed=66) * 8
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long, device=lengths.device), lengths.cumsum(0)])
-    return _call(cu_seqlens, 4, m.size(2, 1))

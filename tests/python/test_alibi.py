@@ -4,11 +4,17 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import tolerance
+from helpers import randn, tolerance
+from mutations import not_floating, on_meta, overlapping, set_value, small, unknown_string, wrong_rank
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, OPS, assert_rounds_within, buffer_of, call, covered_offsets,
+                        drawn_tensor, generator, math_eps, normal)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 MODES = ["causal", "symmetric"]
@@ -427,3 +433,203 @@ def test_nan_and_inf_scores_propagate():
     out = PF.add_alibi(scores, PF.alibi_slopes(2))
     assert torch.isnan(out[0, 0, 1, 1]) and out[0, 1, 0, 2] == -math.inf
     assert torch.isfinite(out).sum() == 10
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# Small: 67 keys (no whole vector), head offsets; large: [2, 16, 128, 256] or [16, 128, 512].
+
+def _slopes(m, differentiable=True):
+    slopes = m.fixed(torch.ops.posenc.alibi_slopes(m.size(12, 16), torch.float32, None))
+    return m.grad(slopes) if differentiable else slopes
+
+
+@sample("alibi_bias")
+def _build_alibi_bias(m):
+    """Small: symmetric, heads 2..5 of 12; large: causal, 512 keys for 128 queries."""
+    return call_args(_slopes(m), m.size(16, 128), m.size(67, 512), m.size("symmetric", "causal"), m.size(2, 0),
+                     m.size(4, None), m.dtype)
+
+
+@sample("add_alibi")
+def _build_add_alibi(m):
+    scores = m.grad(m.floats(*m.size((2, 4, 16, 67), (2, 16, 128, 256)), seed=60))
+    return call_args(scores, _slopes(m), m.size("causal", "symmetric"), m.size(3, 0))
+
+
+@sample("add_alibi_")
+def _build_add_alibi_(m):
+    """Not differentiable (add_alibi is). Small: scores with a key stride (a transposed view), symmetric (add_alibi's
+    small sample is causal), head offset 1."""
+    if m.large:
+        return call_args(m.floats(2, 16, 128, 256, seed=61), _slopes(m, False), "symmetric", 0)
+    return call_args(m.floats(2, 4, 67, 16, seed=61).transpose(2, 3), _slopes(m, False), "symmetric", 1)
+
+
+@sample("alibi_backward")
+def _build_alibi_backward(m):
+    """Small: causal, head offset 3. Differentiable along grad only (the slopes' gradient does not depend on the
+    slopes)."""
+    grad = m.grad(m.floats(*m.size((2, 4, 16, 67), (2, 16, 128, 256)), seed=62))
+    return call_args(grad, _slopes(m, False), m.size("causal", "symmetric"), m.size(3, 0))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+def alibi_reference(slopes, q_len, k_len, mode, head_offset, num_heads):
+    """float64 -m * d (causal) or -m * |d| (symmetric), d = i + (k_len - q_len) - j: [B or 1, H, Q, K]."""
+    m = slopes.double()
+    m = m[None] if m.dim() == 1 else m
+    m = m[:, head_offset:head_offset + num_heads, None, None]
+    i = torch.arange(q_len, dtype=torch.float64)[:, None]
+    j = torch.arange(k_len, dtype=torch.float64)[None, :]
+    d = i + (k_len - q_len) - j
+    return -m * (d.abs() if mode == "symmetric" else d)
+
+
+def alibi_slopes_case(draw, gen, batch):
+    """slopes [H_total] or [batch, H_total] in any floating dtype, laid out at random."""
+    total = draw(st.integers(0, 5))
+    shape = [total] if draw(st.booleans()) else [batch, total]
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    slopes = drawn_tensor(draw, shape, lambda s: (torch.rand(s, generator=gen, dtype=torch.float64) - 0.2).to(dtype))
+    return slopes, total
+
+
+@property_check("alibi_bias")
+@given(st.data())
+def check_alibi_bias(data):
+    draw = data.draw
+    gen = generator(draw)
+    slopes, total = alibi_slopes_case(draw, gen, draw(st.integers(0, 3)))
+    q_len, k_len = draw(st.integers(0, 6)), draw(st.integers(0, 6))
+    mode = draw(st.sampled_from(["causal", "symmetric"]))
+    head_offset = draw(st.integers(0, total))
+    num_heads = draw(st.one_of(st.none(), st.integers(0, total - head_offset)))
+    dtype = draw(st.sampled_from([None] + FLOAT_DTYPES))
+    out = call("alibi_bias", slopes, q_len, k_len, mode, head_offset, num_heads, dtype)
+    heads = total - head_offset if num_heads is None else num_heads
+    reference = alibi_reference(slopes, q_len, k_len, mode, head_offset, heads)
+    assert out.dtype == (dtype or slopes.dtype)
+    assert_rounds_within(out, reference, 2 * math_eps(out.dtype) * reference.abs())
+
+
+def add_alibi_case(draw, gen, expand=True):
+    batch, heads = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    q_len, k_len = draw(st.integers(0, 5)), draw(st.integers(0, 5))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    scores = drawn_tensor(draw, [batch, heads, q_len, k_len], lambda s: normal(gen, s, dtype, 3.0), expand)
+    slopes, total = alibi_slopes_case(draw, gen, batch)
+    if total < heads:
+        slopes = torch.cat([slopes, torch.full([*slopes.shape[:-1], heads - total], 0.5, dtype=slopes.dtype)], -1)
+        total = heads
+    head_offset = draw(st.integers(0, total - heads))
+    mode = draw(st.sampled_from(["causal", "symmetric"]))
+    return scores, slopes, mode, head_offset, alibi_reference(slopes, q_len, k_len, mode, head_offset, heads)
+
+
+@property_check("add_alibi")
+@given(st.data())
+def check_add_alibi(data):
+    scores, slopes, mode, head_offset, bias = add_alibi_case(data.draw, generator(data.draw))
+    out = call("add_alibi", scores, slopes, mode, head_offset)
+    assert out.dtype == scores.dtype and out.is_contiguous()
+    reference = scores.double() + bias
+    assert_rounds_within(out, reference, 4 * math_eps(scores.dtype) * (scores.double().abs() + bias.abs()))
+
+
+@property_check("add_alibi_")
+@given(st.data())
+def check_add_alibi_inplace(data):
+    scores, slopes, mode, head_offset, bias = add_alibi_case(data.draw, generator(data.draw), expand=False)
+    original = scores.double().clone()  # .double() of float64 scores is scores itself
+    storage, before = buffer_of(scores), buffer_of(scores).clone()
+    assert OPS.add_alibi_(scores, slopes, mode, head_offset) is None
+    assert_rounds_within(scores, original + bias, 4 * math_eps(scores.dtype) * (original.abs() + bias.abs()))
+    outside = torch.ones(storage.numel(), dtype=torch.bool)
+    outside[covered_offsets(scores)] = False
+    assert torch.equal(storage[outside].nan_to_num(), before[outside].nan_to_num()), "wrote outside the view"
+
+
+@property_check("alibi_backward")
+@given(st.data())
+def check_alibi_backward(data):
+    draw = data.draw
+    gen = generator(draw)
+    scores, slopes, mode, head_offset, _ = add_alibi_case(draw, gen)
+    grad = scores  # any tensor shaped like scores
+    out = call("alibi_backward", grad, slopes, mode, head_offset)
+    assert out.dtype == slopes.dtype and out.shape == slopes.shape
+    batch, heads, q_len, k_len = grad.shape
+    m = slopes.double().detach().requires_grad_(True)
+    bias = alibi_reference(m, q_len, k_len, mode, head_offset, heads)
+    (reference,) = torch.autograd.grad((grad.double() * bias).sum(), m)
+    unit = alibi_reference(torch.ones_like(m), q_len, k_len, mode, head_offset, heads).abs()
+    magnitude = (grad.double().abs() * unit)
+    magnitude = magnitude.sum((0, 2, 3)) if slopes.dim() == 1 else magnitude.sum((2, 3))
+    tol = torch.zeros_like(reference)
+    tol[..., head_offset:head_offset + heads] = 8 * math_eps(torch.float32) * magnitude
+    assert_rounds_within(out, reference, tol)
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def alibi_bias(draw):
+    return dict(slopes=torch.rand(small(draw)), q_len=small(draw), k_len=small(draw), mode="causal", head_offset=0,
+                num_heads=None, dtype=None)
+
+
+def alibi_scores(draw, name, mode_name="mode"):
+    batch, heads = small(draw), small(draw)
+    return {name: randn(batch, heads, small(draw), small(draw)), "slopes": torch.rand(heads), mode_name: "causal",
+            "head_offset": 0}
+
+
+def add_alibi(draw):
+    return alibi_scores(draw, "scores")
+
+
+def add_alibi_inplace(draw):
+    return alibi_scores(draw, "scores", "alibi_mode")
+
+
+def alibi_backward(draw):
+    return alibi_scores(draw, "grad")
+
+
+def alibi_mutations(name, mode_name="mode", inplace=False):
+    out = {
+        f"{name}_not_floating": not_floating(name),
+        f"{name}_wrong_rank": wrong_rank(name, [0, 1, 3, 5]),
+        "slopes_not_floating": not_floating("slopes"),
+        "slopes_wrong_rank": wrong_rank("slopes", [0, 3]),
+        "slopes_too_few_heads": lambda draw, kw: kw.update(slopes=kw["slopes"][:-1]),
+        "slopes_other_batch": lambda draw, kw: kw.update(slopes=torch.rand(kw[name].shape[0] + 1, kw[name].shape[1])),
+        "head_offset_negative": set_value("head_offset", st.integers(INT64_MIN, -1)),
+        "head_offset_past_the_slopes": lambda draw, kw: kw.update(head_offset=draw(st.sampled_from([1, INT64_MAX]))),
+        "mode_unknown": unknown_string(mode_name, {"causal", "symmetric"}),
+        "slopes_on_meta": on_meta("slopes"),
+    }
+    if inplace:
+        out[f"{name}_overlapping"] = overlapping(name)
+    return out
+
+
+bad_inputs("alibi_bias", base=alibi_bias, mutations=dict(
+    slopes_not_floating=not_floating("slopes"), slopes_wrong_rank=wrong_rank("slopes", [0, 3]),
+    q_len_negative=set_value("q_len", st.integers(-100, -1)),
+    k_len_negative=set_value("k_len", st.integers(-100, -1)),
+    mode_unknown=unknown_string("mode", {"causal", "symmetric"}),
+    head_offset_negative=set_value("head_offset", st.integers(INT64_MIN, -1)),
+    num_heads_too_many=lambda draw, kw: kw.update(num_heads=kw["slopes"].shape[-1] + 1),
+    head_offset_past_the_slopes=lambda draw, kw: kw.update(
+        num_heads=1, head_offset=draw(st.sampled_from([kw["slopes"].shape[-1], INT64_MAX]))),
+    num_heads_negative=set_value("num_heads", st.integers(-5, -1)),
+    dtype_not_floating=set_value("dtype", st.sampled_from([torch.int64, torch.bool]))))
+bad_inputs("add_alibi", base=add_alibi, mutations=alibi_mutations("scores"))
+bad_inputs("add_alibi_", base=add_alibi_inplace, mutations=alibi_mutations("scores", "alibi_mode", inplace=True))
+bad_inputs("alibi_backward", base=alibi_backward, mutations=alibi_mutations("grad"))

@@ -6,11 +6,16 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
+from mutations import not_index, set_value, small, to_dtype, unknown_string, wrong_rank
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import frequencies as FQ
 from posenc import functional as PF
+from strategies import INT64_MAX, INT64_MIN, OPS, arrange, assert_rounds_within, call
 
 # TorchScript is this project's C++ export path: its deprecation notices are expected here.
 pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.save` is deprecated:DeprecationWarning"),
@@ -381,3 +386,149 @@ def test_import_posenc_loads_neither_dynamo_nor_dtensor():
     code = "import sys, posenc; print('torch._dynamo' in sys.modules, 'torch.distributed.tensor' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# The configuration ops that take tensors (csrc/families.h's POSENC_CONFIG_OPS).
+
+@sample("rope_inv_freq_for_length")
+def _build_rope_inv_freq_for_length(m):
+    """Small: dynamic NTK past its context; large: LongRoPE past its original context (the size changes nothing:
+    the result has rotary_dim / 2 values)."""
+    if m.large:
+        rope_type, keywords = posenc.frequencies.rope_arguments({
+            "rope_type": "longrope", "original_max_position_embeddings": 2048.0, "max_position_embeddings": 8192.0,
+            "short_factor": [1.0 + i / 64 for i in range(64)], "long_factor": [4.0 + i for i in range(64)]})
+        return call_args(torch.tensor(3000), 128, 1e4, rope_type, **keywords)
+    return call_args(torch.tensor(5000), 64, 1e4, "dynamic", factor=2.0, max_position_embeddings=4096.0)
+
+
+@sample("zigzag_positions_varlen")
+def _build_zigzag_positions_varlen(m):
+    """Packed sequences of multiples of 8 tokens (some empty): small 16 of them, large 4096 (about 800 k tokens)."""
+    lengths = m.ints(50, m.size(16, 4096), seed=66) * 8
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long, device=lengths.device), lengths.cumsum(0)])
+    return call_args(cu_seqlens, 4, m.size(2, 1))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+def rope_for_length_reference(rotary_dim, base, rope_type, keywords, length):
+    """float64 inv_freq of the length-dependent types and the plain ones, from the formulas: theta^(-2i/r), over
+    factor (linear); dynamic NTK's theta (factor L / max - (factor - 1))^(r / (r - 2)) with L = max(length, max);
+    fixed NTK's theta alpha^(r / (r - 2)); LongRoPE's long factors beyond the original context, else short."""
+    exponents = [2 * i / rotary_dim for i in range(rotary_dim // 2)]
+    ntk = rotary_dim / (rotary_dim - 2) if rotary_dim > 2 else None
+    if rope_type == "dynamic":
+        context, factor = keywords["max_position_embeddings"], keywords["factor"]
+        longest = max(length, context)
+        base = base * (factor * longest / context - (factor - 1)) ** ntk
+    elif rope_type == "ntk":
+        base = base * keywords["alpha"] ** ntk
+    values = [base ** -e for e in exponents]
+    if rope_type == "linear":
+        values = [v / keywords["factor"] for v in values]
+    elif rope_type == "longrope":
+        factors = keywords["long_factor" if length > keywords["original_max_position_embeddings"] else "short_factor"]
+        values = [v / f for v, f in zip(values, factors)]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@property_check("rope_inv_freq_for_length")
+@given(st.data())
+def check_rope_inv_freq_for_length(data):
+    draw = data.draw
+    rotary_dim = 2 * draw(st.integers(2, 8))
+    base = draw(st.sampled_from([10000.0, 500000.0, 2.0, 1e6]))
+    rope_type = draw(st.sampled_from(["default", "linear", "dynamic", "ntk", "longrope"]))
+    context = draw(st.sampled_from([2, 64, 4096, 2 ** 20]))
+    keywords = {"default": {}, "linear": {"factor": draw(st.sampled_from([2.0, 0.5, 8.0]))},
+                "dynamic": {"factor": draw(st.sampled_from([2.0, 4.0, 1.0])), "max_position_embeddings": float(context)},
+                "ntk": {"alpha": draw(st.sampled_from([1.0, 3.0, 1000.0]))},
+                "longrope": {"original_max_position_embeddings": float(context), "factor": 4.0,
+                             "short_factor": [draw(st.sampled_from([1.0, 1.5])) for _ in range(rotary_dim // 2)],
+                             "long_factor": [draw(st.sampled_from([2.0, 40.0])) for _ in range(rotary_dim // 2)]},
+                }[rope_type]
+    dtype = draw(st.sampled_from([torch.long, torch.int, torch.int16, torch.uint8, torch.float64, torch.float32]))
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    length = draw(st.one_of(st.sampled_from([-1, 0, 1, context - 1, context, context + 1, 2 * context]),
+                            st.integers(0, 2 ** 40)))
+    length = min(max(length, info.min), min(info.max, 2 ** 24 if dtype == torch.float32 else 2 ** 40))
+    seq_len = torch.tensor(length, dtype=dtype)
+    out = call("rope_inv_freq_for_length", seq_len, rotary_dim, base, rope_type, **keywords)
+    assert out.dtype == torch.float64 and out.shape == (rotary_dim // 2,)
+    reference = rope_for_length_reference(rotary_dim, base, rope_type, keywords, seq_len.item())
+    # exp(-e log theta) against theta ** -e: a few units of roundoff of the exponent, |log inv_freq|.
+    assert_rounds_within(out, reference, 16 * 2.0 ** -53 * reference.abs() * (1 + reference.log().abs()))
+
+
+@property_check("zigzag_positions_varlen")
+@given(st.data())
+def check_zigzag_positions_varlen(data):
+    draw = data.draw
+    cp_size = draw(st.integers(1, 4))
+    cp_rank = draw(st.integers(0, cp_size - 1))
+    lengths = [2 * cp_size * draw(st.integers(0, 3)) for _ in range(draw(st.integers(0, 4)))]
+    bounds = [sum(lengths[:n]) for n in range(len(lengths) + 1)]
+    dtype = draw(st.sampled_from([torch.long, torch.int]))
+    cu_seqlens = arrange(draw, torch.tensor(bounds, dtype=dtype), expand=False)
+    # The output's length follows cu_seqlens' values: no Meta kernel to compare with.
+    positions, indices, local = OPS.zigzag_positions_varlen(cu_seqlens, cp_size, cp_rank)
+    # Each sequence is cut into 2 cp_size chunks; this rank holds chunks cp_rank and 2 cp_size - 1 - cp_rank.
+    expected_positions, expected_indices = [], []
+    for start, length in zip(bounds, lengths):
+        chunk = length // (2 * cp_size)
+        mine = [c * chunk + i for c in (cp_rank, 2 * cp_size - 1 - cp_rank) for i in range(chunk)]
+        expected_positions += mine
+        expected_indices += [start + p for p in mine]
+    assert positions.dtype == indices.dtype == torch.long and local.dtype == dtype
+    assert positions.tolist() == expected_positions and indices.tolist() == expected_indices
+    assert local.tolist() == [b // cp_size for b in bounds]
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def rope_inv_freq_for_length(draw):
+    return dict(seq_len=torch.tensor(small(draw, 0, 8)), rotary_dim=2 * small(draw, 2, 4), base=10000.0,
+                rope_type="dynamic", factor=2.0, max_position_embeddings=4.0)
+
+
+def zigzag_positions_varlen(draw):
+    cp_size = small(draw, 1, 3)
+    lengths = [2 * cp_size * small(draw, 0, 2) for _ in range(small(draw))]
+    return dict(cu_seqlens=torch.tensor([sum(lengths[:n]) for n in range(len(lengths) + 1)]), cp_size=cp_size,
+                cp_rank=cp_size - 1)
+
+
+bad_inputs("rope_inv_freq_for_length", base=rope_inv_freq_for_length, mutations=dict(
+    seq_len_not_0d=wrong_rank("seq_len", [1, 2]), seq_len_not_real=to_dtype("seq_len", torch.bool, torch.complex64),
+    rotary_dim_invalid=set_value("rotary_dim", st.sampled_from([0, 1, 2, 3, 7, -2, INT64_MIN])),
+    base_not_positive=set_value("base", st.sampled_from([0.0, -1.0, float("nan"), float("inf")])),
+    rope_type_unknown=unknown_string("rope_type", {"default", "linear", "dynamic", "ntk", "ntk_alpha", "yarn",
+                                                   "llama3", "longrope"}),
+    factor_not_positive=set_value("factor", st.sampled_from([0.0, -2.0, float("nan"), float("inf")])),
+    max_position_embeddings_missing=lambda draw, kw: kw.pop("max_position_embeddings"),
+    longrope_factors_wrong_length=lambda draw, kw: kw.update(
+        rope_type="longrope", original_max_position_embeddings=4.0,
+        short_factor=[1.0] * (kw["rotary_dim"] // 2 + draw(st.sampled_from([1, -1]))),
+        long_factor=[2.0] * (kw["rotary_dim"] // 2))))
+bad_inputs("zigzag_positions_varlen", base=zigzag_positions_varlen, mutations=dict(
+    cu_seqlens_not_index=not_index("cu_seqlens"), cu_seqlens_wrong_rank=wrong_rank("cu_seqlens", [0, 2]),
+    cu_seqlens_empty=lambda draw, kw: kw.update(cu_seqlens=torch.empty(0, dtype=torch.long)),
+    cu_seqlens_not_from_0=lambda draw, kw: kw.update(cu_seqlens=kw["cu_seqlens"] + draw(st.sampled_from(
+        [1, -2 * kw["cp_size"], INT64_MIN // 2]))),
+    # Decreasing, directly or by a step so large that the difference wraps around.
+    cu_seqlens_decreasing=lambda draw, kw: kw.update(cu_seqlens=torch.cat([kw["cu_seqlens"], torch.tensor(
+        draw(st.sampled_from([[-2 * kw["cp_size"]], [2 ** 62, INT64_MIN + 2 * kw["cp_size"]],
+                              [INT64_MAX - 1, -2]])))])),
+    length_not_a_multiple=lambda draw, kw: kw.update(cu_seqlens=torch.cat([kw["cu_seqlens"], kw["cu_seqlens"][-1:] +
+                                                                           draw(st.integers(1, 2 * kw["cp_size"] - 1
+                                                                                            ) if kw["cp_size"] > 1
+                                                                                else st.just(1))])),
+    cp_size_invalid=set_value("cp_size", st.sampled_from([0, -1, INT64_MIN, 2 ** 62 + 1, INT64_MAX])),
+    cp_rank_outside=lambda draw, kw: kw.update(cp_rank=draw(st.sampled_from([-1, kw["cp_size"], INT64_MAX])))))

@@ -5,9 +5,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 import posenc
+from helpers import randn
+from mutations import (grow, not_floating, not_index, on_meta, positions_length, put, set_value, small, to_dtype,
+                       wrong_rank)
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawn_tensor, generator,
+                        integers, math_eps, normal, sizes)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 POSITIONS = ["default", "shared", "per_row", "int32"]
@@ -457,3 +465,300 @@ def test_equals_opt_learned_positional_embedding():
         positions = PF.positions_from_mask(attention_mask, pad_position=-1)[:, cache_length:]
         torch.testing.assert_close(PF.learned(hf.weight, positions, offset=2), expected)
         torch.testing.assert_close(module(torch.zeros_like(expected), positions), expected)
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# embedding_backward (csrc/families.h's embedding family: the scatter-add backward shared by the sinusoidal and
+# learned families) has its entries here, each registered first: the cases list it after the sinusoidal ops.
+# Small: width 130; large: [4, 1024, 256].
+
+@sample("embedding_backward")
+def _build_embedding_backward(m):
+    """Small: indices [S] shared by the batch, no padding_idx; large: indices [B, S], padding_idx 7."""
+    vocab = m.size(50, 3000)
+    grad = m.floats(*m.size((3, 8, 130), (4, 1024, 256)), seed=16)
+    indices = m.ints(vocab, *m.size((8,), (4, 1024)), seed=17)
+    return call_args(grad, indices, vocab, m.size(1.5, 0.5), m.size(None, 7))
+
+
+@sample("learned")
+def _build_learned(m):
+    table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=20))
+    positions = m.ints(m.size(68, 2000), *m.size((3, 8), (4, 1024)), seed=21)
+    return call_args(table, positions, m.size(2, 3), m.size(1, 0))
+
+
+@sample("add_learned")
+def _build_add_learned(m):
+    """Small: positions [B, S] given, padding_idx 0; large: positions absent, offset 1000 (a cache)."""
+    x = m.grad(m.floats(*m.size((3, 8, 130), (4, 1024, 256)), seed=22))
+    table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=23))
+    positions = None if m.large else m.ints(60, 3, 8, seed=24)
+    return call_args(x, table, positions, m.size(3, 1000), m.size(0, None))
+
+
+@sample("embed_learned")
+def _build_embed_learned(m):
+    """Small: positions absent, offset 10; large: positions [B, S] given. padding_idx 1, pos_padding_idx 0."""
+    vocab = m.size(50, 3000)
+    tokens = m.ints(vocab, *m.size((3, 8), (4, 1024)), seed=25)
+    token_table = m.grad(m.floats(vocab, m.size(130, 256), seed=26))
+    pos_table = m.grad(m.floats(m.size(70, 2048), m.size(130, 256), seed=27))
+    positions = m.ints(2000, 4, 1024, seed=28) if m.large else None
+    return call_args(tokens, token_table, pos_table, positions, m.size(2.0, 0.5), 1, m.size(10, 2), 0)
+
+
+@sample("make_positions")
+def _build_make_positions(m):
+    return call_args(m.ints(m.size(4, 5), *m.size((16, 128), (512, 1024)), seed=29), m.size(0, 1))
+
+
+@sample("positions_from_mask")
+def _build_positions_from_mask(m):
+    """Small: a bool mask, pad_position 0; large: an int64 mask, pad_position -1."""
+    mask = m.ints(2, *m.size((8, 512), (256, 4096)), seed=30)
+    return call_args(mask if m.large else mask.bool(), m.size(0, -1))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+@property_check("embedding_backward")
+@given(st.data())
+def check_embedding_backward(data):
+    draw = data.draw
+    gen = generator(draw)
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    leading = sizes(draw, draw(st.integers(0, 3)))
+    width = draw(st.integers(1, 5))
+    grad = drawn_tensor(draw, leading + [width], lambda s: normal(gen, s, dtype))
+    suffix = leading[len(leading) - draw(st.integers(0, len(leading))):]
+    num_rows = draw(st.integers(1, 6))
+    indices = drawn_tensor(draw, suffix, lambda s: integers(gen, s, 0, num_rows,
+                                                             draw(st.sampled_from([torch.long, torch.int]))))
+    scale = draw(st.sampled_from([1.0, 0.5, -3.0]))
+    padding_idx = draw(st.one_of(st.none(), st.integers(0, num_rows - 1)))
+    out = call("embedding_backward", grad, indices, num_rows, scale, padding_idx)
+    assert out.dtype == dtype and out.shape == (num_rows, width)
+    rows = grad.double().reshape(-1, width)
+    ids = indices.long().expand(leading).reshape(-1)
+    reference = torch.zeros(num_rows, width, dtype=torch.float64).index_add_(0, ids, rows) * scale
+    magnitude = torch.zeros(num_rows, width, dtype=torch.float64).index_add_(0, ids, rows.abs()) * abs(scale)
+    count = torch.zeros(num_rows, dtype=torch.float64).index_add_(0, ids, torch.ones(ids.numel(),
+                                                                                      dtype=torch.float64))
+    if padding_idx is not None:
+        reference[padding_idx] = 0
+        magnitude[padding_idx] = 0
+    assert_rounds_within(out, reference, (count[:, None] + 2) * math_eps(dtype) * magnitude)
+
+
+def learned_rows(draw, gen, shape, table_rows, shared_ok=True):
+    """Positions whose rows (position + offset) lie in [0, table_rows): absent (needs S <= table_rows),
+    [S] or `shape`, int64 or int32, with an offset that may be large. Returns (positions, offset, rows)."""
+    seq = shape[-1]
+    kinds = (["absent"] if seq <= table_rows else []) + (["shared"] if shared_ok else []) + ["per_row"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "absent":
+        offset = draw(st.integers(0, table_rows - seq))
+        return None, offset, torch.arange(offset, offset + seq)
+    pos_shape = [seq] if kind == "shared" else list(shape)
+    dtype = draw(st.sampled_from([torch.long, torch.int]))
+    limit = 2 ** 31 - table_rows if dtype == torch.int else 2 ** 62
+    offset = draw(st.one_of(st.integers(-3, 3), st.integers(-limit, limit)))
+    rows = integers(gen, pos_shape, 0, table_rows)
+    positions = drawn_tensor(draw, pos_shape, lambda s: (rows[tuple(slice(0, n) for n in s)] - offset).to(dtype))
+    return positions, offset, positions.long() + offset
+
+
+@property_check("learned")
+@given(st.data())
+def check_learned(data):
+    draw = data.draw
+    gen = generator(draw)
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    weight = drawn_tensor(draw, [table_rows, width], lambda s: normal(gen, s, dtype))
+    shape = sizes(draw, draw(st.integers(1, 3)))
+    positions, offset, rows = learned_rows(draw, gen, shape, table_rows, shared_ok=False)
+    if positions is None:
+        positions, rows = torch.arange(shape[-1]).expand(shape) - offset, (torch.arange(shape[-1])).expand(shape)
+    padding_idx = draw(st.one_of(st.none(), st.integers(0, table_rows - 1)))
+    out = call("learned", weight, positions, offset, padding_idx)
+    assert out.dtype == dtype
+    assert_rounds_within(out, weight.double()[rows.expand(shape)], 0.0)
+
+
+@property_check("add_learned")
+@given(st.data())
+def check_add_learned(data):
+    draw = data.draw
+    gen = generator(draw)
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    rows_shape = sizes(draw, draw(st.integers(1, 3)))
+    table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    weight = drawn_tensor(draw, [table_rows, width], lambda s: normal(gen, s, dtype))
+    x = drawn_tensor(draw, rows_shape + [width], lambda s: normal(gen, s, dtype))
+    positions, offset, rows = learned_rows(draw, gen, rows_shape, table_rows)
+    padding_idx = draw(st.one_of(st.none(), st.integers(0, table_rows - 1)))
+    out = call("add_learned", x, weight, positions, offset, padding_idx)
+    assert out.dtype == dtype and out.is_contiguous()
+    table = weight.double()[rows.expand(rows_shape)]
+    assert_rounds_within(out, x.double() + table, 2 * math_eps(dtype) * (x.double().abs() + table.abs()))
+
+
+@property_check("embed_learned")
+@given(st.data())
+def check_embed_learned(data):
+    draw = data.draw
+    gen = generator(draw)
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    shape = sizes(draw, draw(st.integers(1, 3)))
+    vocab, table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 5))
+    token_weight = drawn_tensor(draw, [vocab, width], lambda s: normal(gen, s, dtype))
+    pos_weight = drawn_tensor(draw, [table_rows, width], lambda s: normal(gen, s, dtype))
+    tokens = drawn_tensor(draw, shape, lambda s: integers(gen, s, 0, vocab))
+    positions, offset, rows = learned_rows(draw, gen, shape, table_rows)
+    token_scale = draw(st.sampled_from([1.0, 0.5, 27.7]))
+    padding_idx = draw(st.one_of(st.none(), st.integers(0, vocab - 1)))
+    pos_padding_idx = draw(st.one_of(st.none(), st.integers(0, table_rows - 1)))
+    out = call("embed_learned", tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
+               pos_padding_idx)
+    assert out.dtype == dtype
+    scaled = token_weight.double()[tokens] * token_scale
+    table = pos_weight.double()[rows.expand(shape)]
+    assert_rounds_within(out, scaled + table, 4 * math_eps(dtype) * (scaled.abs() + table.abs()))
+
+
+@property_check("make_positions")
+@given(st.data())
+def check_make_positions(data):
+    draw = data.draw
+    gen = generator(draw)
+    padding_idx = draw(st.one_of(st.integers(-3, 5), st.integers(INT64_MIN, INT64_MAX - 64)))
+    shape = sizes(draw, draw(st.integers(1, 3)))
+    dtype = draw(st.sampled_from([torch.long, torch.int]))
+    values = [padding_idx, 0, 1, 2] if dtype == torch.long or abs(padding_idx) < 2 ** 31 else [0, 1, 2]
+    tokens = drawn_tensor(draw, shape, lambda s: torch.tensor(values)[integers(gen, s, 0, len(values))].to(dtype))
+    out = call("make_positions", tokens, padding_idx)
+    assert out.dtype == torch.long
+    real = tokens.long() != padding_idx
+    rows = (math.prod(shape[:-1]), shape[-1])
+    reference = [[padding_idx + count if keep else padding_idx for keep, count in zip(row, counts)]
+                 for row, counts in zip(real.reshape(rows).tolist(), real.long().cumsum(-1).reshape(rows).tolist())]
+    assert out.shape == tokens.shape and out.reshape(rows).tolist() == reference
+
+
+@property_check("positions_from_mask")
+@given(st.data())
+def check_positions_from_mask(data):
+    draw = data.draw
+    gen = generator(draw)
+    shape = sizes(draw, draw(st.integers(1, 3)))
+    dtype = draw(st.sampled_from([torch.bool, torch.long, torch.int, torch.uint8, torch.float32, torch.float64,
+                                  torch.bfloat16]))
+    values = {torch.bool: [False, True]}.get(dtype, [0, 1, 2, -1] if dtype != torch.uint8 else [0, 1, 255])
+    if dtype.is_floating_point:
+        values = [0.0, 1.0, 0.5, float("nan"), -0.0]
+    mask = drawn_tensor(draw, shape, lambda s: torch.tensor(values, dtype=dtype)[integers(gen, s, 0, len(values))])
+    pad_position = draw(st.one_of(st.integers(-2, 2), st.sampled_from([INT64_MIN, INT64_MAX])))
+    out = call("positions_from_mask", mask, pad_position)
+    real = (mask != 0).long()
+    reference = torch.where(real.bool(), real.cumsum(-1) - 1, torch.full_like(real, pad_position))
+    assert out.dtype == torch.long and torch.equal(out, reference)
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def embedding_backward(draw):
+    batch, seq, width, rows = small(draw), small(draw), small(draw), small(draw, 2, 5)
+    return dict(grad=randn(batch, seq, width), indices=torch.randint(0, rows, (batch, seq)), num_rows=rows, scale=1.0,
+                padding_idx=None)
+
+
+def learned(draw):
+    rows, width, seq = small(draw, 2, 5), small(draw), small(draw)
+    return dict(weight=randn(rows, width), positions=torch.randint(0, rows, (seq,)), offset=0, padding_idx=None)
+
+
+def add_learned(draw):
+    batch, seq, width = small(draw), small(draw), small(draw)
+    return dict(x=randn(batch, seq, width), weight=randn(seq + small(draw, 0, 2), width), positions=None, offset=0,
+                padding_idx=None)
+
+
+def embed_learned(draw):
+    batch, seq, width, vocab = small(draw), small(draw), small(draw), small(draw, 2, 5)
+    return dict(tokens=torch.randint(0, vocab, (batch, seq)), token_weight=randn(vocab, width),
+                pos_weight=randn(seq + small(draw, 0, 2), width), positions=None, token_scale=1.0, padding_idx=None,
+                offset=0, pos_padding_idx=None)
+
+
+def make_positions(draw):
+    return dict(tokens=torch.randint(0, 5, (small(draw), small(draw))), padding_idx=1)
+
+
+def positions_from_mask(draw):
+    return dict(attention_mask=torch.randint(0, 2, (small(draw), small(draw))), pad_position=0)
+
+
+def rows_outside_table(table):
+    """Learned positions reading a row outside [0, L_max): past the end, negative, or an offset overflow."""
+    def mutate(draw, kw):
+        rows = kw[table].shape[0]
+        seq = positions_length(kw)
+        how = draw(st.sampled_from(["past_end", "negative", "offset", "overflow"]))
+        values = torch.zeros(seq, dtype=torch.long)
+        if how == "past_end":
+            values[-1] = rows
+        elif how == "negative":
+            values[0] = -1
+        elif how == "offset":
+            kw["offset"] = rows
+        else:  # the int64 sum wraps (into the table, for int64 min + 5 plus int64 min)
+            values[0] = draw(st.sampled_from([INT64_MAX, INT64_MIN + 5]))
+            kw["offset"] = INT64_MAX if values[0] > 0 else INT64_MIN
+        kw["positions"] = values  # [S]: every learned op takes it
+    return mutate
+
+
+bad_inputs("embedding_backward", base=embedding_backward, mutations=dict(
+    grad_not_floating=not_floating("grad"), grad_0d=wrong_rank("grad", [0]), indices_not_index=not_index("indices"),
+    indices_not_a_suffix=grow("indices", -1),
+    index_out_of_range=lambda draw, kw: put("indices", [kw["num_rows"], -1, INT64_MAX, INT64_MIN])(draw, kw),
+    num_rows_negative=set_value("num_rows", st.integers(-10, -1)),
+    padding_idx_out_of_range=lambda draw, kw: kw.update(padding_idx=draw(st.sampled_from(
+        [-1, kw["num_rows"], INT64_MAX, INT64_MIN]))),
+    indices_on_meta=on_meta("indices")))
+bad_inputs("learned", base=learned, mutations=dict(
+    weight_wrong_rank=wrong_rank("weight", [1, 3]), weight_not_floating=not_floating("weight"),
+    positions_not_index=not_index("positions"), rows_outside_the_table=rows_outside_table("weight"),
+    padding_idx_out_of_range=lambda draw, kw: kw.update(padding_idx=draw(st.sampled_from(
+        [-1, kw["weight"].shape[0], INT64_MAX]))),
+    positions_on_meta=on_meta("positions")))
+bad_inputs("add_learned", base=add_learned, mutations=dict(
+    x_not_floating=not_floating("x"), x_wrong_rank=wrong_rank("x", [0, 1]),
+    weight_other_dtype=to_dtype("weight", torch.float64, torch.bfloat16),
+    x_width_mismatch=grow("x", -1), rows_outside_the_table=rows_outside_table("weight"),
+    positions_not_index=lambda draw, kw: kw.update(positions=torch.zeros(kw["x"].shape[-2])),
+    positions_wrong_shape=lambda draw, kw: kw.update(
+        positions=torch.zeros(kw["x"].shape[-2] + 1, dtype=torch.long)),
+    weight_on_meta=on_meta("weight")))
+bad_inputs("embed_learned", base=embed_learned, mutations=dict(
+    tokens_not_index=not_index("tokens"), tokens_0d=wrong_rank("tokens", [0]),
+    tokens_out_of_vocab=lambda draw, kw: put("tokens", [kw["token_weight"].shape[0], -1])(draw, kw),
+    pos_weight_other_dtype=to_dtype("pos_weight", torch.float64, torch.float16),
+    pos_weight_width_mismatch=grow("pos_weight", 1),
+    rows_outside_the_table=rows_outside_table("pos_weight"),
+    pos_padding_idx_out_of_range=lambda draw, kw: kw.update(
+        pos_padding_idx=kw["pos_weight"].shape[0])))
+bad_inputs("make_positions", base=make_positions, mutations=dict(
+    tokens_not_index=not_index("tokens"), tokens_0d=wrong_rank("tokens", [0]),
+    positions_overflow_int64=lambda draw, kw: kw.update(
+        tokens=torch.zeros_like(kw["tokens"]), padding_idx=INT64_MAX)))
+bad_inputs("positions_from_mask", base=positions_from_mask, mutations=dict(
+    attention_mask_complex=to_dtype("attention_mask", torch.complex64),
+    attention_mask_0d=wrong_rank("attention_mask", [0])))

@@ -2,17 +2,24 @@
 here, the frequency builders, the position grids, the modules, and parity with the reference implementations
 (Hugging Face transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotary and get_rope_index, diffusers' Flux
 rotary); gradients, opcheck, torch.compile, torch.export, TorchScript and the bad inputs."""
+import itertools
+import math
 import re
 import types
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
+from mutations import grow, not_index, on_meta, put, set_value, small, to_dtype, wrong_rank
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import frequencies as FQ
 from posenc import functional as PF
+from strategies import INT64_MAX, INT64_MIN, arrange, call, generator, integers
 # The rotary tests' dtypes, formats, tolerances and layout helpers: the multi-axis calls share the op and its layouts.
 from helpers import rotate_pairs
 from test_rope import DTYPES, FORMATS, from_format, to_format, tolerance
@@ -534,3 +541,162 @@ def test_docs_examples_run(index):
     """Every Python block of the guide runs (its own asserts check the values)."""
     block = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)[index]
     exec(compile(block, f"{DOC.name}[{index}]", "exec"), {})
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+
+@sample("mrope_positions")
+def _build_mrope_positions(m):
+    """Rows of text and vision tokens, the last tokens padding. Small: 16 rows of text, an image (grid 1 x 8 x 8,
+    merge 2: 16 tokens), text, a video (grid 2 x 4 x 8: 16 tokens, Qwen2.5-VL's time interval) and text; large:
+    256 rows of 4096 tokens: 100 of text, an image (grid 1 x 16 x 16: 64 tokens) and text."""
+    if m.large:
+        row, rows = [0] * 100 + [1] * 64 + [0] * (4096 - 164), 256
+    else:
+        row, rows = [0] * 10 + [1] * 16 + [0] * 6 + [2] * 16 + [0] * 16, 16
+    token_types = torch.tensor(row).expand(rows, -1).contiguous()
+    mask = torch.ones_like(token_types)
+    mask[:, -m.size(4, 40):] = 0
+    images = torch.tensor([m.size([1, 8, 8], [1, 16, 16])] * rows)
+    if m.large:
+        return call_args(token_types, images, None, mask)
+    videos = torch.tensor([[2, 4, 8]] * rows)
+    return call_args(token_types, images, videos, mask, 2, 2.0, torch.full((rows,), 0.5))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+def vision_run(draw, merge):
+    """A grid (t, h, w) with t * (h // merge) * (w // merge) tokens, 1 to 8 of them."""
+    t, height, width = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    return [t, height * merge + draw(st.integers(0, merge - 1)), width * merge + draw(st.integers(0, merge - 1))]
+
+
+def mrope_reference(rows, masks, image_grids, video_grids, merge, intervals):
+    """Qwen2-VL's M-RoPE positions ([3, B, S] lists) and rope_deltas, per row from the description: text tokens
+    count up on every axis; a run of vision tokens is the next grid's (time, row, column) patches (time = trunc(frame
+    * interval)) after the running position p, and the text after it starts at p + max(h, w) // merge; a row's delta
+    is its largest position + 1 - its real token count; tokens outside the mask stay 0."""
+    positions = [[[0] * len(row) for row in rows] for _ in range(3)]
+    deltas = []
+    grids = {1: iter(image_grids), 2: iter(video_grids)}
+    for b, (row, mask) in enumerate(zip(rows, masks)):
+        real = [s for s in range(len(row)) if mask[s]]
+        runs = [list(group) for _, group in itertools.groupby(real, key=lambda s: row[s])]
+        p, largest = 0, -1
+        for run in runs:
+            if row[run[0]] == 0:
+                triples = [(p + j,) * 3 for j in range(len(run))]
+                p += len(run)
+            else:
+                (t, h, w), interval = next(grids[row[run[0]]])
+                triples = [(p + math.trunc(f * interval), p + i, p + j)
+                           for f in range(t) for i in range(h // merge) for j in range(w // merge)]
+                p += max(h, w) // merge
+            for s, triple in zip(run, triples):
+                for axis in range(3):
+                    positions[axis][b][s] = triple[axis]
+            largest = max([largest] + [v for triple in triples for v in triple])
+        deltas.append([largest + 1 - len(real)])
+    return positions, deltas
+
+
+@property_check("mrope_positions")
+@given(st.data())
+def check_mrope_positions(data):
+    draw = data.draw
+    merge = draw(st.integers(1, 3))
+    split = draw(st.booleans())
+    tokens_per_second = draw(st.sampled_from([None, 1.0, 2.0, 0.5, 25.0]))
+    batch = draw(st.integers(0, 3))
+    rows, masks, image_grids, video_grids, seconds = [], [], [], [], []
+    for _ in range(batch):
+        row = [0] * draw(st.integers(0, 2))
+        for _ in range(draw(st.integers(0, 3))):
+            kind = draw(st.sampled_from([1, 2]))
+            grid = vision_run(draw, merge)
+            frames = grid[0] if kind == 2 and split else 1
+            tokens_per_frame = grid[0] // frames * (grid[1] // merge) * (grid[2] // merge)
+            for _ in range(frames):  # text after each run (Qwen3-VL: between the frames of a split video)
+                row += [kind] * tokens_per_frame + [0] * draw(st.integers(1, 2))
+            (image_grids if kind == 1 else video_grids).append(grid)
+            if kind == 2:
+                seconds.append(draw(st.sampled_from([0.5, 1.0, 2.0, 0.25, 1.5])))
+        while row and row[-1] == 0 and draw(st.booleans()):  # rows may end with vision tokens
+            row.pop()
+        rows.append(row)
+    seq = max((len(row) for row in rows), default=draw(st.integers(0, 3)))
+    pad = draw(st.sampled_from(["left", "right"]))
+    for b, row in enumerate(rows):  # padding (type 0) outside the mask
+        padding = seq - len(row)
+        masks.append([0] * padding + [1] * len(row) if pad == "left" else [1] * len(row) + [0] * padding)
+        rows[b] = [0] * padding + row if pad == "left" else row + [0] * padding
+    gen = generator(draw)
+    index_dtype = draw(st.sampled_from([torch.long, torch.int]))
+    token_types = arrange(draw, torch.tensor(rows, dtype=index_dtype).reshape(batch, seq), expand=False)
+    mask_dtype = draw(st.sampled_from([torch.long, torch.bool, torch.float32]))
+    with_mask = draw(st.booleans()) or any(0 in m for m in masks)
+    # Padding of any type outside the mask: the op must not read it.
+    padded = torch.tensor(masks, dtype=torch.bool).reshape(batch, seq).logical_not()
+    token_types = torch.where(padded, integers(gen, [batch, seq], 0, 3, index_dtype), token_types) if with_mask \
+        else token_types
+    mask = arrange(draw, torch.tensor(masks).reshape(batch, seq).to(mask_dtype), expand=False) if with_mask else None
+
+    def grid_tensor(grids):
+        if not grids and draw(st.booleans()):
+            return None
+        return arrange(draw, torch.tensor(grids, dtype=index_dtype).reshape(len(grids), 3), expand=False)
+
+    per_grid = draw(st.booleans())
+    seconds_dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    second_per_grid_ts = torch.tensor(seconds, dtype=seconds_dtype) if per_grid else None
+    scale = 1.0 if tokens_per_second is None else tokens_per_second
+    intervals = [scale * sec for sec in seconds] if per_grid else [scale] * len(video_grids)
+    note(f"rows {rows}, masks {masks}, images {image_grids}, videos {video_grids}, merge {merge}, split {split}, "
+         f"tokens_per_second {tokens_per_second}, seconds {second_per_grid_ts}")
+    positions, deltas = call("mrope_positions", token_types, grid_tensor(image_grids), grid_tensor(video_grids), mask,
+                             merge, tokens_per_second, second_per_grid_ts, split)
+    split_videos = [[1, h, w] for t, h, w in video_grids for _ in range(t)] if split else video_grids
+    split_intervals = [i for (t, _, _), i in zip(video_grids, intervals) for _ in range(t)] if split else intervals
+    expected, expected_deltas = mrope_reference(
+        rows, masks if with_mask else [[1] * seq] * batch, [(g, 1.0) for g in image_grids],
+        list(zip(split_videos, split_intervals)), merge, None)
+    assert positions.dtype == deltas.dtype == torch.long
+    assert positions.tolist() == expected and positions.shape == (3, batch, seq)
+    assert deltas.tolist() == expected_deltas and deltas.shape == (batch, 1)
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def mrope_positions(draw):
+    """Rows of text, an image (grid 1x4x4, merge 2: 4 tokens) and a video (the same grid), one grid of each a row."""
+    batch = small(draw)
+    row = [0, 1, 1, 1, 1, 0, 2, 2, 2, 2, 0]
+    return dict(token_types=torch.tensor([row] * batch), image_grid_thw=torch.tensor([[1, 4, 4]] * batch),
+                video_grid_thw=torch.tensor([[1, 4, 4]] * batch), attention_mask=torch.ones(batch, len(row)),
+                spatial_merge_size=2, tokens_per_second=2.0, second_per_grid_ts=torch.ones(batch),
+                split_video_frames=False)
+
+
+bad_inputs("mrope_positions", base=mrope_positions, mutations=dict(
+    token_types_not_integer=to_dtype("token_types", torch.float32, torch.float64, torch.bool, torch.complex64),
+    token_types_wrong_rank=wrong_rank("token_types", [0, 1, 3]),
+    token_type_unknown=put("token_types", [3, -1, INT64_MAX, INT64_MIN]),
+    grid_not_index=not_index("image_grid_thw"), grid_wrong_shape=grow("video_grid_thw", 1),
+    grid_wrong_rank=wrong_rank("image_grid_thw", [1, 3]),
+    grid_not_positive=put("video_grid_thw", [0, -1, INT64_MIN]),
+    # Sizes whose tokens differ from the run's: too many, too few, or more than int64 counts.
+    grid_does_not_match_its_run=put("image_grid_thw", [2, 3, 6, INT64_MAX, 2 ** 62 + 1]),
+    fewer_grids_than_runs=lambda draw, kw: kw.update(**{draw(st.sampled_from(["image_grid_thw", "video_grid_thw"])):
+                                                        None}),
+    attention_mask_wrong_shape=grow("attention_mask", 1),
+    spatial_merge_size_below_1=set_value("spatial_merge_size", st.sampled_from([0, -1, INT64_MIN])),
+    second_per_grid_ts_too_few=lambda draw, kw: kw.update(second_per_grid_ts=kw["second_per_grid_ts"][:-1]),
+    second_per_grid_ts_wrong_rank=wrong_rank("second_per_grid_ts", [0, 2]),
+    second_per_grid_ts_not_real=to_dtype("second_per_grid_ts", torch.bool, torch.complex64),
+    grid_on_meta=on_meta("image_grid_thw"), attention_mask_on_meta=on_meta("attention_mask")))

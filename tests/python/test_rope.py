@@ -5,12 +5,19 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import rotate_pairs, tolerance
+from helpers import randn, rotate_pairs, tolerance
+from mutations import (F64, grow, not_floating, not_index, on_meta, overlapping, positions_beyond_domain,
+                       positions_length, put, small, to_dtype, unknown_string, wrong_rank)
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
 from posenc import frequencies as FQ
+from strategies import (FLOAT_DTYPES, OPS, arrange, assert_rounds_within, buffer_of, call, covered_offsets,
+                        drawn_tensor, frequencies, generator, math_eps, normal, positions_and_offset, trig_error)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
@@ -775,3 +782,451 @@ def test_nan_and_inf_propagate():
     inf_freq[1] = float("inf")
     out = PF.rope(torch.randn(1, 3, 1, 8), None, inf_freq)  # angles 0 * inf and p * inf are NaN
     assert torch.isnan(out[..., [1, 5]]).all() and torch.isfinite(out[..., [0, 2, 3, 4, 6, 7]]).all()
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# Small: partial rotary (65 pairs in 134 channels; rope_qk: M-RoPE), the four formats and both layouts between
+# the ops, views, varlen, multi-axis; large: [2, 512, H, 128] bshd with Llama 3 frequencies and per-row positions
+# up to 1e5, GQA (8 and 2 heads).
+
+def _rope_frequencies(m):
+    """(large) Llama 3's 64 frequencies; (small) partial rotary: 65 pairs (odd) of 134-channel heads."""
+    if m.large:
+        return posenc.frequencies.rope(128, 500000.0, {"rope_type": "llama3", "factor": 8.0})[0]
+    return posenc.frequencies.rope(130, 500.0)[0]
+
+
+def _rope_positions(m):
+    return m.ints(100000, 2, 512, seed=40)
+
+
+@sample("rope")
+def _build_rope(m):
+    """Small: bhsd as a transposed view of bshd data, positions absent, offset 5, gptj, scale 0.9."""
+    if m.large:
+        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=41)), _rope_positions(m), _rope_frequencies(m))
+    x = m.grad(m.floats(2, 8, 3, 134, seed=41).transpose(1, 2))
+    return call_args(x, None, _rope_frequencies(m), 0.9, "gptj", "bhsd", 5)
+
+
+@sample("rope_backward")
+def _build_rope_backward(m):
+    """Small: sbhd, a channel-strided view (the element-by-element path), positions absent, offset 2."""
+    if m.large:
+        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=42)), _rope_positions(m), _rope_frequencies(m))
+    grad = m.grad(m.floats(8, 2, 3, 268, seed=42)[..., ::2])
+    return call_args(grad, None, _rope_frequencies(m), 0.5, "neox", "sbhd", 2)
+
+
+@sample("rope_qk")
+def _build_rope_qk(m):
+    """GQA. Small: multi-axis (M-RoPE sections [8, 12, 12], positions [3, B, S]), offset 3."""
+    if m.large:
+        q, k = m.floats(2, 512, 8, 128, seed=43), m.floats(2, 512, 2, 128, seed=44)
+        return call_args(m.grad(q), m.grad(k), _rope_positions(m), _rope_frequencies(m))
+    q, k = m.grad(m.floats(2, 16, 4, 64, seed=43)), m.grad(m.floats(2, 16, 2, 64, seed=44))
+    inv_freq, pair_axis = posenc.frequencies.mrope(64, [8, 12, 12])
+    return call_args(q, k, m.ints(100000, 3, 2, 16, seed=45), inv_freq, 1.0, "neox", "bshd", 3, None, pair_axis)
+
+
+@sample("rope_qk_backward")
+def _build_rope_qk_backward(m):
+    """GQA. Small: positions [S] shared by the batch, gptj, scale 0.5, offset 1."""
+    if m.large:
+        grad_q, grad_k = m.floats(2, 512, 8, 128, seed=46), m.floats(2, 512, 2, 128, seed=47)
+        return call_args(m.grad(grad_q), m.grad(grad_k), _rope_positions(m), _rope_frequencies(m))
+    grad_q, grad_k = m.grad(m.floats(2, 8, 4, 134, seed=46)), m.grad(m.floats(2, 8, 2, 134, seed=47))
+    return call_args(grad_q, grad_k, m.ints(5000, 8, seed=48), _rope_frequencies(m), 0.5, "gptj", "bshd", 1)
+
+
+@sample("rope_")
+def _build_rope_(m):
+    """Small: thd, packed sequences (cu_seqlens, an empty one among them), positions absent, offset 1."""
+    if m.large:
+        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=49)), _rope_positions(m), _rope_frequencies(m))
+    x = m.grad(m.floats(16, 3, 134, seed=49))
+    return call_args(x, None, _rope_frequencies(m), 1.0, "neox", "thd", 1, torch.tensor([0, 5, 5, 16]))
+
+
+@sample("rope_cos_sin")
+def _build_rope_cos_sin(m):
+    """float32 tables; small: per-batch tables [B, S, 130], gptj."""
+    x = m.grad(m.floats(*m.size((2, 8, 3, 134), (2, 512, 8, 128)), seed=50))
+    shape = m.size((2, 8, 130), (512, 128))
+    cos, sin = m.floats(*shape, seed=51, dtype=torch.float32), m.floats(*shape, seed=52, dtype=torch.float32)
+    return call_args(x, cos, sin, m.size("gptj", "neox"), "bshd")
+
+
+@sample("rope_cos_sin_backward")
+def _build_rope_cos_sin_backward(m):
+    """Small: bhsd, a float64 cos and a float16 sin (tables need not share x's dtype)."""
+    grad = m.grad(m.floats(*m.size((2, 3, 8, 134), (2, 512, 8, 128)), seed=53))
+    shape = m.size((8, 130), (512, 128))
+    cos = m.floats(*shape, seed=54, dtype=m.size(torch.float64, torch.float32))
+    sin = m.floats(*shape, seed=55, dtype=m.size(torch.float16, torch.float32))
+    return call_args(grad, cos, sin, "neox", m.size("bhsd", "bshd"))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+ROPE_FORMATS = ["bshd", "bhsd", "sbhd", "thd"]
+# Where the bshd dimensions of a 4-D x sit in each format.
+BSHD_ORDER = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+
+
+def pair_indices(pairs, layout):
+    if layout == "neox":
+        return torch.arange(pairs), torch.arange(pairs) + pairs
+    return torch.arange(0, 2 * pairs, 2), torch.arange(1, 2 * pairs, 2)
+
+
+def rotate(x, angle, layout, scale, inverse=False):
+    """float64 rotation of the pairs of x [..., D] by angle [..., F] (broadcast over heads by the caller),
+    times scale; channels past 2F copied unscaled. inverse: by -angle."""
+    x = x.double()
+    first, second = pair_indices(angle.shape[-1], layout)
+    cos, sin = angle.cos() * scale, angle.sin() * scale
+    sin = -sin if inverse else sin
+    out = x.clone()
+    x1, x2 = x[..., first], x[..., second]
+    out[..., first] = x1 * cos - x2 * sin
+    out[..., second] = x2 * cos + x1 * sin
+    return out
+
+
+def rotate_half(x, rotary_dim, layout):
+    """The per-channel partner of x's first rotary_dim channels, signed: (-x2, x1) per pair."""
+    first, second = pair_indices(rotary_dim // 2, layout)
+    out = torch.zeros_like(x[..., :rotary_dim])
+    out[..., first] = -x[..., second]
+    out[..., second] = x[..., first]
+    return out
+
+
+def rope_input(draw, gen, fmt, batch, seq, heads, head_dim, dtype, expand=True):
+    """x of bshd sizes [batch, seq, heads, head_dim] in `fmt` (thd: [seq, heads, head_dim], batch 1), laid out
+    at random. Returns (x, x as bshd)."""
+    if fmt == "thd":
+        x = drawn_tensor(draw, [seq, heads, head_dim], lambda s: normal(gen, s, dtype), expand)
+        return x, x[None]
+    order = BSHD_ORDER[fmt]
+    bshd = [batch, seq, heads, head_dim]
+    x = drawn_tensor(draw, [bshd[d] for d in order], lambda s: normal(gen, s, dtype), expand)
+    return x, x.permute(order)
+
+
+def rope_positions(draw, gen, fmt, batch, seq, pairs):
+    """positions, offset, cu_seqlens, pair_axis, and the absolute position of each pair as float64
+    [batch or 1, seq, pairs]. A third of the draws are multi-axis: pair_axis [pairs] (int64 or int32) names an
+    axis of positions [n_axes, S], [n_axes, B, S] or, for thd, [n_axes, T] (cu_seqlens do not change given
+    positions)."""
+    cu_seqlens = None
+    if fmt == "thd" and draw(st.booleans()):
+        cuts = sorted(draw(st.lists(st.integers(0, seq), max_size=3)))
+        cu_seqlens = torch.tensor([0] + cuts + [seq], dtype=draw(st.sampled_from([torch.long, torch.int])))
+    rows = [1, seq] if fmt == "thd" else [batch, seq]
+    if draw(st.integers(0, 2)) == 0:
+        n_axes = draw(st.integers(1, 3))
+        axes = [draw(st.integers(0, n_axes - 1)) for _ in range(pairs)]
+        pair_axis = arrange(draw, torch.tensor(axes, dtype=draw(st.sampled_from([torch.long, torch.int]))),
+                            expand=False)
+        shared = fmt == "thd" or draw(st.booleans())
+        shape = [n_axes, seq] if shared else [n_axes, batch, seq]
+        positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=False, required=True)
+        per_pair = absolute[torch.tensor(axes, dtype=torch.long)].movedim(0, -1)  # [(B,) S, pairs]
+        return positions, offset, cu_seqlens, pair_axis, per_pair.expand(rows + [pairs])
+    positions, offset, absolute = positions_and_offset(draw, [seq] if fmt == "thd" else rows, floating_ok=False)
+    if positions is None and cu_seqlens is not None:
+        # Packed sequences restart at offset: token t of the sequence starting at b sits at offset + t - b.
+        bounds = cu_seqlens.tolist()
+        starts = [max(b for b in bounds[:-1] if b <= t) for t in range(seq)]
+        absolute = torch.tensor([offset + t - b for t, b in zip(range(seq), starts)], dtype=torch.float64)
+    return positions, offset, cu_seqlens, None, absolute.expand(rows)[..., None].expand(rows + [pairs])
+
+
+def rope_reference(x_bshd, absolute, inv_freq, layout, scale, inverse=False):
+    """float64 rotation of bshd x: pair i by absolute[b, s, i] * inv_freq[i] (absolute [batch or 1, seq, pairs],
+    each pair's position on its axis)."""
+    angle = absolute[:, :, None, :] * inv_freq.double()  # [B, S, 1, F]
+    return rotate(x_bshd, angle, layout, scale, inverse)
+
+
+def rope_tolerance(x_bshd, pairs, scale, dtype):
+    """On rotated channels (trig + 4 eps) * |scale| * (the sum of the head's rotary magnitudes, a bound on
+    |x1| + |x2| of any pair); past them, nothing (a copy)."""
+    x = x_bshd.double().abs()
+    tol = torch.zeros_like(x)
+    rotary = x[..., :2 * pairs].sum(-1, keepdim=True)
+    tol[..., :2 * pairs] = (trig_error(dtype) + 4 * math_eps(dtype)) * abs(scale) * rotary
+    return tol
+
+
+def rope_case(draw, gen, with_k=False, expand=True):
+    fmt = draw(st.sampled_from(ROPE_FORMATS))
+    batch = 1 if fmt == "thd" else draw(st.integers(0, 3))
+    seq = draw(st.integers(0, 5))
+    pairs = draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    inv_freq = frequencies(draw, pairs)
+    heads = draw(st.integers(0, 3))
+    x, x_bshd = rope_input(draw, gen, fmt, batch, seq, heads, 2 * pairs + draw(st.integers(0, 3)), dtype, expand)
+    k = k_bshd = None
+    if with_k:
+        k, k_bshd = rope_input(draw, gen, fmt, batch, seq, draw(st.integers(0, 3)),
+                               2 * pairs + draw(st.integers(0, 3)), dtype, expand)
+    positions, offset, cu_seqlens, pair_axis, absolute = rope_positions(draw, gen, fmt, batch, seq, pairs)
+    scale = draw(st.sampled_from([1.0, 0.5, 1.25]))
+    layout = draw(st.sampled_from(["neox", "gptj"]))
+    note(f"{fmt} x {list(x.shape)} stride {x.stride()} {dtype}, positions "
+         f"{None if positions is None else (positions.dtype, list(positions.shape))}, offset {offset}, "
+         f"cu_seqlens {cu_seqlens}, pair_axis {None if pair_axis is None else pair_axis.tolist()}")
+    return dict(fmt=fmt, x=x, x_bshd=x_bshd, k=k, k_bshd=k_bshd, positions=positions, offset=offset,
+                cu_seqlens=cu_seqlens, pair_axis=pair_axis, absolute=absolute, inv_freq=inv_freq, scale=scale,
+                layout=layout, dtype=dtype, pairs=pairs)
+
+
+def check_rope_output(out, case, x, x_bshd, inverse=False):
+    fmt = case["fmt"]
+    assert out.dtype == case["dtype"] and out.shape == x.shape and out.is_contiguous()
+    out_bshd = out[None] if fmt == "thd" else out.permute(BSHD_ORDER[fmt])
+    reference = rope_reference(x_bshd, case["absolute"], case["inv_freq"], case["layout"], case["scale"], inverse)
+    assert_rounds_within(out_bshd, reference, rope_tolerance(x_bshd, case["pairs"], case["scale"], case["dtype"]))
+
+
+@property_check("rope", "rope_backward")
+@given(data=st.data())
+def check_rope_and_its_backward(op, data):
+    case = rope_case(data.draw, generator(data.draw))
+    out = call(op, case["x"], case["positions"], case["inv_freq"], case["scale"], case["layout"], case["fmt"],
+               case["offset"], case["cu_seqlens"], case["pair_axis"])
+    check_rope_output(out, case, case["x"], case["x_bshd"], inverse=op == "rope_backward")
+
+
+@property_check("rope_qk", "rope_qk_backward")
+@given(data=st.data())
+def check_rope_qk_and_its_backward(op, data):
+    case = rope_case(data.draw, generator(data.draw), with_k=True)
+    q_out, k_out = call(op, case["x"], case["k"], case["positions"], case["inv_freq"], case["scale"],
+                        case["layout"], case["fmt"], case["offset"], case["cu_seqlens"], case["pair_axis"])
+    check_rope_output(q_out, case, case["x"], case["x_bshd"], inverse=op.endswith("backward"))
+    check_rope_output(k_out, case, case["k"], case["k_bshd"], inverse=op.endswith("backward"))
+
+
+@property_check("rope_")
+@given(st.data())
+def check_rope_inplace(data):
+    case = rope_case(data.draw, generator(data.draw), expand=False)
+    x = case["x"]
+    storage, before = buffer_of(x), buffer_of(x).clone()
+    original_bshd = case["x_bshd"].clone()
+    assert OPS.rope_(x, case["positions"], case["inv_freq"], case["scale"], case["layout"], case["fmt"],
+                     case["offset"], case["cu_seqlens"], case["pair_axis"]) is None
+    bshd = x[None] if case["fmt"] == "thd" else x.permute(BSHD_ORDER[case["fmt"]])
+    reference = rope_reference(original_bshd, case["absolute"], case["inv_freq"], case["layout"], case["scale"])
+    assert_rounds_within(bshd, reference, rope_tolerance(original_bshd, case["pairs"], case["scale"],
+                                                         case["dtype"]))
+    outside = torch.ones(storage.numel(), dtype=torch.bool)
+    outside[covered_offsets(x)] = False
+    assert torch.equal(storage[outside].isnan(), before[outside].isnan())
+    assert torch.equal(storage[outside].nan_to_num(), before[outside].nan_to_num()), "wrote outside the view"
+
+
+@property_check("rope_cos_sin", "rope_cos_sin_backward")
+@given(data=st.data())
+def check_rope_cos_sin_and_its_backward(op, data):
+    draw = data.draw
+    gen = generator(draw)
+    fmt = draw(st.sampled_from(ROPE_FORMATS))
+    batch = 1 if fmt == "thd" else draw(st.integers(0, 3))
+    seq, heads = draw(st.integers(0, 4)), draw(st.integers(0, 3))
+    rotary_dim = 2 * draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    x, x_bshd = rope_input(draw, gen, fmt, batch, seq, heads, rotary_dim + draw(st.integers(0, 3)), dtype)
+    table_batch = draw(st.sampled_from([None, 1] if fmt == "thd" else [None, 1, batch]))
+    if fmt == "thd":
+        table_batch = None
+    table_shape = ([] if table_batch is None else [table_batch]) + [seq, rotary_dim]
+    table_dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    cos = drawn_tensor(draw, table_shape, lambda s: normal(gen, s, table_dtype))
+    sin = drawn_tensor(draw, table_shape, lambda s: normal(gen, s, table_dtype))
+    layout = draw(st.sampled_from(["neox", "gptj"]))
+    out = call(op, x, cos, sin, layout, fmt)
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    # Tables as [B or 1, S, 1, r] against bshd x; any table values (not only real cos/sin).
+    table_rows = cos.shape[0] if cos.dim() == 3 else 1
+    c = cos.double().reshape(table_rows, seq, 1, rotary_dim)
+    s = sin.double().reshape(table_rows, seq, 1, rotary_dim)
+    xd = x_bshd.double()
+    if op == "rope_cos_sin":
+        reference = xd.clone()
+        reference[..., :rotary_dim] = xd[..., :rotary_dim] * c + rotate_half(xd, rotary_dim, layout) * s
+    else:  # the transpose of the map above: grad * cos - rotate(grad * sin)
+        x_var = torch.zeros_like(xd, requires_grad=True)
+        y = x_var.clone()
+        y = torch.cat([x_var[..., :rotary_dim] * c + rotate_half(x_var, rotary_dim, layout) * s,
+                       x_var[..., rotary_dim:]], -1)
+        (reference,) = torch.autograd.grad(y, x_var, xd)
+    magnitude = xd.abs().sum(-1, keepdim=True) * (c.abs().amax(-1, keepdim=True) + s.abs().amax(-1, keepdim=True))
+    tolerance = 4 * math_eps(dtype) * magnitude.expand_as(xd)
+    if table_dtype != torch.float64 or dtype != torch.float64:  # tables are read in x's maths type
+        tolerance = tolerance + 2 * math_eps(torch.float32) * magnitude
+    out_bshd = out[None] if fmt == "thd" else out.permute(BSHD_ORDER[fmt])
+    assert_rounds_within(out_bshd, reference, tolerance)
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def rope_common(draw, *names):
+    pairs, batch, seq = small(draw), small(draw), small(draw)
+    tensors = {name: randn(batch, seq, small(draw), 2 * pairs + small(draw, 0, 2)) for name in names}
+    return dict(tensors, positions=None, inv_freq=torch.rand(pairs, dtype=F64), attention_scale=1.0, layout="neox",
+                format="bshd", offset=0, cu_seqlens=None)
+
+
+def rope(draw):
+    return rope_common(draw, "x")
+
+
+def rope_backward(draw):
+    return rope_common(draw, "grad")
+
+
+def rope_qk(draw):
+    return rope_common(draw, "q", "k")
+
+
+def rope_qk_backward(draw):
+    return rope_common(draw, "grad_q", "grad_k")
+
+
+def rope_inplace(draw):
+    return rope_common(draw, "x")
+
+
+def tables_other_seq(draw, kw):
+    grow("cos", 0)(draw, kw)
+    grow("sin", 0)(draw, kw)
+
+
+def rope_cos_sin_common(draw, name):
+    pairs, batch, seq, heads = small(draw), small(draw), small(draw), small(draw)
+    return {name: randn(batch, seq, heads, 2 * pairs), "cos": randn(seq, 2 * pairs), "sin": randn(seq, 2 * pairs),
+            "layout": "neox", "format": "bshd"}
+
+
+def rope_cos_sin(draw):
+    return rope_cos_sin_common(draw, "x")
+
+
+def rope_cos_sin_backward(draw):
+    return rope_cos_sin_common(draw, "grad")
+
+
+def cu_seqlens_bad(draw, kw):
+    """Packed rope with cu_seqlens that do not describe the T tokens: not starting at 0, decreasing, not
+    ending at T, 2-D, floating, or given with a batched format."""
+    x_name = next(n for n in ("x", "grad", "q", "grad_q") if n in kw)
+    how = draw(st.sampled_from(["start", "decreasing", "end", "rank", "float", "batched"]))
+    if how == "batched":
+        kw["cu_seqlens"] = torch.tensor([0, kw[x_name].shape[1]])
+        return
+    for name in ("x", "grad", "q", "k", "grad_q", "grad_k"):
+        if name in kw:
+            kw[name] = kw[name][0]
+    kw["format"] = "thd"
+    total = kw[x_name].shape[0]
+    kw["cu_seqlens"] = {"start": torch.tensor([1, total]), "decreasing": torch.tensor([0, total, total - 1, total]),
+                        "end": torch.tensor([0, total + 1]), "rank": torch.tensor([[0, total]]),
+                        "float": torch.tensor([0.0, float(total)])}[how]
+
+
+def multiaxis(mutate):
+    """A valid multi-axis call (pair_axis over n_axes axes, positions [n_axes, B, S] or [n_axes, S]), then
+    mutate(draw, kw, n_axes) makes one of its parts wrong."""
+    def build(draw, kw):
+        x = next(kw[n] for n in ("x", "grad", "q", "grad_q") if n in kw)
+        n_axes, pairs = small(draw), kw["inv_freq"].numel()
+        kw["pair_axis"] = torch.randint(0, n_axes, (pairs,), dtype=draw(st.sampled_from([torch.long, torch.int])))
+        shape = [n_axes, x.shape[0], x.shape[1]] if draw(st.booleans()) else [n_axes, x.shape[1]]
+        kw["positions"] = torch.randint(0, 100, shape)
+        mutate(draw, kw, n_axes)
+    return build
+
+
+def pair_axis_out_of_range(draw, kw, n_axes):
+    """One pair's axis outside [0, n_axes): n_axes, -1, or its dtype's extremes."""
+    info = torch.iinfo(kw["pair_axis"].dtype)
+    put("pair_axis", [n_axes, -1, info.max, info.min])(draw, kw)
+
+
+def rope_mutations(names, inplace=False):
+    first = names[0]
+    out = {
+        f"{first}_not_floating": not_floating(first),
+        f"{first}_wrong_rank": wrong_rank(first, [0, 1, 2, 3, 5]),
+        "rotary_dim_exceeds_head_dim": lambda draw, kw: kw.update(
+            inv_freq=torch.rand(kw[first].shape[-1] // 2 + small(draw), dtype=F64)),
+        "inv_freq_not_floating": not_floating("inv_freq"),
+        "inv_freq_wrong_rank": wrong_rank("inv_freq", [0, 2]),
+        "inv_freq_empty": lambda draw, kw: kw.update(inv_freq=torch.empty(0, dtype=F64)),
+        "inv_freq_on_meta": on_meta("inv_freq"),
+        "positions_floating": lambda draw, kw: kw.update(positions=torch.arange(positions_length(kw), dtype=F64)),
+        "positions_wrong_shape": lambda draw, kw: kw.update(positions=torch.arange(positions_length(kw) + 1)),
+        "layout_unknown": unknown_string("layout", {"neox", "gptj"}),
+        "format_unknown": unknown_string("format", {"bshd", "bhsd", "sbhd", "thd"}),
+        "cu_seqlens_invalid": cu_seqlens_bad,
+        "positions_beyond_domain": positions_beyond_domain(floating=False),
+        "pair_axis_out_of_range": multiaxis(pair_axis_out_of_range),
+        "pair_axis_wrong_length": multiaxis(lambda draw, kw, n_axes: grow("pair_axis", 0, by=draw(st.sampled_from(
+            [1, -1] if kw["pair_axis"].numel() > 1 else [1])))(draw, kw)),
+        "pair_axis_not_index": multiaxis(lambda draw, kw, n_axes: not_index("pair_axis")(draw, kw)),
+        "pair_axis_wrong_rank": multiaxis(lambda draw, kw, n_axes: kw.update(pair_axis=kw["pair_axis"][None])),
+        # No positions, [n_axes * S...] flattened (rank 1), or one dimension too many (rank 4 or 5).
+        "pair_axis_positions_wrong_rank": multiaxis(lambda draw, kw, n_axes: kw.update(positions=draw(st.sampled_from(
+            [None, kw["positions"].reshape(-1), kw["positions"].reshape(*kw["positions"].shape, 1, 1)])))),
+        "pair_axis_positions_other_seq": multiaxis(lambda draw, kw, n_axes: grow("positions", -1)(draw, kw)),
+        "pair_axis_on_meta": multiaxis(lambda draw, kw, n_axes: on_meta("pair_axis")(draw, kw)),
+    }
+    if len(names) == 2:
+        second = names[1]
+        out[f"{second}_other_dtype"] = to_dtype(second, torch.float64, torch.bfloat16)
+        out[f"{second}_other_batch"] = grow(second, 0)
+        out[f"{second}_other_seq"] = grow(second, 1)
+    if inplace:
+        out[f"{first}_overlapping"] = overlapping(first)
+    return out
+
+
+bad_inputs("rope", base=rope, mutations=rope_mutations(["x"]))
+bad_inputs("rope_backward", base=rope_backward, mutations=rope_mutations(["grad"]))
+bad_inputs("rope_qk", base=rope_qk, mutations=rope_mutations(["q", "k"]))
+bad_inputs("rope_qk_backward", base=rope_qk_backward, mutations=rope_mutations(["grad_q", "grad_k"]))
+bad_inputs("rope_", base=rope_inplace, mutations=rope_mutations(["x"], inplace=True))
+
+ROPE_COS_SIN_MUTATIONS = {
+    "x_not_floating": not_floating("x"), "cos_not_floating": not_floating("cos"),
+    "cos_sin_shapes_differ": grow("sin", 0), "cos_wrong_rank": wrong_rank("cos", [0, 1, 4]),
+    "rotary_dim_odd": lambda draw, kw: kw.update(cos=kw["cos"][..., :-1], sin=kw["sin"][..., :-1]),
+    "rotary_dim_exceeds_head_dim": lambda draw, kw: kw.update(cos=torch.cat([kw["cos"]] * 2, -1),
+                                                             sin=torch.cat([kw["sin"]] * 2, -1)),
+    "tables_other_seq": tables_other_seq,
+    "tables_other_batch": lambda draw, kw: kw.update(cos=kw["cos"].expand(kw["x"].shape[0] + 1, *kw["cos"].shape),
+                                                     sin=kw["sin"].expand(kw["x"].shape[0] + 1, *kw["sin"].shape)),
+    "layout_unknown": unknown_string("layout", {"neox", "gptj"}),
+    "format_unknown": unknown_string("format", {"bshd", "bhsd", "sbhd", "thd"}),
+    "cos_on_meta": on_meta("cos"),
+}
+bad_inputs("rope_cos_sin", base=rope_cos_sin, mutations=ROPE_COS_SIN_MUTATIONS)
+# rope_cos_sin_backward takes a gradient where rope_cos_sin takes x: the first tensor's name differs, nothing else.
+_BACKWARD_MUTATIONS = {k.replace("x_", "grad_", 1) if k.startswith("x_") else k: v
+                       for k, v in ROPE_COS_SIN_MUTATIONS.items()}
+_BACKWARD_MUTATIONS["grad_not_floating"] = not_floating("grad")
+_BACKWARD_MUTATIONS["tables_other_batch"] = lambda draw, kw: kw.update(
+    cos=kw["cos"].expand(kw["grad"].shape[0] + 1, *kw["cos"].shape),
+    sin=kw["sin"].expand(kw["grad"].shape[0] + 1, *kw["sin"].shape))
+bad_inputs("rope_cos_sin_backward", base=rope_cos_sin_backward, mutations=_BACKWARD_MUTATIONS)

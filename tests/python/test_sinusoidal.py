@@ -5,11 +5,18 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, note
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import tolerance
+from helpers import randn, tolerance
+from mutations import (F64, grow, not_floating, not_index, on_meta, positions_beyond_domain, positions_length, put,
+                       set_value, small, unknown_string, wrong_rank)
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawn_tensor, frequencies,
+                        generator, integers, math_eps, normal, positions_and_offset, sizes, trig_error)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 LAYOUTS = ["interleaved", "half", "half_cos_first"]
@@ -487,3 +494,182 @@ def test_nan_and_inf_positions_propagate():
     x = torch.tensor([[1.0, float("nan"), 0.0, 0.0]])
     out = PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(4))
     assert torch.isnan(out[0, 1]) and torch.isfinite(out[0, [0, 2, 3]]).all()
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# Small: widths 130/131 (odd pairs, an unencoded last channel); large: [4, 1024, 256].
+
+def _sinusoidal_frequencies(m):
+    return posenc.frequencies.sinusoidal(m.size(130, 256))  # small: 65 pairs (odd)
+
+
+@sample("sinusoidal")
+def _build_sinusoidal(m):
+    """Integer positions [4, S] (large: up to 1e5), output in the sample's dtype, an offset."""
+    positions = m.ints(m.size(5000, 100000), 4, m.size(16, 1024), seed=10)
+    return call_args(positions, _sinusoidal_frequencies(m), m.size("half", "interleaved"), m.dtype, m.size(3, 5))
+
+
+@sample("add_sinusoidal")
+def _build_add_sinusoidal(m):
+    """Small: positions absent (arange + offset), half_cos_first; large: per-row positions [B, S]."""
+    x = m.grad(m.floats(*m.size((3, 8, 131), (4, 1024, 256)), seed=11))
+    positions = m.ints(100000, 4, 1024, seed=12) if m.large else None
+    return call_args(x, positions, _sinusoidal_frequencies(m), m.size(2.0, 0.5),
+                     m.size("half_cos_first", "interleaved"), m.size(3, 0))
+
+
+@sample("embed_sinusoidal")
+def _build_embed_sinusoidal(m):
+    """Small: positions [S] given, padding_idx 0; large: positions absent, padding_idx 7."""
+    vocab = m.size(50, 3000)
+    tokens = m.ints(vocab, *m.size((3, 8), (4, 1024)), seed=13)
+    table = m.grad(m.floats(vocab, m.size(130, 256), seed=14))
+    positions = None if m.large else m.ints(5000, 8, seed=15)
+    return call_args(tokens, table, positions, _sinusoidal_frequencies(m), m.size(2.5, 2.0), m.size(0, 7),
+                     m.size("half", "interleaved"), m.size(4, 0))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+SINUSOIDAL_LAYOUTS = ["interleaved", "half", "half_cos_first"]
+
+
+def encoding(absolute, inv_freq, layout, width=None):
+    """PE of absolute positions [...] -> [..., width]: sin/cos of fl(p * w) in the layout, zero past 2F."""
+    angle = absolute.double()[..., None] * inv_freq.double()
+    sin, cos = angle.sin(), angle.cos()
+    if layout == "interleaved":
+        pe = torch.stack([sin, cos], -1).flatten(-2)
+    elif layout == "half":
+        pe = torch.cat([sin, cos], -1)
+    else:
+        pe = torch.cat([cos, sin], -1)
+    if width is not None and width > pe.shape[-1]:
+        pe = torch.cat([pe, torch.zeros(*pe.shape[:-1], width - pe.shape[-1], dtype=torch.float64)], -1)
+    return pe
+
+
+@property_check("sinusoidal")
+@given(st.data())
+def check_sinusoidal(data):
+    draw = data.draw
+    pairs = draw(st.integers(1, 6))
+    inv_freq = frequencies(draw, pairs)
+    shape = sizes(draw, draw(st.integers(1, 3)))
+    layout = draw(st.sampled_from(SINUSOIDAL_LAYOUTS))
+    positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=True, shared_ok=False)
+    if positions is None:  # sinusoidal always takes positions: arange(S), and the offset drawn for them
+        positions = torch.arange(shape[-1]).expand(shape)
+    dtype = draw(st.sampled_from([None] + FLOAT_DTYPES))
+    note(f"positions {positions.dtype} {list(positions.shape)} stride {positions.stride()}, offset {offset}")
+    out = call("sinusoidal", positions, inv_freq, layout, dtype, offset)
+    expected_dtype = dtype or (positions.dtype if positions.is_floating_point() else torch.float32)
+    assert out.dtype == expected_dtype and out.is_contiguous()
+    assert_rounds_within(out, encoding(absolute.expand(shape), inv_freq, layout), trig_error(out.dtype))
+
+
+@property_check("add_sinusoidal")
+@given(st.data())
+def check_add_sinusoidal(data):
+    draw = data.draw
+    gen = generator(draw)
+    pairs = draw(st.integers(1, 5))
+    inv_freq = frequencies(draw, pairs)
+    width = 2 * pairs + draw(st.integers(0, 1))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    rows = sizes(draw, draw(st.integers(1, 3)))
+    x = drawn_tensor(draw, rows + [width], lambda s: normal(gen, s, dtype))
+    positions, offset, absolute = positions_and_offset(draw, rows, floating_ok=True)
+    x_scale = draw(st.sampled_from([1.0, 0.0, -1.5, math.sqrt(width)]))
+    layout = draw(st.sampled_from(SINUSOIDAL_LAYOUTS))
+    out = call("add_sinusoidal", x, positions, inv_freq, x_scale, layout, offset)
+    assert out.dtype == dtype and out.is_contiguous()
+    scaled = x.double() * x_scale
+    reference = scaled + encoding(absolute.expand(rows), inv_freq, layout, width)
+    eps = math_eps(dtype)
+    assert_rounds_within(out, reference, trig_error(dtype) + 4 * eps * (scaled.abs() + 1))
+
+
+@property_check("embed_sinusoidal")
+@given(st.data())
+def check_embed_sinusoidal(data):
+    draw = data.draw
+    gen = generator(draw)
+    pairs = draw(st.integers(1, 5))
+    inv_freq = frequencies(draw, pairs)
+    width = 2 * pairs + draw(st.integers(0, 1))
+    vocab = draw(st.integers(1, 6))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    weight = drawn_tensor(draw, [vocab, width], lambda s: normal(gen, s, dtype))
+    rows = sizes(draw, draw(st.integers(1, 3)))
+    tokens = drawn_tensor(draw, rows, lambda s: integers(gen, s, 0, vocab, draw(st.sampled_from([torch.long,
+                                                                                                 torch.int]))))
+    positions, offset, absolute = positions_and_offset(draw, rows, floating_ok=True)
+    token_scale = draw(st.sampled_from([1.0, 2.5, -0.5]))
+    padding_idx = draw(st.one_of(st.none(), st.integers(0, vocab - 1)))
+    layout = draw(st.sampled_from(SINUSOIDAL_LAYOUTS))
+    out = call("embed_sinusoidal", tokens, weight, positions, inv_freq, token_scale, padding_idx, layout, offset)
+    assert out.dtype == dtype and out.shape == (*rows, width)
+    scaled = weight.double()[tokens.long()] * token_scale
+    reference = scaled + encoding(absolute.expand(rows), inv_freq, layout, width)
+    assert_rounds_within(out, reference, trig_error(dtype) + 4 * math_eps(dtype) * (scaled.abs() + 1))
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def sinusoidal(draw):
+    pairs, seq = small(draw), small(draw)
+    return dict(positions=torch.arange(seq), inv_freq=torch.rand(pairs, dtype=F64), layout="half", dtype=None,
+                offset=0)
+
+
+def add_sinusoidal(draw):
+    pairs, batch, seq = small(draw), small(draw), small(draw)
+    return dict(x=randn(batch, seq, 2 * pairs), positions=None, inv_freq=torch.rand(pairs, dtype=F64), x_scale=1.0,
+                layout="interleaved", offset=0)
+
+
+def embed_sinusoidal(draw):
+    pairs, batch, seq, vocab = small(draw), small(draw), small(draw), small(draw, 2, 5)
+    return dict(tokens=torch.randint(0, vocab, (batch, seq)), token_weight=randn(vocab, 2 * pairs), positions=None,
+                inv_freq=torch.rand(pairs, dtype=F64), token_scale=1.0, padding_idx=None, layout="half", offset=0)
+
+
+def sinusoidal_domain_and_frequencies():
+    return {
+        "inv_freq_not_floating": not_floating("inv_freq"),
+        "inv_freq_wrong_rank": wrong_rank("inv_freq", [0, 2]),
+        "inv_freq_empty": lambda draw, kw: kw.update(inv_freq=torch.empty(0, dtype=F64)),
+        "inv_freq_on_meta": on_meta("inv_freq"),
+        "layout_unknown": unknown_string("layout", {"interleaved", "half", "half_cos_first"}),
+        "positions_bool_or_complex": lambda draw, kw: kw.update(positions=torch.zeros(
+            positions_length(kw), dtype=draw(st.sampled_from([torch.bool, torch.complex64])))),
+        "positions_beyond_domain": positions_beyond_domain(floating=True),
+    }
+
+
+bad_inputs("sinusoidal", base=sinusoidal, mutations=dict(
+    sinusoidal_domain_and_frequencies(), dtype_not_floating=set_value(
+        "dtype", st.sampled_from([torch.int64, torch.bool, torch.complex64]))))
+bad_inputs("add_sinusoidal", base=add_sinusoidal, mutations=dict(
+    sinusoidal_domain_and_frequencies(), x_not_floating=not_floating("x"),
+    x_wrong_rank=wrong_rank("x", [0, 1]), x_width_mismatch=grow("x", -1, by=2),
+    positions_wrong_shape=lambda draw, kw: kw.update(
+        positions=torch.arange(kw["x"].shape[-2] + 1)),
+    positions_on_meta=lambda draw, kw: kw.update(
+        positions=torch.arange(kw["x"].shape[-2], device="meta"))))
+bad_inputs("embed_sinusoidal", base=embed_sinusoidal, mutations=dict(
+    sinusoidal_domain_and_frequencies(), tokens_not_index=not_index("tokens"),
+    tokens_out_of_vocab=lambda draw, kw: put("tokens", [kw["token_weight"].shape[0], -1,
+                                                         INT64_MAX, INT64_MIN])(draw, kw),
+    token_weight_wrong_rank=wrong_rank("token_weight", [1, 3]),
+    token_weight_width_mismatch=grow("token_weight", 1, by=2),
+    token_weight_not_floating=not_floating("token_weight"),
+    padding_idx_out_of_range=lambda draw, kw: kw.update(padding_idx=draw(st.sampled_from(
+        [-1, kw["token_weight"].shape[0], INT64_MAX, INT64_MIN])))))

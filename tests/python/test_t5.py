@@ -4,10 +4,16 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
+from helpers import randn
+from mutations import grow, not_floating, not_index, set_value, small, wrong_rank
+from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
+from strategies import FLOAT_DTYPES, assert_rounds_within, call, drawn_tensor, generator, integers, normal, sizes
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -280,3 +286,161 @@ def test_empty_inputs_give_empty_results():
     assert PF.t5_bias(weight, 0, 5, True, 32, 128).shape == (1, 4, 0, 5)
     assert PF.relative_position_bucket(torch.empty(0, 3, dtype=torch.int64)).shape == (0, 3)
     assert torch.equal(PF.t5_bias_backward(torch.randn(1, 4, 3, 0), True, 32, 128), torch.zeros(32, 4))
+
+
+# ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
+# This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
+# them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
+# tests), its hypothesis property (test_properties.py) and its bad-input cases (bad_input_fuzzer.py).
+
+# ---- sample calls
+# Small: 70 keys (no whole vector); large: [16, 128, 512].
+
+@sample("relative_position_bucket")
+def _build_relative_position_bucket(m):
+    relative = m.ints(m.size(2000, 4000), *m.size((64, 64), (1024, 1024)), seed=63) - m.size(1000, 2000)
+    return call_args(relative, m.large, 32, 128)
+
+
+@sample("t5_bias")
+def _build_t5_bias(m):
+    """Small: unidirectional, max_distance 20; large: bidirectional, 512 keys for 128 queries, q_offset 3."""
+    table = m.grad(m.floats(32, m.size(4, 16), seed=64))
+    return call_args(table, m.size(16, 128), m.size(70, 512), m.large, 32, m.size(20, 128), m.size(2, 3))
+
+
+@sample("t5_bias_backward")
+def _build_t5_bias_backward(m):
+    grad = m.grad(m.floats(*m.size((1, 4, 16, 70), (1, 16, 128, 512)), seed=65))
+    return call_args(grad, not m.large, 32, 128, m.size(7, 5))
+
+
+# ---- properties: random valid inputs against float64 references (test_properties.py)
+
+def t5_bucket(relative, bidirectional, num_buckets, max_distance):
+    """Mesh TensorFlow's bucketing with T5's float32 steps, from Python integers (no int64 wrap at
+    INT64_MIN: its distance 2^63 falls in the last bucket)."""
+    n_dir = num_buckets // 2 if bidirectional else num_buckets
+    exact = n_dir // 2
+    flat = relative.flatten().tolist()
+    offsets = [n_dir if (bidirectional and r > 0) else 0 for r in flat]
+    distances = [abs(r) if bidirectional else max(-r, 0) for r in flat]
+    far = torch.tensor([min(d, 2 ** 63 - 1) for d in distances], dtype=torch.long).float()  # T5: .float()
+    log_part = torch.log(far / exact) / math.log(max_distance / exact) * (n_dir - exact)
+    large = (exact + log_part.long()).clamp(max=n_dir - 1).tolist()
+    buckets = [o + (d if d < exact else lg) for o, d, lg in zip(offsets, distances, large)]
+    return torch.tensor(buckets, dtype=torch.long).reshape(relative.shape)
+
+
+def t5_config(draw):
+    bidirectional = draw(st.booleans())
+    num_buckets = draw(st.integers(4 if bidirectional else 2, 40))
+    exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+    max_distance = draw(st.one_of(st.integers(exact + 1, exact + 20), st.integers(exact + 1, 2 ** 40)))
+    return bidirectional, num_buckets, max_distance
+
+
+@property_check("relative_position_bucket")
+@given(st.data())
+def check_relative_position_bucket(data):
+    draw = data.draw
+    gen = generator(draw)
+    bidirectional, num_buckets, max_distance = t5_config(draw)
+    dtype = draw(st.sampled_from([torch.long, torch.int]))
+    info = torch.iinfo(dtype)
+    shape = sizes(draw, draw(st.integers(0, 3)))
+    extremes = torch.tensor([min(max(v, info.min), info.max) for v in
+                             (info.min, info.max, info.min + 1, 0, -1, 1, max_distance, -max_distance)], dtype=dtype)
+    relative = drawn_tensor(draw, shape, lambda s: torch.where(
+        integers(gen, s, 0, 2).bool(), integers(gen, s, -3 * max_distance, 3 * max_distance).clamp(info.min, info.max)
+        .to(dtype), extremes[integers(gen, s, 0, len(extremes))]))
+    out = call("relative_position_bucket", relative, bidirectional, num_buckets, max_distance)
+    assert out.dtype == torch.long
+    assert torch.equal(out, t5_bucket(relative.long(), bidirectional, num_buckets, max_distance))
+
+
+@property_check("t5_bias")
+@given(st.data())
+def check_t5_bias(data):
+    draw = data.draw
+    gen = generator(draw)
+    bidirectional, num_buckets, max_distance = t5_config(draw)
+    heads = draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    weight = drawn_tensor(draw, [num_buckets, heads], lambda s: normal(gen, s, dtype))
+    q_len, k_len = draw(st.integers(0, 6)), draw(st.integers(0, 30))
+    q_offset = draw(st.one_of(st.integers(-40, 40), st.integers(-2 ** 62, 2 ** 62 - q_len)))
+    out = call("t5_bias", weight, q_len, k_len, bidirectional, num_buckets, max_distance, q_offset)
+    relative = torch.arange(k_len)[None, :] - (torch.arange(q_len)[:, None] + q_offset)
+    buckets = t5_bucket(relative, bidirectional, num_buckets, max_distance)
+    reference = weight.double()[buckets].permute(2, 0, 1)[None]
+    assert out.dtype == dtype and out.shape == (1, heads, q_len, k_len)
+    assert_rounds_within(out, reference, 0.0)
+
+
+@property_check("t5_bias_backward")
+@given(st.data())
+def check_t5_bias_backward(data):
+    draw = data.draw
+    gen = generator(draw)
+    bidirectional, num_buckets, max_distance = t5_config(draw)
+    heads, q_len, k_len = draw(st.integers(0, 3)), draw(st.integers(0, 6)), draw(st.integers(0, 30))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    grad = drawn_tensor(draw, [1, heads, q_len, k_len], lambda s: normal(gen, s, dtype))
+    q_offset = draw(st.one_of(st.integers(-40, 40), st.integers(-2 ** 62, 2 ** 62 - q_len)))
+    out = call("t5_bias_backward", grad, bidirectional, num_buckets, max_distance, q_offset)
+    assert out.dtype == dtype and out.shape == (num_buckets, heads)
+    relative = torch.arange(k_len)[None, :] - (torch.arange(q_len)[:, None] + q_offset)
+    buckets = t5_bucket(relative, bidirectional, num_buckets, max_distance).flatten()
+    rows = grad[0].double().permute(1, 2, 0).reshape(q_len * k_len, heads)
+    reference = torch.zeros(num_buckets, heads, dtype=torch.float64).index_add_(0, buckets, rows)
+    magnitude = torch.zeros(num_buckets, heads, dtype=torch.float64).index_add_(0, buckets, rows.abs())
+    assert_rounds_within(out, reference, 1e-12 * magnitude)
+
+
+# ---- bad inputs: a small valid call of each op, and the mutations that each make one argument wrong
+
+def relative_position_bucket(draw):
+    return dict(relative_position=torch.randint(-200, 200, (small(draw), small(draw))), bidirectional=True,
+                num_buckets=32, max_distance=128)
+
+
+def t5_bias(draw):
+    return dict(weight=randn(32, small(draw)), q_len=small(draw), k_len=small(draw), bidirectional=True,
+                num_buckets=32, max_distance=128, q_offset=0)
+
+
+def t5_bias_backward(draw):
+    return dict(grad=randn(1, small(draw), small(draw), small(draw)), bidirectional=False, num_buckets=32,
+                max_distance=128, q_offset=0)
+
+
+def t5_buckets_invalid(draw, kw):
+    bidirectional = kw["bidirectional"]
+    how = draw(st.sampled_from(["buckets_nonpositive", "too_few", "distance_nonpositive", "distance_small"]))
+    if how == "buckets_nonpositive":
+        kw["num_buckets"] = draw(st.sampled_from([0, -1, INT64_MIN]))
+    elif how == "too_few":
+        kw["num_buckets"] = 3 if bidirectional else 1
+    elif how == "distance_nonpositive":
+        kw["max_distance"] = draw(st.sampled_from([0, -5, INT64_MIN]))
+    else:
+        kw["max_distance"] = (kw["num_buckets"] // 2 if bidirectional else kw["num_buckets"]) // 2
+    if "weight" in kw and how in ("buckets_nonpositive", "too_few"):
+        kw["weight"] = randn(max(kw["num_buckets"], 0), kw["weight"].shape[1])
+
+
+bad_inputs("relative_position_bucket", base=relative_position_bucket, mutations=dict(
+    relative_position_not_index=not_index("relative_position"),
+    buckets_invalid=t5_buckets_invalid))
+bad_inputs("t5_bias", base=t5_bias, mutations=dict(
+    weight_not_floating=not_floating("weight"), weight_wrong_rank=wrong_rank("weight", [1, 3]),
+    weight_rows_differ=grow("weight", 0), q_len_negative=set_value("q_len", st.integers(-100, -1)),
+    k_len_negative=set_value("k_len", st.integers(-100, -1)), buckets_invalid=t5_buckets_invalid,
+    q_offset_beyond_2_pow_62=set_value("q_offset", st.sampled_from(
+        [2 ** 62 + 1, -(2 ** 62) - 1, INT64_MAX, INT64_MIN]))))
+bad_inputs("t5_bias_backward", base=t5_bias_backward, mutations=dict(
+    grad_not_floating=not_floating("grad"), grad_wrong_rank=wrong_rank("grad", [0, 3, 5]),
+    grad_batch_not_1=grow("grad", 0), buckets_invalid=t5_buckets_invalid,
+    q_offset_beyond_2_pow_62=set_value("q_offset", st.sampled_from(
+        [2 ** 62 + 1, -(2 ** 62) - 1, INT64_MAX, INT64_MIN]))))
