@@ -35,9 +35,6 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
   }
 }
 
-// Scratch of rotate_token's bf16 neox coefficient split.
-int64_t split_size(int64_t pairs) { return 8 * (pairs / 2); }
-
 template <typename scalar_t>
 void rope_kernel(const RopeProblem<scalar_t>& problem) {
   using opmath = opmath_t<scalar_t>;
@@ -61,7 +58,6 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
     std::vector<opmath> own(table ? 0 : 2 * pairs);
-    std::vector<float> split(split_size(pairs));
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / seq;
       const int64_t s = n % seq;
@@ -73,7 +69,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
       }
       const PairCoeffs<opmath> k{row, row + pairs, row, row + pairs};
       for (int64_t v = 0; v < problem.num_views; ++v) {
-        rotate_token(problem.views[v], b, s, k, pairs, problem.layout, split.data());
+        rotate_token(problem.views[v], b, s, k, pairs, problem.layout);
       }
     }
   });
@@ -91,7 +87,6 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
   const int64_t second = problem.layout == RopeLayout::Neox ? pairs : 1;
   parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
     std::vector<opmath> own(4 * pairs);
-    std::vector<float> split(split_size(pairs));
     opmath* c1 = own.data();
     opmath* s1 = c1 + pairs;
     opmath* c2 = s1 + pairs;
@@ -108,7 +103,7 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
         s1[i] = problem.transpose ? -problem.sin[z] : problem.sin[a];
         s2[i] = problem.transpose ? -problem.sin[a] : problem.sin[z];
       }
-      rotate_token(view, b, s, PairCoeffs<opmath>{c1, s1, c2, s2}, pairs, problem.layout, split.data());
+      rotate_token(view, b, s, PairCoeffs<opmath>{c1, s1, c2, s2}, pairs, problem.layout);
     }
   });
 }
