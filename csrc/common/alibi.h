@@ -6,7 +6,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -99,7 +98,8 @@ inline AlibiRows alibi_rows(const at::Tensor& t) {
 
 // The ops of ALiBi on one device: checks, allocation and dtype dispatch, the same on every device. The device
 // supplies the rest:
-//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   add_bias<scalar_t>(in, out, slopes, mode, head_offset)
 //                           every row of out = in + bias (in undefined: the bias alone); out may be in;
 //   slope_grad<scalar_t>(grad, mode, slopes, head_offset, acc)
@@ -112,7 +112,7 @@ struct AlibiOps {
                                std::optional<at::ScalarType> dtype) {
     const auto shape = check_alibi_bias(slopes, q_len, k_len, mode, head_offset,
                                         num_heads ? std::optional<c10::SymInt>(*num_heads) : std::nullopt, dtype);
-    auto out = at::empty({shape.batch.expect_int(), shape.num_heads.expect_int(), q_len, k_len},
+    auto out = Device::empty({shape.batch.expect_int(), shape.num_heads.expect_int(), q_len, k_len},
                          slopes.options().dtype(shape.dtype));
     const typename Device::Guard guard(slopes.device());
     if (out.numel() > 0) add_bias(at::Tensor(), out, slopes, parse_alibi_mode("alibi_bias", mode), head_offset);
@@ -122,7 +122,7 @@ struct AlibiOps {
   static at::Tensor add_alibi(const at::Tensor& scores, const at::Tensor& slopes, c10::string_view mode,
                               int64_t head_offset) {
     const auto alibi_mode = check_alibi_scores("add_alibi", "scores", scores, slopes, mode, head_offset);
-    auto out = at::empty(scores.sizes(), scores.options());
+    auto out = Device::empty(scores.sizes(), scores.options());
     const typename Device::Guard guard(scores.device());
     if (out.numel() > 0) add_bias(scores, out, slopes, alibi_mode, head_offset);
     return out;

@@ -5,7 +5,6 @@
 #include "families.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -29,7 +28,8 @@ inline void check_embedding_backward(const at::Tensor& grad, const at::Tensor& i
 
 // embedding_backward on one device: checks, allocation and dtype dispatch, the same on every device. The device
 // supplies the rest:
-//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   check_indices(op, arg, indices, limit, limit_name)
 //                           every index in [0, limit), with the CPU's message;
 //   sum_rows<scalar_t>(grad, ids, skip, scale, out)
@@ -44,7 +44,7 @@ struct EmbeddingOps {
     const typename Device::Guard guard(grad.device());
     Device::check_indices(op, "indices", indices, num_rows, "num_rows");
     const int64_t width = grad.size(-1);
-    auto out = at::empty({num_rows, width}, grad.options());
+    auto out = Device::empty({num_rows, width}, grad.options());
     if (out.numel() == 0) return out;
     const auto rows = grad.contiguous();
     const auto ids = indices.to(at::kLong).contiguous();

@@ -7,8 +7,6 @@
 #include "common/positions.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/ne.h>
 #include <torch/library.h>
 
@@ -104,7 +102,8 @@ inline void check_positions_from_mask(const at::Tensor& attention_mask) {
 
 // The ops of the learned family on one device: checks, allocation, table rows and dtype dispatch, the same on
 // every device. The device supplies the rest:
-//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   read_table_rows(op, positions, count, offset, domain)
 //                           positions plus offset (offset + arange(count) when absent), checked against the
 //                           table's domain, as its add_rows reads them;
@@ -126,7 +125,7 @@ struct LearnedOps {
     const auto rows = Device::read_table_rows(op, positions, 0, offset, table_domain(weight.size(0), "weight"));
     auto sizes = positions.sizes().vec();
     sizes.push_back(weight.size(1));
-    auto out = at::empty(sizes, weight.options());
+    auto out = Device::empty(sizes, weight.options());
     if (out.numel() == 0) return out;
     const auto table = weight.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, table.scalar_type(), "posenc_learned", [&] {
@@ -144,7 +143,7 @@ struct LearnedOps {
     const auto rows =
         Device::read_table_rows(op, positions, x.size(-2), offset, table_domain(weight.size(0), "weight"));
     const auto input = x.contiguous();
-    auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    auto out = Device::empty(input.sizes(), input.options());
     if (out.numel() == 0) return out;
     const auto table = weight.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_learned", [&] {
@@ -165,7 +164,7 @@ struct LearnedOps {
                                               table_domain(pos_weight.size(0), "pos_weight"));
     auto sizes = tokens.sizes().vec();
     sizes.push_back(token_weight.size(1));
-    auto out = at::empty(sizes, token_weight.options());
+    auto out = Device::empty(sizes, token_weight.options());
     if (out.numel() == 0) return out;
     const auto ids = tokens.to(at::kLong).contiguous();
     const auto token_table = token_weight.contiguous();

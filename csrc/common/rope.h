@@ -6,7 +6,6 @@
 #include "portable/types.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <array>
@@ -226,6 +225,8 @@ struct Rotation {
 // The ops of the rotary family on one device: checks, allocation and empty outputs, the same on every device.
 // Functional outputs are fresh and contiguous in the input's own format (the Meta kernels agree). The device
 // supplies the rest:
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   rotate(rotation)        the Rotation, reading and checking positions as it needs;
 //   rotate_by_tables<scalar_t, opmath>(view, batch, seq, cos, sin, args, transpose)
 //                           view's input rotated into its output by cos/sin tables [.., seq, rotary_dim] of type
@@ -250,7 +251,7 @@ struct RopeOps {
                         const std::optional<at::Tensor>& pair_axis, bool inverse) {
     const auto args =
         check_rope(op, {{inverse ? "grad" : "x", &x}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
-    auto out = at::empty(x.sizes(), x.options());
+    auto out = Device::empty(x.sizes(), x.options());
     rotate(op, {x}, {out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis, inverse);
     return out;
   }
@@ -263,8 +264,8 @@ struct RopeOps {
                                                const std::optional<at::Tensor>& pair_axis, bool inverse) {
     const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
                                  inv_freq, layout, format, cu_seqlens, pair_axis);
-    auto q_out = at::empty(q.sizes(), q.options());
-    auto k_out = at::empty(k.sizes(), k.options());
+    auto q_out = Device::empty(q.sizes(), q.options());
+    auto k_out = Device::empty(k.sizes(), k.options());
     rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
            inverse);
     return {q_out, k_out};
@@ -318,7 +319,7 @@ struct RopeOps {
   static at::Tensor by_tables(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                               c10::string_view layout, c10::string_view format, bool transpose) {
     const auto args = check_rope_cos_sin(op, transpose ? "grad" : "x", x, cos, sin, layout, format);
-    auto out = at::empty(x.sizes(), x.options());
+    auto out = Device::empty(x.sizes(), x.options());
     if (x.numel() == 0) return out;
     const typename Device::Guard guard(x.device());
     const auto order = rope_dim_order(args.format);

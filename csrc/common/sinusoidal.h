@@ -5,8 +5,6 @@
 #include "families.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 namespace posenc {
@@ -69,7 +67,8 @@ inline bool check_embed_sinusoidal(const at::Tensor& tokens, const at::Tensor& t
 
 // The ops of the sinusoidal family on one device: checks, allocation, positions and dtype dispatch, the same on
 // every device. The device supplies the rest:
-//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   read_positions(op, positions, count, offset)
 //                           positions plus offset (offset + arange(count) when absent), checked against the
 //                           angle domain, as its encode reads them;
@@ -86,7 +85,7 @@ struct SinusoidalOps {
     const auto out_dtype = check_sinusoidal(positions, inv_freq, layout, dtype);
     auto sizes = positions.sizes().vec();
     sizes.push_back(2 * inv_freq.size(0));
-    auto out = at::empty(sizes, positions.options().dtype(out_dtype));
+    auto out = Device::empty(sizes, positions.options().dtype(out_dtype));
     if (out.numel() == 0) return out;
     const typename Device::Guard guard(positions.device());
     const auto pos = Device::read_positions(op, positions, 0, offset);
@@ -102,7 +101,7 @@ struct SinusoidalOps {
     constexpr const char* op = "add_sinusoidal";
     check_add_sinusoidal(x, positions, inv_freq, layout);
     const auto input = x.contiguous();
-    auto out = at::empty_like(input, at::MemoryFormat::Contiguous);
+    auto out = Device::empty(input.sizes(), input.options());
     if (input.numel() == 0) return out;
     const typename Device::Guard guard(x.device());
     const auto pos = Device::read_positions(op, positions, input.size(-2), offset);
@@ -122,7 +121,7 @@ struct SinusoidalOps {
     Device::check_indices(op, "tokens", tokens, token_weight.size(0), "the vocabulary of token_weight, size");
     auto sizes = tokens.sizes().vec();
     sizes.push_back(token_weight.size(1));
-    auto out = at::empty(sizes, token_weight.options());
+    auto out = Device::empty(sizes, token_weight.options());
     if (out.numel() == 0) return out;
     const auto pos = Device::read_positions(op, positions, tokens.size(-1), offset);
     const auto ids = tokens.to(at::kLong).contiguous();

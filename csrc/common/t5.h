@@ -5,7 +5,6 @@
 #include "families.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -61,7 +60,8 @@ inline void check_q_offset(const char* op, int64_t q_offset) {
 
 // The ops of the T5 relative bias on one device: checks, allocation and dtype dispatch, the same on every
 // device. The device supplies the rest, each given T5's bidirectional, num_buckets and max_distance:
-//   Guard                   made from a device, makes it current for the call (nothing to do on the CPU);
+//   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
+//                           (nothing to do on the CPU), and empty(sizes, options), a contiguous output;
 //   bucket<index_t>(relative_position, out, ...)
 //                           out[n] = the bucket of relative_position[n] (contiguous, not empty);
 //   bias<scalar_t>(weight, out, ..., q_offset)
@@ -76,7 +76,7 @@ struct T5Ops {
     check_relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance);
     const typename Device::Guard guard(relative_position.device());
     const auto input = relative_position.contiguous();
-    auto out = at::empty(input.sizes(), input.options().dtype(at::kLong));
+    auto out = Device::empty(input.sizes(), input.options().dtype(at::kLong));
     if (out.numel() == 0) return out;
     AT_DISPATCH_INDEX_TYPES(input.scalar_type(), "posenc_relative_position_bucket", [&] {
       Device::template bucket<index_t>(input, out, bidirectional, num_buckets, max_distance);
@@ -88,7 +88,7 @@ struct T5Ops {
                             int64_t num_buckets, int64_t max_distance, int64_t q_offset) {
     check_t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance);
     check_q_offset("t5_bias", q_offset);
-    auto out = at::empty({1, weight.size(1), q_len, k_len}, weight.options());
+    auto out = Device::empty({1, weight.size(1), q_len, k_len}, weight.options());
     if (out.numel() == 0) return out;
     const typename Device::Guard guard(weight.device());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_t5_bias", [&] {

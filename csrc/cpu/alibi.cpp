@@ -25,8 +25,7 @@ std::vector<opmath> local_slopes(const at::Tensor& slopes, int64_t head_offset, 
   return out;
 }
 
-struct CpuAlibi {
-  using Guard = CpuGuard;
+struct CpuAlibi : CpuDevice {
 
   template <typename scalar_t>
   static void add_bias(const at::Tensor& in, const at::Tensor& out, const at::Tensor& slopes, AlibiMode mode,

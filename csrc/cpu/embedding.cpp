@@ -10,8 +10,7 @@
 namespace posenc {
 namespace {
 
-struct CpuEmbedding {
-  using Guard = CpuGuard;
+struct CpuEmbedding : CpuDevice {
 
   static constexpr auto check_indices = &check_indices_in_range;
 

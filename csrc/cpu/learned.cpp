@@ -13,8 +13,7 @@
 namespace posenc {
 namespace {
 
-struct CpuLearned {
-  using Guard = CpuGuard;
+struct CpuLearned : CpuDevice {
 
   static HostPositions<int64_t> read_table_rows(const char* op, const std::optional<at::Tensor>& positions,
                                                 int64_t count, int64_t offset, const PositionDomain& domain) {

@@ -26,8 +26,7 @@ std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n
   return out;
 }
 
-struct CpuRope {
-  using Guard = CpuGuard;
+struct CpuRope : CpuDevice {
 
   static void rotate(const Rotation& r) {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);

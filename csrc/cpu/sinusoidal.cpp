@@ -12,8 +12,7 @@
 namespace posenc {
 namespace {
 
-struct CpuSinusoidal {
-  using Guard = CpuGuard;
+struct CpuSinusoidal : CpuDevice {
 
   static HostPositions<double> read_positions(const char* op, const std::optional<at::Tensor>& positions,
                                               int64_t count, int64_t offset) {

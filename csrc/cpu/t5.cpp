@@ -9,8 +9,7 @@
 namespace posenc {
 namespace {
 
-struct CpuT5 {
-  using Guard = CpuGuard;
+struct CpuT5 : CpuDevice {
 
   template <typename index_t>
   static void bucket(const at::Tensor& input, const at::Tensor& out, bool bidirectional, int64_t num_buckets,

@@ -148,8 +148,7 @@ __global__ void alibi_slope_sums_kernel(const double* row_sums, AlibiRows rows, 
   }
 }
 
-struct CudaAlibi {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaAlibi : CudaDevice {
 
   // Writes every row of `out` as in + bias (in undefined: the bias alone); out may be in.
   template <typename scalar_t>

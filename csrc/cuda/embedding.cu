@@ -60,8 +60,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-struct CudaEmbedding {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaEmbedding : CudaDevice {
 
   static constexpr auto check_indices = &check_device_indices_in_range;
 

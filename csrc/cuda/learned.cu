@@ -13,8 +13,7 @@
 namespace posenc::cuda {
 namespace {
 
-struct CudaLearned {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaLearned : CudaDevice {
 
   static DevicePositions read_table_rows(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
                                          int64_t offset, const PositionDomain& domain) {

@@ -279,8 +279,7 @@ void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch
   }
 }
 
-struct CudaRope {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaRope : CudaDevice {
 
   static void rotate(const Rotation& r) {
     const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;

@@ -9,8 +9,7 @@
 namespace posenc::cuda {
 namespace {
 
-struct CudaSinusoidal {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaSinusoidal : CudaDevice {
 
   static DevicePositions read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
                                         int64_t offset) {

@@ -153,8 +153,7 @@ at::Tensor diagonal_buckets(const T5Table& table, int64_t q_len, int64_t k_len, 
   return buckets;
 }
 
-struct CudaT5 {
-  using Guard = c10::cuda::CUDAGuard;
+struct CudaT5 : CudaDevice {
 
   template <typename index_t>
   static void bucket(const at::Tensor& input, const at::Tensor& out, bool bidirectional, int64_t num_buckets,

@@ -5,6 +5,7 @@
 #include "portable/convert.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,6 +17,14 @@
 #include <cstdint>
 
 namespace posenc::cuda {
+
+// What every family's CUDA device struct shares: the guard that makes the inputs' device current for a call, and
+// outputs allocated through the dispatcher (CUDA's caching allocator).
+struct CudaDevice {
+  using Guard = c10::cuda::CUDAGuard;
+
+  static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) { return at::empty(sizes, options); }
+};
 
 constexpr int kThreads = 256;     // threads per block of the elementwise kernels
 constexpr int kVectorBytes = 16;  // one global load or store per thread: 128 bits
