@@ -56,17 +56,29 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
       }
     });
   }
+  if (table) {
+    // The coefficients are a table: each view (q, then k) is walked on its own, which halves the rows in flight
+    // per token (a bhsd token's heads are a whole sequence apart: 16 heads read and written in q and k at once
+    // are 64 streams, more than the prefetchers follow).
+    for (int64_t v = 0; v < problem.num_views; ++v) {
+      const auto& view = problem.views[v];
+      parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          const opmath* row = &coeffs[(n % seq) * 2 * pairs];
+          rotate_token(view, n / seq, n % seq, PairCoeffs<opmath>{row, row + pairs, row, row + pairs}, pairs,
+                       problem.layout);
+        }
+      });
+    }
+    return;
+  }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(table ? 0 : 2 * pairs);
+    std::vector<opmath> own(2 * pairs);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / seq;
       const int64_t s = n % seq;
       const opmath* row = own.data();
-      if (table) {
-        row = &coeffs[s * 2 * pairs];
-      } else {
-        angle_coeffs(problem, problem.shared_positions ? s : n, scale, own.data(), own.data() + pairs);
-      }
+      angle_coeffs(problem, problem.shared_positions ? s : n, scale, own.data(), own.data() + pairs);
       const PairCoeffs<opmath> k{row, row + pairs, row, row + pairs};
       for (int64_t v = 0; v < problem.num_views; ++v) {
         rotate_token(problem.views[v], b, s, k, pairs, problem.layout);
