@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # One run that answers whether posenc's CUDA kernels work and how fast they are, on a machine with a GPU and its
-# own torch (no internet needed): builds posenc with its CUDA kernels, runs the CUDA tests, then the GPU
-# benchmark, then the whole test suite with every op call re-run on the GPU. Everything stays within about
-# 8 minutes (each step has a time budget, cut short if the run is late), and every result lands in OUTDIR:
+# own torch (no internet needed), in order of information per second: builds posenc with its CUDA kernels, runs
+# every op once against the CPU (plain, then under compute-sanitizer), the CUDA tests, the GPU benchmark, then the
+# whole test suite with every op call re-run on the GPU. Everything stays within about 8 minutes (each step has a
+# time budget, cut short if the run is late), and every result lands in OUTDIR as it is produced (8 files, what
+# the device tool brings back):
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
 #   env.txt            GPU, driver, torch, nvcc, cmake
-#   build.log          CMake configure and build (build/gpu: sm_90 by default, CUDAARCHS overrides)
+#   build.log          CMake configure and build (build/gpu: sm_90 by default, CUDAARCHS overrides), then ctest
+#   smoke.log          scripts/gpu_smoke.py: every op's sample on CUDA against the CPU (first differing index and
+#                      its ULP error), then the same under compute-sanitizer memcheck, then racecheck on the ops
+#                      whose kernels use shared memory (rope, alibi)
 #   test_cuda.log      pytest tests/python/test_cuda.py: every op on CUDA against the CPU kernels
 #   bench.log          scripts/bench.py --device cuda
-#   bench_cuda.json    its rows (and bench_cuda.md, the same as a markdown table)
+#   bench_cuda.json    its rows (`scripts/bench.py --from-json bench_cuda.json --markdown F` makes the table)
 #   suite.log          pytest tests/python with POSENC_SHADOW=cuda (each op call re-run on CUDA and compared)
-#   summary.json       what passed, what failed, how long each step took
+#   summary.json       what passed, what failed, how long each step took (written even when the run is cut short)
 #
 # The C++ tests (ctest) build and run too where GoogleTest is installed. A folder .whl/ of wheels (Liger's
 # rope kernel for the benchmark, rotary-embedding-torch for the tests: scripts/gpu_wheels.sh makes it) is
@@ -79,10 +84,15 @@ built=$?
 export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 
 if [ $built = 0 ]; then
-  step test_cuda 150 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
-  step bench 150 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 \
-    --json "$OUT/bench_cuda.json" --markdown "$OUT/bench_cuda.md"
-  [ $gtest = ON ] && step ctest 60 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  step smoke 40 "$OUT/smoke.log" "$PYTHON" scripts/gpu_smoke.py
+  step memcheck 90 "$OUT/smoke.log" "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
+    "$PYTHON" scripts/gpu_smoke.py
+  step test_cuda 120 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
+  step bench 120 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 --json "$OUT/bench_cuda.json"
+  step racecheck 45 "$OUT/smoke.log" "$sanitizer" --tool racecheck --racecheck-report hazard --error-exitcode 1 \
+    "$PYTHON" scripts/gpu_smoke.py --only rope,alibi
+  [ $gtest = ON ] && step ctest 40 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
   step suite 180 "$OUT/suite.log" env POSENC_SHADOW=cuda "$PYTHON" -m pytest tests/python -q -p no:cacheprovider \
     -rfE --ignore=tests/python/test_cuda.py
 fi
@@ -99,11 +109,14 @@ for name in ("test_cuda", "suite"):
     if os.path.exists(path):
         lines = [l for l in open(path, errors="replace") if re.search(r"\d+ (passed|failed|error)", l)]
         tests[name] = lines[-1].strip(" =\n") if lines else "no pytest summary"
+path = os.path.join(out, "smoke.log")
+if os.path.exists(path):  # "N failed" after each of the plain, memcheck and racecheck runs
+    tests["smoke"] = [l.strip() for l in open(path, errors="replace") if re.fullmatch(r"\d+ failed\n?", l)]
 summary = {"status": status, "seconds": seconds, "total_seconds": total, "tests": tests,
            "env": open(os.path.join(out, "env.txt")).read().splitlines()}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))
 EOF
-for name in build test_cuda bench suite; do
+for name in build smoke memcheck test_cuda bench racecheck suite; do
   [ "${STATUS[$name]:-}" = passed ] || exit 1
 done

@@ -22,6 +22,36 @@ def same_bits(a, b, any_nan=False):
     return torch.equal(a_nan, b_nan) and torch.equal(a_bits[~a_nan], b_bits[~b_nan])
 
 
+def ordered(t):
+    """Floating values as integers whose order and distances are those of the values (ULPs apart)."""
+    bits = t.contiguous().view(_AS_INT[t.element_size()]).to(torch.int64)
+    sign_bit = 1 << (8 * t.element_size() - 1)
+    return torch.where(bits < 0, -(bits + sign_bit), bits)
+
+
+def first_difference(actual, expected):
+    """None when equal (NaN equal to NaN, as assert_close's equal_nan); else a line with the count of differing
+    elements, the first one's index, both values and (floating) their distance in ULPs: what a CUDA-against-CPU
+    comparison prints."""
+    actual = actual.cpu()
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"shape/dtype {tuple(actual.shape)} {actual.dtype} against {tuple(expected.shape)} {expected.dtype}"
+    if expected.is_floating_point():
+        differ = ~((actual == expected) | (actual.isnan() & expected.isnan()))
+    else:
+        differ = actual != expected
+    if not differ.any():
+        return None
+    flat = int(differ.flatten().nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))
+    a, e = actual.flatten()[flat].item(), expected.flatten()[flat].item()
+    line = f"{int(differ.sum())} of {expected.numel()} differ; first at {index}: {a!r}, expected {e!r}"
+    if expected.is_floating_point():
+        ulps = (ordered(actual.flatten()[flat:flat + 1]) - ordered(expected.flatten()[flat:flat + 1])).abs()
+        line += f", {int(ulps)} ULP"
+    return line
+
+
 def randn(*shape, dtype=torch.float32, seed=0, generator=None, requires_grad=False):
     """Normal values from `generator`, else from a new generator seeded with `seed`: the same values in every
     run and process. Drawn in float32 and rounded to `dtype`, so that every dtype sees the same values."""

@@ -10,6 +10,7 @@ import torch
 from torch.testing import assert_close
 
 import posenc  # noqa: F401
+from helpers import first_difference
 from op_registry import SAMPLES, SIZES, sample_outputs, tensor_ops, uses_dtype
 from posenc import frequencies as FQ
 from posenc import functional as PF
@@ -36,8 +37,9 @@ def same(actual, expected):
         for a, e in zip(actual, expected):
             same(a, e)
         return
-    assert actual.is_cuda and actual.shape == expected.shape and actual.dtype == expected.dtype
-    assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    assert actual.is_cuda
+    difference = first_difference(actual, expected)
+    assert difference is None, difference
 
 
 def run_both(op, *args, **kwargs):
@@ -588,3 +590,24 @@ def test_export_on_each_device(device):
     program = torch.export.export(Rotate(), (q, k))
     for a, e in zip(program.module()(q, k), model(q, k)):
         assert torch.equal(a, e)
+
+
+# ---------------------------------------------------------------- scripts/gpu_smoke.py, on any machine
+
+def test_gpu_smoke_runs_every_op_and_names_the_first_difference():
+    """scripts/gpu_check.sh's first step: every op's sample on two devices (here the CPU twice: equal), and
+    first_difference's report of one changed element (its index and ULP distance)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "gpu_smoke", Path(__file__).resolve().parents[2] / "scripts" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    for name in tensor_ops():
+        assert smoke.check(name, torch.float32, device="cpu") == [], name
+    x = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).reshape(3, 4)
+    y = x.clone()
+    y.view(torch.int16)[2, 1] += 1  # the next bf16 away from zero
+    assert first_difference(x, x.clone()) is None
+    report = first_difference(y, x)
+    assert report.startswith("1 of 12 differ; first at (2, 1):") and report.endswith(", 1 ULP"), report
