@@ -3,8 +3,17 @@
 ``patch`` switches one model instance to posenc and returns a :class:`Patch` that lists every change;
 ``unpatch`` undoes them and returns the same record. What is replaced, per family:
 
-- **Rotary** (``ROTARY_MODEL_TYPES``: Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX,
-  StableLM). The model's rotary module (``model.rotary_emb``), which builds cos/sin tables once per forward
+- **Rotary**: any model that follows Hugging Face's rotary contract, recognized on the instance and its
+  modeling file rather than by model type (:func:`recognize_rotary`): ``*RotaryEmbedding`` submodules with a
+  rope type posenc knows (default, linear, dynamic, YaRN, Llama 3, LongRoPE) whose ``(cos, sin)`` tables, probed
+  on a copy, are the neox tables of posenc's frequencies for its config (full or partial rotary), and a modeling
+  file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q and k, what ``rope_qk`` gives.
+  Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and the reason
+  (interleaved pairs, multi-axis sections, per-layer-type rope, no rotary module, ...). ``ROTARY_MODEL_TYPES``
+  (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, StableLM) are the types known to work
+  with gradients and generation tested too; tests/python/test_transformers_coverage.py sweeps every rotary
+  modeling file of the installed transformers. The model's rotary module (``model.rotary_emb``), which builds
+  cos/sin tables once per forward
   pass, is replaced by :class:`RotaryPositions`: it hands every layer the positions and posenc's float64
   frequencies (:class:`RotaryAngles`) instead of tables, and each attention layer then rotates q and k with
   one ``posenc.rope_qk`` call: no cos/sin tensor is built at all, for any scaling (default, linear, dynamic,
@@ -39,9 +48,10 @@ from .. import frequencies
 from .. import functional as PF
 from ..nn import RotaryEmbedding
 
-__all__ = ["patch", "unpatch", "is_patched", "Patch", "Change", "RotaryAngles", "RotaryPositions",
-           "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "recognize_rotary", "NotRecognized", "Patch", "Change", "RotaryAngles",
+           "RotaryPositions", "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
 
+# The types known to work (tested with gradients and generation); patch recognizes rotary models by contract.
 ROTARY_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox",
                       "stablelm")
 SUPPORTED_MODEL_TYPES = ROTARY_MODEL_TYPES + ("bloom", "t5", "gpt2")
@@ -83,24 +93,26 @@ class Patch:
 
 
 def patch(model: torch.nn.Module) -> Patch:
-    """Switches the positional code of a Hugging Face model (a ``PreTrainedModel`` of a type in
-    ``SUPPORTED_MODEL_TYPES``) to posenc, in place; returns the :class:`Patch` listing the changes.
+    """Switches the positional code of a Hugging Face model to posenc, in place; returns the :class:`Patch`
+    listing the changes.
 
-    Logits, gradients and greedy generation stay those of the unpatched model (up to the rounding of its
-    float32 cos/sin tables, which posenc forms in float64). Raises ``ValueError`` for other model types and
+    BLOOM, T5 and GPT-2 are recognized by ``config.model_type``; any other model is patched when it follows the
+    rotary contract (see :func:`recognize_rotary`), whatever its type. Logits, gradients and greedy generation
+    stay those of the unpatched model (up to the rounding of its float32 cos/sin tables, which posenc forms in
+    float64). Raises ``ValueError`` naming the model type and the reason for a model it does not recognize,
     ``RuntimeError`` if the model is already patched.
     """
     model_type = _model_type(model)
     if is_patched(model):
         raise RuntimeError(f"{_NAME}.patch: this {model_type} model is already patched; call unpatch(model) first")
-    if model_type in ROTARY_MODEL_TYPES:
-        record = _patch_rotary(model, model_type)
-    elif model_type == "bloom":
+    if model_type == "bloom":
         record = _patch_bloom(model)
     elif model_type == "t5":
         record = _patch_t5(model)
-    else:
+    elif model_type == "gpt2":
         record = _patch_gpt2(model)
+    else:
+        record = _patch_rotary(model, model_type)
     model._posenc_patch = record
     return record
 
@@ -130,9 +142,9 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def _model_type(model: torch.nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        found = f'model_type "{model_type}"' if model_type else f"a {type(model).__name__} without a config.model_type"
-        raise ValueError(f"{_NAME}: got {found}; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not model_type or not isinstance(model_type, str):
+        raise ValueError(f"{_NAME}: got a {type(model).__name__} without a config.model_type; patch takes a Hugging "
+                         f"Face model (known to work: {', '.join(SUPPORTED_MODEL_TYPES)})")
     return model_type
 
 
@@ -294,16 +306,37 @@ class RotaryPositions(torch.nn.Module):
 _ROTARY_WRAPPERS: Dict[str, list] = {}
 
 
+def _original_apply(modeling: str) -> Optional[Callable]:
+    if modeling in _ROTARY_WRAPPERS:
+        return _ROTARY_WRAPPERS[modeling][0]
+    function = getattr(sys.modules.get(modeling), "apply_rotary_pos_emb", None)
+    return function if callable(function) else None
+
+
+def _unsqueeze_dim_reader(signature: inspect.Signature) -> Callable[..., int]:
+    """How the wrapper reads ``unsqueeze_dim`` from a call's arguments, as the original function binds them
+    (some versions take ``position_ids`` before it)."""
+    parameter = signature.parameters.get("unsqueeze_dim")
+    default = 1 if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+    def read(q, k, cos, sin, *args, **kwargs) -> int:
+        if not args and not kwargs:
+            return default
+        return signature.bind(q, k, cos, sin, *args, **kwargs).arguments.get("unsqueeze_dim", default)
+
+    return read
+
+
 def _hold_rotary_wrapper(modeling: str) -> None:
     if modeling not in _ROTARY_WRAPPERS:
         module = importlib.import_module(modeling)
         original = module.apply_rotary_pos_emb
+        unsqueeze_dim_of = _unsqueeze_dim_reader(inspect.signature(original))
 
         @functools.wraps(original)
         def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
             if isinstance(cos, RotaryAngles):
-                unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
-                return cos.rotate(q, k, unsqueeze_dim)
+                return cos.rotate(q, k, unsqueeze_dim_of(q, k, cos, sin, *args, **kwargs))
             return original(q, k, cos, sin, *args, **kwargs)
 
         module.apply_rotary_pos_emb = apply_rotary_pos_emb
@@ -319,24 +352,193 @@ def _release_rotary_wrapper(modeling: str) -> None:
         del _ROTARY_WRAPPERS[modeling]
 
 
-def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
-    modeling = f"transformers.models.{model_type}.modeling_{model_type}"
-    found = _find(model, lambda m: type(m).__module__ == modeling and type(m).__name__.endswith("RotaryEmbedding"))
+class NotRecognized(ValueError):
+    """Raised by :func:`patch` (and :func:`recognize_rotary`) for a model it does not recognize: ``model_type``,
+    ``category`` (a short, stable phrase such as "no rotary module", "interleaved pairs", "multi-axis positions",
+    "rope_type unsupported") and ``detail``."""
+
+    def __init__(self, model_type: str, category: str, detail: str):
+        self.model_type, self.category, self.detail = model_type, category, detail
+        super().__init__(f'{_NAME}.patch: got model_type "{model_type}", which is not recognized: {category}: '
+                         f'{detail} (known to work: {", ".join(SUPPORTED_MODEL_TYPES)}; see '
+                         f'docs/integrations-transformers.md)')
+
+
+_PROBE_LENGTH = 12  # positions 0..11 of the probes: below every original length the tests use
+_PROBE_ATOL = 1e-5
+
+
+def _neox_tables(angles: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    doubled = torch.cat([angles, angles], dim=-1)
+    return doubled.cos() * scale, doubled.sin() * scale
+
+
+def _max_diff(a: Tensor, b: Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def _interleaved_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """GPT-J's rotation of the first ``cos.size(-1)`` channels (pairs 2i, 2i+1), the others passed through; cos
+    and sin in neox form (each frequency in both halves), [S, r]."""
+    r = cos.size(-1)
+    half_cos, half_sin = cos[..., : r // 2], sin[..., : r // 2]
+    even, odd = x[..., 0:r:2], x[..., 1:r:2]
+    rotated = torch.stack([even * half_cos - odd * half_sin, odd * half_cos + even * half_sin], dim=-1).flatten(-2)
+    return torch.cat([rotated, x[..., r:]], dim=-1)
+
+
+def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding) -> None:
+    """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state), returns the
+    tables of posenc's frequencies in neox form, [1, S, rotary_dim]."""
+    inv_freq = module.inv_freq
+    positions = torch.arange(_PROBE_LENGTH, device=inv_freq.device)
+    x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=inv_freq.device)
+    try:
+        with torch.no_grad():
+            tables = copy.deepcopy(module)(x, positions[None])
+    except Exception as error:  # noqa: BLE001 - any failure means the contract is not this one
+        raise NotRecognized(model_type, "rotary forward", f"{name}(x, position_ids) raised {type(error).__name__}: "
+                            f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    if not (isinstance(tables, tuple) and len(tables) == 2 and all(isinstance(t, Tensor) for t in tables)):
+        raise NotRecognized(model_type, "rotary forward", f"{name}(x, position_ids) returns "
+                            f"{type(tables).__name__}, not a (cos, sin) pair of tensors")
+    cos, sin = tables
+    expected_shape = (1, _PROBE_LENGTH, rotary.rotary_dim)
+    if tuple(cos.shape) != expected_shape:
+        category = "multi-axis positions" if cos.dim() != 3 or cos.size(0) != 1 else "cos/sin shape"
+        raise NotRecognized(model_type, category, f"{name} returns cos of shape {list(cos.shape)} for position_ids "
+                            f"[1, {_PROBE_LENGTH}], expected {list(expected_shape)}")
+    angles = positions.double()[:, None] * rotary.inv_freq_for(x, positions).to(positions.device)[None, :]
+    scale = rotary.attention_scale
+    ref_cos, ref_sin = _neox_tables(angles, scale)
+    diff = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
+    if diff > _PROBE_ATOL:
+        interleaved = torch.repeat_interleave(angles, 2, dim=-1)
+        if max(_max_diff(cos[0], interleaved.cos() * scale), _max_diff(sin[0], interleaved.sin() * scale)) \
+                <= _PROBE_ATOL:
+            raise NotRecognized(model_type, "interleaved pairs", f"{name} builds GPT-J style tables (each frequency "
+                                f"twice side by side), not neox halves")
+        raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({module.rope_type}) "
+                            f"differ from posenc's frequencies of its config by {diff:.2e}")
+
+
+def _check_apply(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding) -> None:
+    """The modeling file's apply_rotary_pos_emb gives, for q and k [B, H, S, D] (and [B, S, H, D] where it
+    takes unsqueeze_dim), what RotaryAngles.rotate gives: the standard neox rotation of the first rotary_dim
+    channels. D is the head dim, or rotary_dim for files whose layers pass only the rotated channels."""
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(parameters) < 4 or any(p.kind not in positional for p in parameters[:4]) or any(
+            p.default is inspect.Parameter.empty and p.kind in positional for p in parameters[4:]):
+        raise NotRecognized(model_type, "apply_rotary_pos_emb signature",
+                            f"{modeling}.apply_rotary_pos_emb{signature} is not (q, k, cos, sin, ...)")
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(_PROBE_LENGTH)
+    inv_freq = rotary.inv_freq_for(torch.zeros(1, _PROBE_LENGTH, 1), positions).cpu()
+    angles = RotaryAngles(positions, inv_freq, rotary.attention_scale)
+    cos, sin = _neox_tables(positions.double()[:, None] * inv_freq[None, :], rotary.attention_scale)
+    cos, sin = cos.float()[None], sin.float()[None]
+    layouts = [1, 2] if "unsqueeze_dim" in signature.parameters else [1]
+    failures = []
+    for head_dim in dict.fromkeys([rotary.head_dim, rotary.rotary_dim]):
+        q = torch.randn(2, 3, _PROBE_LENGTH, head_dim, generator=generator)
+        k = torch.randn(2, 1, _PROBE_LENGTH, head_dim, generator=generator)
+        try:
+            diffs = []
+            for unsqueeze_dim in layouts:
+                qq, kk = (q, k) if unsqueeze_dim == 1 else (q.transpose(1, 2), k.transpose(1, 2))
+                extra = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": 2}
+                theirs = function(qq, kk, cos, sin, **extra)
+                ours = angles.rotate(qq, kk, unsqueeze_dim)
+                diffs.append(max(_max_diff(theirs[0], ours[0]), _max_diff(theirs[1], ours[1])))
+        except Exception as error:  # noqa: BLE001
+            failures.append((head_dim, f"raised {type(error).__name__}"))
+            continue
+        if max(diffs) <= _PROBE_ATOL:
+            return
+        gptj = _interleaved_rotation(q, cos[0], sin[0])
+        if _max_diff(function(q, k, cos, sin)[0], gptj) <= _PROBE_ATOL:
+            raise NotRecognized(model_type, "interleaved pairs", f"{modeling}.apply_rotary_pos_emb rotates GPT-J "
+                                f"style pairs (2i, 2i+1), not neox halves")
+        failures.append((head_dim, f"differs from the neox rotation by {max(diffs):.2e}"))
+    raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling}.apply_rotary_pos_emb with "
+                        + "; ".join(f"head dim {d}: {why}" for d, why in failures))
+
+
+def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, RotaryEmbedding]:
+    modeling = type(module).__module__
+    function = _original_apply(modeling)
+    if function is None:
+        raise NotRecognized(model_type, "no apply_rotary_pos_emb", f"{name} is a {type(module).__name__} of "
+                            f"{modeling}, which defines no apply_rotary_pos_emb")
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, dict) or getattr(module, "layer_types", None) is not None:
+        raise NotRecognized(model_type, "per-layer-type rope", f"{name} has rope parameters per layer type")
+    if not isinstance(rope_type, str):
+        raise NotRecognized(model_type, "no rope_type", f"{name} ({type(module).__name__}) has no rope_type")
+    if rope_type not in frequencies.ROPE_TYPES:
+        raise NotRecognized(model_type, "rope_type unsupported", f"rope_type {rope_type!r} of {name} is not one of "
+                            f"posenc's {', '.join(frequencies.ROPE_TYPES)}")
+    params = getattr(getattr(module, "config", None), "rope_parameters", None)
+    if getattr(module, "mrope_section", None) is not None or (isinstance(params, dict) and "mrope_section" in params):
+        raise NotRecognized(model_type, "multi-axis sections", f"{name} rotates sections of the channels with "
+                            f"separate position axes (M-RoPE, position_ids [3, B, S])")
+    inv_freq, config = getattr(module, "inv_freq", None), getattr(module, "config", None)
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or config is None:
+        raise NotRecognized(model_type, "no inv_freq", f"{name} ({type(module).__name__}) has no 1-D inv_freq "
+                            f"buffer and config")
+    forward = inspect.signature(type(module).forward)
+    arguments = [p for p in list(forward.parameters.values())[1:]
+                 if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if len(arguments) < 2 or any(p.default is inspect.Parameter.empty for p in arguments[2:]):
+        raise NotRecognized(model_type, "rotary forward", f"{type(module).__name__}.forward{forward} is not "
+                            f"forward(x, position_ids)")
+    try:
+        rotary = RotaryEmbedding.from_hf_config(config)
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:
+        raise NotRecognized(model_type, "rope parameters unsupported", f"{name}: {error}") from None
+    if rotary.rotary_dim != 2 * inv_freq.numel():
+        raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {name} "
+                            f"rotates {2 * inv_freq.numel()} channels")
+    _check_tables(model_type, name, module, rotary)
+    _check_apply(model_type, modeling, function, rotary)
+    return modeling, rotary
+
+
+def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
+    """The rotary modules of a model that follows Hugging Face's rotary contract: ``[(path, module, modeling
+    file)]``; raises :class:`NotRecognized` (a ``ValueError``) with the reason otherwise.
+
+    The contract, checked on the instance and its modeling file, not by model type:
+
+    - the model has one or more ``*RotaryEmbedding`` submodules, each with a string ``rope_type`` that posenc
+      knows (``frequencies.ROPE_TYPES``), a 1-D ``inv_freq``, its ``config`` (from which
+      ``RotaryEmbedding.from_hf_config`` reads the same rotary dim) and ``forward(x, position_ids)``;
+    - called on positions 0..11 (on a copy), it returns ``(cos, sin)`` of shape [1, S, rotary_dim] equal, to 1e-5,
+      to the neox tables of posenc's frequencies times the attention scale: this checks the rope type, its
+      parameters, partial rotary and the layout of the tables;
+    - the module's modeling file defines ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` which, on random q and k
+      [B, H, S, D] (and [B, S, H, D] with ``unsqueeze_dim=2`` where it takes that argument), gives what
+      ``rope_qk`` gives: the neox rotation of the first rotary_dim channels, the rest passed through.
+    """
+    model_type = _model_type(model)
+    found = _find(model, lambda m: type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, RotaryPositions))
     if not found:
-        raise ValueError(f"{_NAME}.patch: found no rotary module ({modeling}.*RotaryEmbedding) in this "
-                         f"{type(model).__name__}")
-    if not callable(getattr(sys.modules[modeling], "apply_rotary_pos_emb", None)):
-        raise ValueError(f"{_NAME}.patch: {modeling} has no apply_rotary_pos_emb to route to posenc")
-    for name, original in found:
-        if getattr(original, "rope_type", None) is not None and not isinstance(original.rope_type, str):
-            raise ValueError(f"{_NAME}.patch: {name} has per-layer-type rope parameters, which this patch does "
-                             f"not cover")
+        raise NotRecognized(model_type, "no rotary module", f"this {type(model).__name__} has no *RotaryEmbedding "
+                            f"submodule, and bloom, t5 and gpt2 are the non-rotary types patch knows")
+    return [(name, module, _check_rotary_module(model_type, name, module)[0]) for name, module in found]
+
+
+def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
+    recognized = recognize_rotary(model)
     record = Patch(model_type, "rotary")
-    for name, original in found:
+    for name, original, modeling in recognized:
         replacement = RotaryPositions(original, modeling).to(device=original.inv_freq.device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
-    record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
-                                 "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
+    for modeling in dict.fromkeys(modeling for _, _, modeling in recognized):
+        record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
+                                     "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
     return record
 
 

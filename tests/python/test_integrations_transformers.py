@@ -211,6 +211,10 @@ def rotary_models():
                                                  num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.25,
                                                  max_position_embeddings=SEQ_LIMIT, pad_token_id=0)
     yield "stablelm", transformers.StableLmConfig(**common, partial_rotary_factor=0.25)
+    # Not in ROTARY_MODEL_TYPES: recognized by the rotary contract alone.
+    yield "starcoder2", transformers.Starcoder2Config(**common, rope_parameters=dict(SCALINGS["llama3"],
+                                                                                     rope_theta=1e4))
+    yield "olmo2", transformers.Olmo2Config(**common)
 
 
 @pytest.mark.parametrize("model_type, config", list(rotary_models()), ids=lambda v: v if isinstance(v, str) else "")
@@ -224,6 +228,46 @@ def test_rotary_model_types_match_hugging_face(model_type, config):
                               dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
     counts = ops_of(lambda: patched(input_ids=tokens))
     assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
+
+
+@pytest.mark.parametrize("model_type, category", [("cohere", "interleaved pairs"), ("glm", "interleaved pairs"),
+                                                   ("gemma3_text", "per-layer-type rope"),
+                                                   ("qwen3_vl_text", "multi-axis sections")])
+def test_models_outside_the_contract_are_refused_unchanged(model_type, category):
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModel.from_config(config).eval()
+    rotary = [m for _, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    with pytest.raises(PT.NotRecognized, match=f'got model_type "{model_type}", which is not recognized: '
+                                               f'{category}: ') as refused:
+        PT.patch(model)
+    assert refused.value.model_type == model_type and refused.value.category == category
+    assert not PT.is_patched(model) and not PT._ROTARY_WRAPPERS and rotary == [
+        m for _, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def test_the_wrapper_reads_unsqueeze_dim_as_the_original_binds_it():
+    """An apply_rotary_pos_emb that takes position_ids before unsqueeze_dim (older files): the wrapper reads the
+    layout from the bound arguments, and gives what the original gives with tables."""
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        raise AssertionError("not called for RotaryAngles")
+
+    read = PT._unsqueeze_dim_reader(inspect.signature(apply_rotary_pos_emb))
+    q = k = cos = sin = None
+    assert read(q, k, cos, sin) == 1 and read(q, k, cos, sin, None, 2) == 2 and read(q, k, cos, sin, None) == 1
+    assert read(q, k, cos, sin, unsqueeze_dim=2) == 2 and read(q, k, cos, sin, position_ids=None) == 1
+    reference = llama(SCALINGS["default"])
+    original = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    patched, _ = patched_copy(reference)
+    queries, keys = torch.randn(2, 5, 2, 16), torch.randn(2, 5, 1, 16)  # [B, S, H, D]
+    position_ids = torch.arange(5)[None]
+    cos, sin = reference.model.rotary_emb(queries, position_ids)
+    angles = patched.model.rotary_emb(queries, position_ids)
+    wrapper = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    for ours, theirs in zip(wrapper(queries, keys, *angles, unsqueeze_dim=2),
+                            original(queries, keys, cos, sin, unsqueeze_dim=2)):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- BLOOM, T5, GPT-2
@@ -564,9 +608,13 @@ def test_errors():
     opt = transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=32,
                                                              num_hidden_layers=1, num_attention_heads=2,
                                                              word_embed_proj_dim=16))
-    with pytest.raises(ValueError, match='got model_type "opt"; supported model types: llama, mistral, .*, gpt2'):
+    with pytest.raises(PT.NotRecognized, match='got model_type "opt", which is not recognized: no rotary module: '
+                                               'this OPTForCausalLM has no \\*RotaryEmbedding submodule') as refused:
         PT.patch(opt)
-    with pytest.raises(ValueError, match="got a Linear without a config.model_type; supported model types"):
+    assert isinstance(refused.value, ValueError) and refused.value.category == "no rotary module"
+    assert "known to work: llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2, phi3, gpt_neox, stablelm, " \
+           "bloom, t5, gpt2" in str(refused.value) and not PT.is_patched(opt)
+    with pytest.raises(ValueError, match="got a Linear without a config.model_type"):
         PT.patch(torch.nn.Linear(2, 2))
     model = llama(SCALINGS["default"])
     with pytest.raises(ValueError, match="the model is not patched"):
