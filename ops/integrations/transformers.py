@@ -6,17 +6,18 @@
 - **Rotary**: any model that follows Hugging Face's rotary contract, recognized on the instance and its
   modeling file rather than by model type (:func:`recognize_rotary`): ``*RotaryEmbedding`` submodules with a
   rope type posenc knows (default, linear, dynamic, YaRN, Llama 3, LongRoPE) whose ``(cos, sin)`` tables, probed
-  on a copy, are the neox tables of posenc's frequencies for its config (full or partial rotary), and a modeling
-  file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q and k, what ``rope_qk`` gives.
-  Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and the reason
-  (interleaved pairs, multi-axis sections, per-layer-type rope, no rotary module, ...). ``ROTARY_MODEL_TYPES``
-  (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, StableLM) are the types known to work
-  with gradients and generation tested too; tests/python/test_transformers_coverage.py sweeps every rotary
-  modeling file of the installed transformers. The model's rotary module (``model.rotary_emb``), which builds
-  cos/sin tables once per forward
-  pass, is replaced by :class:`RotaryPositions`: it hands every layer the positions and posenc's float64
-  frequencies (:class:`RotaryAngles`) instead of tables, and each attention layer then rotates q and k with
-  one ``posenc.rope_qk`` call: no cos/sin tensor is built at all, for any scaling (default, linear, dynamic,
+  on a copy, are the neox (or GPT-J style) tables of posenc's frequencies for its config (full or partial
+  rotary), and a modeling file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q and k, what
+  ``rope_qk`` gives with layout "neox" (halves) or "gptj" (interleaved pairs: Cohere, GLM, ERNIE 4.5, Helium),
+  the layout then used. Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and
+  the reason (multi-axis sections, per-layer-type rope, no rotary module, non-standard apply_rotary_pos_emb, ...).
+  ``ROTARY_MODEL_TYPES`` (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, StableLM) are
+  the types known to work with gradients and generation tested too (so are Cohere and GLM, interleaved pairs);
+  tests/python/test_transformers_coverage.py sweeps every rotary modeling file of the installed transformers.
+  The model's rotary module (``model.rotary_emb``), which builds cos/sin tables once per forward pass, is
+  replaced by :class:`RotaryPositions`: it hands every layer the positions and posenc's float64 frequencies
+  (:class:`RotaryAngles`) instead of tables, and each attention layer then rotates q and k with one
+  ``posenc.rope_qk`` call: no cos/sin tensor is built at all, for any scaling (default, linear, dynamic,
   YaRN, Llama 3, LongRoPE). The layers call their modeling file's ``apply_rotary_pos_emb`` by its global
   name, so that function is wrapped while a patched model of that file exists: the wrapper sends
   :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every unpatched model, to the
@@ -196,24 +197,28 @@ class RotaryAngles:
 
     ``rotate(q, k, unsqueeze_dim)`` is one ``rope_qk`` call: q and k as the attention layer holds them, [B, H, S, D]
     (``unsqueeze_dim=1``, Hugging Face's default) or [B, S, H, D] (``unsqueeze_dim=2``); the first ``2 *
-    len(inv_freq)`` channels rotate, the others pass through (partial rotary).
+    len(inv_freq)`` channels rotate, the others pass through (partial rotary). ``layout`` is the rotation the
+    modeling file does: "neox" (halves, channel i with i + rotary_dim / 2) or "gptj" (interleaved pairs 2i,
+    2i + 1: Cohere, GLM, ERNIE 4.5, Helium), pair i at frequency ``inv_freq[i]`` in both.
     """
 
-    __slots__ = ("positions", "inv_freq", "attention_scale")
+    __slots__ = ("positions", "inv_freq", "attention_scale", "layout")
 
-    def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float):
+    def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float, layout: str = "neox"):
         self.positions, self.inv_freq, self.attention_scale = positions, inv_freq, attention_scale
+        self.layout = layout
 
     def rotate(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"{_NAME}: q and k must be [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] "
                              f"(unsqueeze_dim=2), got unsqueeze_dim={unsqueeze_dim}")
         layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
-        return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, "neox", layout)
+        return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, self.layout,
+                                        layout)
 
     def __repr__(self) -> str:
         return (f"RotaryAngles(positions {list(self.positions.shape)}, {self.inv_freq.numel()} frequencies, "
-                f"attention_scale={self.attention_scale})")
+                f"attention_scale={self.attention_scale}, layout={self.layout!r})")
 
 
 class RotaryPositions(torch.nn.Module):
@@ -233,13 +238,17 @@ class RotaryPositions(torch.nn.Module):
     The attributes of the replaced module stay readable, with its values: ``rope_type``, ``attention_scaling``,
     ``inv_freq`` and ``original_inv_freq`` (Hugging Face's float32 frequencies, non-persistent buffers as there;
     dynamic NTK updates ``inv_freq`` as Hugging Face does), ``max_seq_len_cached``, ``original_max_seq_len`` and
-    ``config``. The rotation itself uses posenc's float64 frequencies (``self.rotary``).
+    ``config``. The rotation itself uses posenc's float64 frequencies (``self.rotary``), in ``layout``: "neox"
+    (halves) or "gptj" (interleaved pairs), the rotation :func:`recognize_rotary` found in the modeling file.
     """
 
-    def __init__(self, original: torch.nn.Module, modeling: str):
+    def __init__(self, original: torch.nn.Module, modeling: str, layout: str = "neox"):
         super().__init__()
+        if layout not in ("neox", "gptj"):
+            raise ValueError(f"{_NAME}: layout must be 'neox' or 'gptj', got {layout!r}")
         self.config = original.config
         self.modeling = modeling
+        self.layout = layout
         self.rotary = RotaryEmbedding.from_hf_config(original.config)
         # Code written for Hugging Face's module (its tests, scaling checks) reads these.
         self.rope_type = original.rope_type
@@ -295,11 +304,12 @@ class RotaryPositions(torch.nn.Module):
                              f"{list(position_ids.shape)}")
         # [1, S] is shared by the batch: rope_qk then forms each angle once for all rows.
         positions = position_ids[0] if position_ids.size(0) == 1 else position_ids
-        angles = RotaryAngles(positions, self._inv_freq(x, positions), self.rotary.attention_scale)
+        angles = RotaryAngles(positions, self._inv_freq(x, positions), self.rotary.attention_scale, self.layout)
         return angles, angles
 
     def extra_repr(self) -> str:
-        return f"rotary_dim={self.rotary.rotary_dim}, base={self.rotary.base}, scaling={self.rotary.scaling}"
+        text = f"rotary_dim={self.rotary.rotary_dim}, base={self.rotary.base}, scaling={self.rotary.scaling}"
+        return text if self.layout == "neox" else f"{text}, layout=gptj (interleaved pairs)"
 
 
 # Per modeling file: [its original apply_rotary_pos_emb, the number of RotaryPositions holding the wrapper].
@@ -354,8 +364,8 @@ def _release_rotary_wrapper(modeling: str) -> None:
 
 class NotRecognized(ValueError):
     """Raised by :func:`patch` (and :func:`recognize_rotary`) for a model it does not recognize: ``model_type``,
-    ``category`` (a short, stable phrase such as "no rotary module", "interleaved pairs", "multi-axis positions",
-    "rope_type unsupported") and ``detail``."""
+    ``category`` (a short, stable phrase such as "no rotary module", "non-standard apply_rotary_pos_emb",
+    "multi-axis positions", "rope_type unsupported") and ``detail``."""
 
     def __init__(self, model_type: str, category: str, detail: str):
         self.model_type, self.category, self.detail = model_type, category, detail
@@ -368,8 +378,9 @@ _PROBE_LENGTH = 12  # positions 0..11 of the probes: below every original length
 _PROBE_ATOL = 1e-5
 
 
-def _neox_tables(angles: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    doubled = torch.cat([angles, angles], dim=-1)
+def _tables(angles: Tensor, scale: float, layout: str = "neox") -> Tuple[Tensor, Tensor]:
+    """cos/sin tables of angles [S, r/2]: "neox" holds each frequency in both halves, "gptj" twice side by side."""
+    doubled = torch.cat([angles, angles], dim=-1) if layout == "neox" else torch.repeat_interleave(angles, 2, dim=-1)
     return doubled.cos() * scale, doubled.sin() * scale
 
 
@@ -377,19 +388,10 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
 
 
-def _interleaved_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """GPT-J's rotation of the first ``cos.size(-1)`` channels (pairs 2i, 2i+1), the others passed through; cos
-    and sin in neox form (each frequency in both halves), [S, r]."""
-    r = cos.size(-1)
-    half_cos, half_sin = cos[..., : r // 2], sin[..., : r // 2]
-    even, odd = x[..., 0:r:2], x[..., 1:r:2]
-    rotated = torch.stack([even * half_cos - odd * half_sin, odd * half_cos + even * half_sin], dim=-1).flatten(-2)
-    return torch.cat([rotated, x[..., r:]], dim=-1)
-
-
-def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding) -> None:
+def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding) -> str:
     """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state), returns the
-    tables of posenc's frequencies in neox form, [1, S, rotary_dim]."""
+    tables of posenc's frequencies, [1, S, rotary_dim]: in neox form (each frequency in both halves; returns
+    "neox") or GPT-J form (each frequency twice side by side, as Cohere builds them; returns "gptj")."""
     inv_freq = module.inv_freq
     positions = torch.arange(_PROBE_LENGTH, device=inv_freq.device)
     x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=inv_freq.device)
@@ -410,22 +412,24 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
                             f"[1, {_PROBE_LENGTH}], expected {list(expected_shape)}")
     angles = positions.double()[:, None] * rotary.inv_freq_for(x, positions).to(positions.device)[None, :]
     scale = rotary.attention_scale
-    ref_cos, ref_sin = _neox_tables(angles, scale)
-    diff = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
-    if diff > _PROBE_ATOL:
-        interleaved = torch.repeat_interleave(angles, 2, dim=-1)
-        if max(_max_diff(cos[0], interleaved.cos() * scale), _max_diff(sin[0], interleaved.sin() * scale)) \
-                <= _PROBE_ATOL:
-            raise NotRecognized(model_type, "interleaved pairs", f"{name} builds GPT-J style tables (each frequency "
-                                f"twice side by side), not neox halves")
-        raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({module.rope_type}) "
-                            f"differ from posenc's frequencies of its config by {diff:.2e}")
+    diffs = {}
+    for layout in ("neox", "gptj"):
+        ref_cos, ref_sin = _tables(angles, scale, layout)
+        diffs[layout] = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
+        if diffs[layout] <= _PROBE_ATOL:
+            return layout
+    raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({module.rope_type}) "
+                        f"differ from posenc's frequencies of its config by {diffs['neox']:.2e} (neox halves) and "
+                        f"{diffs['gptj']:.2e} (GPT-J pairs)")
 
 
-def _check_apply(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding) -> None:
-    """The modeling file's apply_rotary_pos_emb gives, for q and k [B, H, S, D] (and [B, S, H, D] where it
-    takes unsqueeze_dim), what RotaryAngles.rotate gives: the standard neox rotation of the first rotary_dim
-    channels. D is the head dim, or rotary_dim for files whose layers pass only the rotated channels."""
+def _check_apply(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding,
+                 tables: str = "neox") -> str:
+    """The modeling file's apply_rotary_pos_emb, given tables in the rotary module's form (``tables``), gives for
+    q and k [B, H, S, D] (and [B, S, H, D] where it takes unsqueeze_dim) what RotaryAngles.rotate gives in one
+    of rope_qk's layouts: the neox rotation (halves) or the GPT-J one (interleaved pairs 2i, 2i + 1) of the first
+    rotary_dim channels. Returns that layout. D is the head dim, or rotary_dim for files whose layers pass only
+    the rotated channels."""
     signature = inspect.signature(function)
     parameters = list(signature.parameters.values())
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -436,37 +440,37 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
     generator = torch.Generator().manual_seed(0)
     positions = torch.arange(_PROBE_LENGTH)
     inv_freq = rotary.inv_freq_for(torch.zeros(1, _PROBE_LENGTH, 1), positions).cpu()
-    angles = RotaryAngles(positions, inv_freq, rotary.attention_scale)
-    cos, sin = _neox_tables(positions.double()[:, None] * inv_freq[None, :], rotary.attention_scale)
+    cos, sin = _tables(positions.double()[:, None] * inv_freq[None, :], rotary.attention_scale, tables)
     cos, sin = cos.float()[None], sin.float()[None]
     layouts = [1, 2] if "unsqueeze_dim" in signature.parameters else [1]
     failures = []
     for head_dim in dict.fromkeys([rotary.head_dim, rotary.rotary_dim]):
         q = torch.randn(2, 3, _PROBE_LENGTH, head_dim, generator=generator)
         k = torch.randn(2, 1, _PROBE_LENGTH, head_dim, generator=generator)
+        diffs = {"neox": [], "gptj": []}
         try:
-            diffs = []
             for unsqueeze_dim in layouts:
                 qq, kk = (q, k) if unsqueeze_dim == 1 else (q.transpose(1, 2), k.transpose(1, 2))
                 extra = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": 2}
                 theirs = function(qq, kk, cos, sin, **extra)
-                ours = angles.rotate(qq, kk, unsqueeze_dim)
-                diffs.append(max(_max_diff(theirs[0], ours[0]), _max_diff(theirs[1], ours[1])))
+                for layout, found in diffs.items():
+                    angles = RotaryAngles(positions, inv_freq, rotary.attention_scale, layout)
+                    ours = angles.rotate(qq, kk, unsqueeze_dim)
+                    found.append(max(_max_diff(theirs[0], ours[0]), _max_diff(theirs[1], ours[1])))
         except Exception as error:  # noqa: BLE001
             failures.append((head_dim, f"raised {type(error).__name__}"))
             continue
-        if max(diffs) <= _PROBE_ATOL:
-            return
-        gptj = _interleaved_rotation(q, cos[0], sin[0])
-        if _max_diff(function(q, k, cos, sin)[0], gptj) <= _PROBE_ATOL:
-            raise NotRecognized(model_type, "interleaved pairs", f"{modeling}.apply_rotary_pos_emb rotates GPT-J "
-                                f"style pairs (2i, 2i+1), not neox halves")
-        failures.append((head_dim, f"differs from the neox rotation by {max(diffs):.2e}"))
+        for layout, found in diffs.items():
+            if max(found) <= _PROBE_ATOL:
+                return layout
+        failures.append((head_dim, f"differs from the neox rotation by {max(diffs['neox']):.2e} and from the GPT-J "
+                                   f"one (interleaved pairs) by {max(diffs['gptj']):.2e}"))
     raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling}.apply_rotary_pos_emb with "
-                        + "; ".join(f"head dim {d}: {why}" for d, why in failures))
+                        f"{tables} tables: " + "; ".join(f"head dim {d}: {why}" for d, why in failures))
 
 
-def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, RotaryEmbedding]:
+def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, RotaryEmbedding, str]:
+    """(modeling file, posenc's rotary embedding, rotation layout "neox" or "gptj") of one rotary module."""
     modeling = type(module).__module__
     function = _original_apply(modeling)
     if function is None:
@@ -501,9 +505,8 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
     if rotary.rotary_dim != 2 * inv_freq.numel():
         raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {name} "
                             f"rotates {2 * inv_freq.numel()} channels")
-    _check_tables(model_type, name, module, rotary)
-    _check_apply(model_type, modeling, function, rotary)
-    return modeling, rotary
+    tables = _check_tables(model_type, name, module, rotary)
+    return modeling, rotary, _check_apply(model_type, modeling, function, rotary, tables)
 
 
 def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
@@ -521,22 +524,36 @@ def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module,
     - the module's modeling file defines ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` which, on random q and k
       [B, H, S, D] (and [B, S, H, D] with ``unsqueeze_dim=2`` where it takes that argument), gives what
       ``rope_qk`` gives: the neox rotation of the first rotary_dim channels, the rest passed through.
+
+    Interleaved pairs are recognized too: GPT-J style tables (each frequency twice side by side, Cohere) where the
+    neox ones are not, and an ``apply_rotary_pos_emb`` that, fed the module's tables, rotates pairs (2i, 2i + 1)
+    of the first rotary_dim channels (Cohere, GLM, ERNIE 4.5, Helium): equal to ``rope_qk`` with layout "gptj".
+    :func:`patch` then rotates with that layout; a file that matches neither rotation is refused.
     """
+    return [(name, module, modeling) for name, module, modeling, _ in _recognize_rotary(model)]
+
+
+def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str, str]]:
+    """:func:`recognize_rotary`'s rotary modules with the rotation layout of each: (path, module, modeling, layout)."""
     model_type = _model_type(model)
     found = _find(model, lambda m: type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, RotaryPositions))
     if not found:
         raise NotRecognized(model_type, "no rotary module", f"this {type(model).__name__} has no *RotaryEmbedding "
                             f"submodule, and bloom, t5 and gpt2 are the non-rotary types patch knows")
-    return [(name, module, _check_rotary_module(model_type, name, module)[0]) for name, module in found]
+    recognized = []
+    for name, module in found:
+        modeling, _, layout = _check_rotary_module(model_type, name, module)
+        recognized.append((name, module, modeling, layout))
+    return recognized
 
 
 def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
-    recognized = recognize_rotary(model)
+    recognized = _recognize_rotary(model)
     record = Patch(model_type, "rotary")
-    for name, original, modeling in recognized:
-        replacement = RotaryPositions(original, modeling).to(device=original.inv_freq.device)
+    for name, original, modeling, layout in recognized:
+        replacement = RotaryPositions(original, modeling, layout).to(device=original.inv_freq.device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
-    for modeling in dict.fromkeys(modeling for _, _, modeling in recognized):
+    for modeling in dict.fromkeys(modeling for _, _, modeling, _ in recognized):
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
                                      "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
     return record

@@ -215,6 +215,13 @@ def rotary_models():
     yield "starcoder2", transformers.Starcoder2Config(**common, rope_parameters=dict(SCALINGS["llama3"],
                                                                                      rope_theta=1e4))
     yield "olmo2", transformers.Olmo2Config(**common)
+    # GPT-J style interleaved pairs, rotated by rope_qk with layout="gptj": Cohere builds interleaved tables
+    # (YaRN here); GLM builds neox tables and interleaves them in apply_rotary_pos_emb, on half the channels.
+    yield "cohere", transformers.CohereConfig(**common, rope_parameters=dict(SCALINGS["yarn"], rope_theta=1e4))
+    yield "glm", transformers.GlmConfig(**common, head_dim=16, partial_rotary_factor=0.5)
+
+
+INTERLEAVED = ("cohere", "glm")
 
 
 @pytest.mark.parametrize("model_type, config", list(rotary_models()), ids=lambda v: v if isinstance(v, str) else "")
@@ -222,6 +229,9 @@ def test_rotary_model_types_match_hugging_face(model_type, config):
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     patched, record = patched_copy(reference)
     assert config.model_type == model_type == record.model_type and record.family == "rotary"
+    layout = "gptj" if model_type in INTERLEAVED else "neox"
+    rotary = [m for m in patched.modules() if isinstance(m, PT.RotaryPositions)]
+    assert [m.layout for m in rotary] == [layout] and ("layout=gptj" in str(record)) == (layout == "gptj")
     tokens = torch.randint(3, VOCAB, (2, 20))
     prompt = tokens[:, :12]
     assert_same_model_outputs(reference, patched, dict(input_ids=tokens), dict(input_ids=tokens, labels=tokens),
@@ -230,7 +240,7 @@ def test_rotary_model_types_match_hugging_face(model_type, config):
     assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
 
 
-@pytest.mark.parametrize("model_type, category", [("cohere", "interleaved pairs"), ("glm", "interleaved pairs"),
+@pytest.mark.parametrize("model_type, category", [("nanochat", "non-standard apply_rotary_pos_emb"),
                                                    ("gemma3_text", "per-layer-type rope"),
                                                    ("qwen3_vl_text", "multi-axis sections")])
 def test_models_outside_the_contract_are_refused_unchanged(model_type, category):
@@ -245,6 +255,20 @@ def test_models_outside_the_contract_are_refused_unchanged(model_type, category)
     assert refused.value.model_type == model_type and refused.value.category == category
     assert not PT.is_patched(model) and not PT._ROTARY_WRAPPERS and rotary == [
         m for _, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def test_a_rotation_that_matches_neither_layout_is_refused():
+    """The probe feeds apply_rotary_pos_emb the tables in the rotary module's form: Llama's neox rotation of
+    GPT-J style tables (Cohere's) is neither rope_qk layout, nor is Cohere's rotation of neox tables."""
+    rotary = posenc.nn.RotaryEmbedding(16, 16, 1e4)
+    llama_apply = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    cohere_apply = transformers.models.cohere.modeling_cohere.apply_rotary_pos_emb
+    assert PT._check_apply("llama", "llama", llama_apply, rotary, "neox") == "neox"
+    assert PT._check_apply("cohere", "cohere", cohere_apply, rotary, "gptj") == "gptj"
+    for function, tables in ((llama_apply, "gptj"), (cohere_apply, "neox")):
+        with pytest.raises(PT.NotRecognized, match="non-standard apply_rotary_pos_emb: .* with "
+                                                   f"{tables} tables: head dim 16: differs from the neox rotation"):
+            PT._check_apply("test", "test", function, rotary, tables)
 
 
 def test_the_wrapper_reads_unsqueeze_dim_as_the_original_binds_it():
