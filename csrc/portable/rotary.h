@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace posenc::portable {
@@ -108,11 +107,11 @@ void rotate_row_half(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, i
   for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d] = in[d];
 }
 
-// Every head of token (b, s) of a view whose rows are contiguous, kPairs pairs each (0: any count).
+// Every head of a token of a view whose rows are contiguous, from the token's first rows in and out, kPairs
+// pairs each (0: any count).
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
-void rotate_unit_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs) {
-  const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
-  scalar_t* out = v.out + b * v.out_stride[0] + s * v.out_stride[1];
+void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out, PairCoeffs<opmath_t> k,
+                       int64_t pairs) {
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
@@ -124,21 +123,22 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, Pair
 }
 
 // Every head of token (b, s) of a view. The common pair counts (head_dim 128 and 64, fully rotated) get rows
-// of a fixed size.
+// of a fixed size (fp16 rows go through float blocks of their own size).
 template <RopeLayout kLayout, typename scalar_t, typename opmath_t>
 void rotate_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs) {
+  const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
+  scalar_t* out = v.out + b * v.out_stride[0] + s * v.out_stride[1];
+  const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
   if (v.in_stride[3] != 1 || v.out_stride[3] != 1) {
-    for (int64_t h = 0; h < v.heads; ++h) {
-      rotate_row<kLayout, false>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2],
-                                 v.in_stride[3], v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2],
-                                 v.out_stride[3], k, pairs, v.head_dim);
+    for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
+      rotate_row<kLayout, false>(in, v.in_stride[3], out, v.out_stride[3], k, pairs, v.head_dim);
     }
-  } else if (pairs == 64) {
-    rotate_unit_heads<kLayout, 64>(v, b, s, k, pairs);
-  } else if (pairs == 32) {
-    rotate_unit_heads<kLayout, 32>(v, b, s, k, pairs);
+  } else if (fixed == 64) {
+    rotate_unit_heads<kLayout, 64>(v, in, out, k, pairs);
+  } else if (fixed == 32) {
+    rotate_unit_heads<kLayout, 32>(v, in, out, k, pairs);
   } else {
-    rotate_unit_heads<kLayout, 0>(v, b, s, k, pairs);
+    rotate_unit_heads<kLayout, 0>(v, in, out, k, pairs);
   }
 }
 

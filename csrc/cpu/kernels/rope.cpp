@@ -74,12 +74,13 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
     std::vector<opmath> own(2 * pairs);
+    opmath* cos_row = own.data();
+    opmath* sin_row = cos_row + pairs;
+    const PairCoeffs<opmath> k{cos_row, sin_row, cos_row, sin_row};
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / seq;
       const int64_t s = n % seq;
-      const opmath* row = own.data();
-      angle_coeffs(problem, problem.shared_positions ? s : n, scale, own.data(), own.data() + pairs);
-      const PairCoeffs<opmath> k{row, row + pairs, row, row + pairs};
+      angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
       for (int64_t v = 0; v < problem.num_views; ++v) {
         rotate_token(problem.views[v], b, s, k, pairs, problem.layout);
       }
