@@ -20,6 +20,17 @@ using posenc::test::expect_error;
 using posenc::test::reference_rope;
 using posenc::frequencies::RopeScaling;
 
+// LongRoPE over 4 pairs: short factors 1 to 2.5, long factors 3 to 6, switching past `original` positions.
+RopeScaling longrope_scaling(int64_t original, int64_t max_positions) {
+  RopeScaling scaling;
+  scaling.rope_type = "longrope";
+  scaling.original_max_position_embeddings = original;
+  scaling.max_position_embeddings = max_positions;
+  scaling.short_factor = {1.0, 1.5, 2.0, 2.5};
+  scaling.long_factor = {3.0, 4.0, 5.0, 6.0};
+  return scaling;
+}
+
 const auto kDouble = torch::TensorOptions().dtype(torch::kDouble);
 
 TEST(Rope, MatchesTheFormulaForBothLayoutsWithPartialRotation) {
@@ -178,12 +189,7 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   const auto expected = torch::where(wavelength < 16.0, plain, torch::where(wavelength > 64.0, plain / 8.0, medium));
   EXPECT_TRUE(torch::allclose(rope(r, 10000.0, llama3).inv_freq, expected, 1e-14, 0));
 
-  RopeScaling longrope;
-  longrope.rope_type = "longrope";
-  longrope.original_max_position_embeddings = 100;
-  longrope.max_position_embeddings = 400;
-  longrope.short_factor = {1.0, 1.5, 2.0, 2.5};
-  longrope.long_factor = {3.0, 4.0, 5.0, 6.0};
+  const auto longrope = longrope_scaling(100, 400);
   const auto short_freqs = rope(r, 10000.0, longrope, 100);
   const auto long_freqs = rope(r, 10000.0, longrope, 101);
   EXPECT_TRUE(torch::allclose(short_freqs.inv_freq, plain / torch::tensor({1.0, 1.5, 2.0, 2.5}, kDouble), 1e-14, 0));
@@ -213,12 +219,7 @@ TEST(RotaryEmbedding, ForwardMatchesRopeQkAndFrequenciesSurviveBFloat16) {
 // The per-call length (a tensor, never read back by the module): max position + 1 + offset with positions, the
 // longest packed sequence + offset with cu_seqlens; LongRoPE switches to its long factors past the context.
 TEST(RotaryEmbedding, PerCallLengthFromPositionsAndPackedSequences) {
-  RopeScaling scaling;
-  scaling.rope_type = "longrope";
-  scaling.original_max_position_embeddings = 16;
-  scaling.max_position_embeddings = 64;
-  scaling.short_factor = {1.0, 1.5, 2.0, 2.5};
-  scaling.long_factor = {3.0, 4.0, 5.0, 6.0};
+  const auto scaling = longrope_scaling(16, 64);
   posenc::nn::RotaryEmbedding module(8, std::nullopt, 10000.0, "neox", scaling);
   const auto q = torch::randn({1, 4, 2, 8});
   const auto k = torch::randn({1, 4, 1, 8});
@@ -361,12 +362,7 @@ TEST(Frequencies, ForLengthEqualsRopeBitForBit) {
   dynamic.rope_type = "dynamic";
   dynamic.factor = 3.0;
   dynamic.max_position_embeddings = 100;
-  RopeScaling longrope;
-  longrope.rope_type = "longrope";
-  longrope.original_max_position_embeddings = 100;
-  longrope.max_position_embeddings = 400;
-  longrope.short_factor = {1.0, 1.5, 2.0, 2.5};
-  longrope.long_factor = {3.0, 4.0, 5.0, 6.0};
+  const auto longrope = longrope_scaling(100, 400);
   for (const auto& scaling : {dynamic, longrope}) {
     for (const int64_t length : {0, 50, 100, 101, 4000}) {
       const auto expected = rope(8, 1e4, scaling, length).inv_freq;
