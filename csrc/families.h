@@ -47,6 +47,21 @@
   X(A, rope_cos_sin, "(Tensor x, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor") \
   X(A, rope_cos_sin_backward, "(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor")
 
+// QK-norm + RoPE: q and k each RMS-normalized (per head with a [head_dim] weight, over all heads of a token with a
+// [heads * head_dim] one), scaled by their weight, then rotated as rope_qk rotates. norm: the rounding convention,
+// "llama" (Qwen3, Llama: normalized value rounded to the input dtype, then times the weight), "gemma" (weight 1 + w,
+// float32 until the norm's output), "olmo2" (float32 until the norm's output) or "fused" (float32 from load to
+// store). The backward recomputes the norm from q and k and returns the weights' gradients too.
+#define POSENC_QK_NORM_ROPE_ARGS                                                                                   \
+  "Tensor q_weight, Tensor k_weight, Tensor? positions, Tensor inv_freq, float eps=1e-06, str norm=\"llama\", "    \
+  "float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, " \
+  "Tensor? pair_axis=None"
+#define POSENC_QK_NORM_OPS(X, A)                                                                                   \
+  X(A, qk_norm_rope, "(Tensor q, Tensor k, " POSENC_QK_NORM_ROPE_ARGS ") -> (Tensor, Tensor)")                      \
+  X(A, qk_norm_rope_backward, "(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, " POSENC_QK_NORM_ROPE_ARGS        \
+    ") -> (Tensor, Tensor, Tensor, Tensor)")                                                                      \
+  X(A, qk_norm_rope_, "(Tensor(a!) q, Tensor(b!) k, " POSENC_QK_NORM_ROPE_ARGS ") -> ()")
+
 // ALiBi. `alibi_mode`, not `mode`, in add_alibi_: torch.compile's auto_functionalized passes a mutable op's arguments
 // as keywords beside its own `mode` parameter, so a mutable op cannot have an argument named mode.
 #define POSENC_ALIBI_OPS(X, A) \
@@ -96,7 +111,7 @@
 // "avx512".
 #define POSENC_ALL_OPS(X, A)                                                                                    \
   X(A, cpu_capability, "() -> str") POSENC_EMBEDDING_OPS(X, A) POSENC_SINUSOIDAL_OPS(X, A)                     \
-      POSENC_LEARNED_OPS(X, A) POSENC_ROPE_OPS(X, A) POSENC_ALIBI_OPS(X, A) POSENC_T5_OPS(X, A)                 \
+      POSENC_LEARNED_OPS(X, A) POSENC_ROPE_OPS(X, A) POSENC_QK_NORM_OPS(X, A) POSENC_ALIBI_OPS(X, A) POSENC_T5_OPS(X, A)                 \
           POSENC_MULTIAXIS_OPS(X, A) POSENC_CONFIG_OPS(X, A)
 
 // X macros for the lists: m.impl of each op with the kernel Kernels::op (a family's op layer) or op<suffix>

@@ -240,6 +240,42 @@ def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor]
                                              offset, cu_seqlens, pair_axis)
 
 
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                 inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama", attention_scale: float = 1.0,
+                 layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+                 pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """q and k RMS-normalized, times their weights, then rotated as :func:`rope_qk` rotates them, in one pass.
+
+    A weight of shape [head_dim] normalizes each head (Qwen3, Gemma 3); one of [heads * head_dim] all heads of a
+    token together (OLMo 2). ``norm`` is the rounding convention: ``"llama"`` (Qwen3, Llama: x / rms(x) rounded to
+    the input dtype, then times the weight), ``"gemma"`` (weight 1 + w, float32 until the norm's output),
+    ``"olmo2"`` (float32 until the norm's output) or ``"fused"`` (float32 from load to store, one rounding).
+    Differentiable in q, k and both weights."""
+    return torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                                         layout, format, offset, cu_seqlens, pair_axis)
+
+
+def qk_norm_rope_backward(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
+                          positions: Optional[Tensor], inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama",
+                          attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
+                          cu_seqlens: Optional[Tensor] = None,
+                          pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`qk_norm_rope` for q, k, q_weight and k_weight (the norm recomputed from q and k)."""
+    return torch.ops.posenc.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps,
+                                                  norm, attention_scale, layout, format, offset, cu_seqlens,
+                                                  pair_axis)
+
+
+def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
+                  inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama", attention_scale: float = 1.0,
+                  layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+                  pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """:func:`qk_norm_rope` in place (q and k keep their strides), for inference paths; returns (q, k)."""
+    torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout,
+                                   format, offset, cu_seqlens, pair_axis)
+    return q, k
+
+
 def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
           layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
           pair_axis: Optional[Tensor] = None) -> Tensor:
@@ -290,7 +326,7 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
 
 
 __all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
-            "zigzag_positions", "zigzag_positions_varlen"]
+            "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "zigzag_positions", "zigzag_positions_varlen"]
 
 
 # Multi-axis positions: the grids of images and videos, and Qwen2-VL's M-RoPE positions of text and vision.

@@ -204,8 +204,21 @@ RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, Ro
   return view;
 }
 
+// The RMS normalization of one rotated tensor before its rotation (qk_norm_rope), as the op layer hands it to a
+// device: weight [group] in maths precision (1 + w for gemma); in the backward, the forward's input and the
+// weight's gradient [group] (maths precision, zeros) to write.
+struct RotationNorm {
+  at::Tensor weight;
+  int64_t group;
+  double eps;
+  QkNorm convention;
+  at::Tensor input;
+  at::Tensor weight_grad;
+};
+
 // A rotation by angles as the op layer hands it to a device: inputs[v] rotated into outputs[v] (the same tensor in
-// place) by angle(p, i) = p * inv_freq[i] (by minus it when inverse), the inputs of `batch` x `seq` tokens.
+// place) by angle(p, i) = p * inv_freq[i] (by minus it when inverse), the inputs of `batch` x `seq` tokens; with
+// norms, each input normalized first (inverse: the backward of both).
 struct Rotation {
   const char* op;
   std::vector<at::Tensor> inputs;
@@ -220,6 +233,7 @@ struct Rotation {
   const std::optional<at::Tensor>& cu_seqlens;
   const std::optional<at::Tensor>& pair_axis;
   bool inverse;
+  const std::vector<RotationNorm>* norms = nullptr;
 };
 
 // The ops of the rotary family on one device: checks, allocation and empty outputs, the same on every device.
@@ -236,13 +250,14 @@ struct RopeOps {
   static void rotate(const char* op, std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                      const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                      double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                     const std::optional<at::Tensor>& pair_axis, bool inverse) {
+                     const std::optional<at::Tensor>& pair_axis, bool inverse,
+                     const std::vector<RotationNorm>* norms = nullptr) {
     const typename Device::Guard guard(inputs[0].device());
     const auto order = rope_dim_order(args.format);
     const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
     const int64_t seq = inputs[0].size(order[1]);
     Device::rotate({op, std::move(inputs), std::move(outputs), args, batch, seq, positions, inv_freq, attention_scale,
-                    offset, cu_seqlens, pair_axis, inverse});
+                    offset, cu_seqlens, pair_axis, inverse, norms});
   }
 
   static at::Tensor one(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,

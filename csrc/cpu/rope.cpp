@@ -1,6 +1,7 @@
 // The rotary family on the CPU: how positions are read and the kernels called under the op layer of
 // common/rope.h; the loops are in cpu/kernels/rope.cpp.
 #include "common/positions.h"
+#include "common/qk_norm.h"
 #include "common/rope.h"
 #include "cpu/device.h"
 #include "cpu/kernels/rope.h"
@@ -26,6 +27,20 @@ std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n
   return out;
 }
 
+// A norm as the kernels read it; the backward's input is read through its own strides.
+template <typename scalar_t, typename opmath = opmath_t<scalar_t>>
+RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat format) {
+  RmsNormView<scalar_t, opmath> view{norm.weight.const_data_ptr<opmath>(), norm.group, static_cast<opmath>(norm.eps),
+                                     norm.convention, nullptr, {}, nullptr};
+  if (norm.input.defined()) {
+    const auto order = rope_dim_order(format);
+    view.input = norm.input.const_data_ptr<scalar_t>();
+    for (int i = 0; i < 4; ++i) view.input_stride[i] = order[i] < 0 ? 0 : norm.input.stride(order[i]);
+    view.weight_grad = norm.weight_grad.mutable_data_ptr<opmath>();
+  }
+  return view;
+}
+
 struct CpuRope : CpuDevice {
 
   static void rotate(const Rotation& r) {
@@ -39,15 +54,18 @@ struct CpuRope : CpuDevice {
     if (empty) return;
     const Frequencies freq(r.inv_freq);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.inputs[0].scalar_type(), "posenc_rope", [&] {
+      using opmath = opmath_t<scalar_t>;
       std::vector<RotaryView<scalar_t>> views;
+      std::vector<RmsNormView<scalar_t, opmath>> norms;
       for (size_t i = 0; i < r.inputs.size(); ++i) {
         if (r.inputs[i].numel() == 0) continue;
         views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
+        if (r.norms != nullptr) norms.push_back(norm_view<scalar_t>((*r.norms)[i], r.args.format));
       }
       cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.data(),
                                 pos.first, r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr,
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
-                                r.args.layout});
+                                r.args.layout, r.norms != nullptr ? norms.data() : nullptr});
     });
   }
 
@@ -64,6 +82,7 @@ struct CpuRope : CpuDevice {
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
   RopeOps<CpuRope>::register_kernels(m);
+  QkNormOps<CpuRope>::register_kernels(m);
 }
 
 }  // namespace posenc

@@ -1,6 +1,7 @@
 // Meta kernels of the rotary family: the CPU kernels' checks and output metadata (fresh, contiguous,
 // the input's dtype), no data read. Value checks of cu_seqlens and pair_axis need data and run on real tensors
 // only.
+#include "common/qk_norm.h"
 #include "common/rope.h"
 #include "families.h"
 
@@ -67,8 +68,43 @@ at::Tensor rope_cos_sin_backward_meta(const at::Tensor& grad, const at::Tensor& 
   return at::empty_symint(grad.sym_sizes(), grad.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+    const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps, c10::string_view norm,
+    double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  check_qk_norm_rope("qk_norm_rope", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
+                     layout, format, cu_seqlens, pair_axis);
+  return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward_meta(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+    const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
+    c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& pair_axis) {
+  check_qk_norm_rope("qk_norm_rope_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}},
+                     q_weight, k_weight, positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+  return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options()),
+          at::empty_symint(q_weight.sym_sizes(), q_weight.options()),
+          at::empty_symint(k_weight.sym_sizes(), k_weight.options())};
+}
+
+void qk_norm_rope__meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                        const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+                        const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale,
+                        c10::string_view layout, c10::string_view format, int64_t offset,
+                        const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  check_qk_norm_rope("qk_norm_rope_", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
+                     layout, format, cu_seqlens, pair_axis);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) { POSENC_ROPE_OPS(POSENC_IMPL_SUFFIXED, _meta) }
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  POSENC_ROPE_OPS(POSENC_IMPL_SUFFIXED, _meta)
+  POSENC_QK_NORM_OPS(POSENC_IMPL_SUFFIXED, _meta)
+}
 
 }  // namespace posenc

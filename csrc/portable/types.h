@@ -42,6 +42,26 @@ struct RotaryView {
   int64_t out_stride[4];
 };
 
+// Rounding of qk_norm_rope's normalization z = w * x / rms(x), by the model family that defines it: "llama"
+// (Qwen3, Llama: x / rms(x) rounded to the input dtype, then the product rounded), "gemma" (weight 1 + w) and
+// "olmo2" (the product rounded once), "fused" (nothing rounded before the rotation's output).
+enum class QkNorm { Llama, Gemma, Olmo2, Fused };
+
+// RMS normalization of a rotated view before its rotation (qk_norm_rope): groups of `group` channels (one head, or
+// all heads of a token), weight [group] in maths precision (1 + w for gemma). The backward (the view's input then
+// being the gradient) reads the forward's input through `input` and its strides, and writes the weight's gradient
+// weight_grad [group].
+template <typename scalar_t, typename opmath>
+struct RmsNormView {
+  const opmath* weight;
+  int64_t group;
+  opmath eps;
+  QkNorm convention;
+  const scalar_t* input;
+  int64_t input_stride[4];
+  opmath* weight_grad;
+};
+
 // "causal": -m * d, "symmetric": -m * |d|, with d = i + (k_len - q_len) - j (bottom-right aligned).
 enum class AlibiMode { Causal, Symmetric };
 

@@ -5,6 +5,7 @@
 
 POSENC_KERNELS_BEGIN
 #include "portable/angle.h"
+#include "portable/rmsnorm.h"
 #include "portable/rotary.h"
 #include "portable/tiling.h"
 
@@ -35,8 +36,118 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
   }
 }
 
+// Rows of a token's heads, channel step `step`, widened into (or narrowed from) the contiguous row [heads * head_dim].
+template <typename scalar_t, typename opmath>
+void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_t head_dim, opmath* row) {
+  for (int64_t h = 0; h < heads; ++h, in += stride[2], row += head_dim) {
+    if (stride[3] == 1) {
+      widen(in, row, head_dim);
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) row[d] = to_opmath(in[d * stride[3]]);
+    }
+  }
+}
+
+template <typename scalar_t, typename opmath>
+void store_heads(const opmath* row, scalar_t* out, const int64_t* stride, int64_t heads, int64_t head_dim) {
+  for (int64_t h = 0; h < heads; ++h, out += stride[2], row += head_dim) {
+    if (stride[3] == 1) {
+      narrow(row, out, head_dim);
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) out[d * stride[3]] = from_opmath<scalar_t>(row[d]);
+    }
+  }
+}
+
+template <typename opmath>
+void rotate_heads_of_row(opmath* row, int64_t heads, int64_t head_dim, PairCoeffs<opmath> k, int64_t pairs,
+                         RopeLayout layout) {
+  for (int64_t h = 0; h < heads; ++h, row += head_dim) {
+    if (layout == RopeLayout::Neox) {
+      rotate_row<RopeLayout::Neox, true>(row, 1, row, 1, k, pairs, head_dim);
+    } else {
+      rotate_row<RopeLayout::Gptj, true>(row, 1, row, 1, k, pairs, head_dim);
+    }
+  }
+}
+
+// Tokens per partial sum of the weights' gradients: a function of the token count alone, so that the sums, each in
+// token order and then folded chunk by chunk, come out the same for every thread count.
+inline int64_t tokens_per_chunk(int64_t tokens) { return std::max<int64_t>(16, (tokens + 1023) / 1024); }
+
+// qk_norm_rope: every view's token rows gathered into one row of maths precision, normalized group by group,
+// rotated head by head and stored; inverse: the backward, the gradient rotated back, then through the norm.
+template <typename scalar_t>
+void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
+  using opmath = opmath_t<scalar_t>;
+  const int64_t pairs = problem.pairs;
+  const int64_t seq = problem.seq;
+  const int64_t tokens = problem.batch * seq;
+  const auto scale = static_cast<opmath>(problem.attention_scale);
+  int64_t width = 0;
+  int64_t token_work = 0;
+  for (int64_t v = 0; v < problem.num_views; ++v) {
+    width = std::max(width, problem.views[v].heads * problem.views[v].head_dim);
+    token_work += 4 * problem.views[v].heads * problem.views[v].head_dim;
+  }
+  const int64_t chunk = tokens_per_chunk(tokens);
+  const int64_t chunks = (tokens + chunk - 1) / chunk;
+  std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
+  for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
+
+  parallel_for(0, chunks, std::max<int64_t>(1, rows_per_task(token_work) / chunk), [&](int64_t begin, int64_t end) {
+    std::vector<opmath> own(2 * pairs + 2 * width);
+    opmath* cos_row = own.data();
+    opmath* sin_row = cos_row + pairs;
+    opmath* row = sin_row + pairs;
+    opmath* grad = row + width;
+    const PairCoeffs<opmath> k{cos_row, sin_row, cos_row, sin_row};
+    for (int64_t n = begin * chunk; n < std::min(end * chunk, tokens); ++n) {
+      const int64_t b = n / seq;
+      const int64_t s = n % seq;
+      angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
+      for (int64_t v = 0; v < problem.num_views; ++v) {
+        const auto& view = problem.views[v];
+        const auto& norm = problem.norms[v];
+        const int64_t H = view.heads;
+        const int64_t D = view.head_dim;
+        const scalar_t* in = view.in + b * view.in_stride[0] + s * view.in_stride[1];
+        scalar_t* out = view.out + b * view.out_stride[0] + s * view.out_stride[1];
+        if (!problem.inverse) {
+          load_heads(in, view.in_stride, H, D, row);
+          for (int64_t g = 0; g < H * D; g += norm.group) {
+            rms_norm_row<scalar_t>(row + g, norm.weight, norm.group, norm.eps, norm.convention);
+          }
+          rotate_heads_of_row(row, H, D, k, pairs, problem.layout);
+          store_heads(row, out, view.out_stride, H, D);
+          continue;
+        }
+        load_heads(norm.input + b * norm.input_stride[0] + s * norm.input_stride[1], norm.input_stride, H, D, row);
+        load_heads(in, view.in_stride, H, D, grad);
+        rotate_heads_of_row(grad, H, D, k, pairs, problem.layout);
+        opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
+        for (int64_t g = 0; g < H * D; g += norm.group) {
+          rms_norm_row_backward(row + g, grad + g, norm.weight, weight_grad, norm.group, norm.eps);
+        }
+        store_heads(grad, out, view.out_stride, H, D);
+      }
+    }
+  });
+  for (int64_t v = 0; v < static_cast<int64_t>(partial.size()); ++v) {
+    const auto& norm = problem.norms[v];
+    parallel_for(0, norm.group, rows_per_task(chunks), [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        double sum = 0;
+        for (int64_t c = 0; c < chunks; ++c) sum += partial[v][c * norm.group + j];
+        norm.weight_grad[j] = static_cast<opmath>(sum);
+      }
+    });
+  }
+}
+
 template <typename scalar_t>
 void rope_kernel(const RopeProblem<scalar_t>& problem) {
+  if (problem.norms != nullptr) return norm_rope_kernel(problem);
   using opmath = opmath_t<scalar_t>;
   const int64_t pairs = problem.pairs;
   const int64_t seq = problem.seq;

@@ -8,7 +8,8 @@ namespace posenc::cpu {
 // Rotates every view's token (b, s) by angle(p, i) = p * inv_freq[i], p = positions[s] (shared by the batch)
 // or positions[b * seq + s], cos and sin times attention_scale; inverse: by -angle. Multi-axis (pair_axis not
 // null): token n has n_axes positions, positions[n * n_axes + a], and pair i takes the one of axis
-// pair_axis[i], every value in [0, n_axes).
+// pair_axis[i], every value in [0, n_axes). norms (qk_norm_rope): each view's rows RMS-normalized before the rotation,
+// or with inverse, the gradient of that (the weights' gradients summed in an order no thread count changes).
 template <typename scalar_t>
 struct RopeProblem {
   const RotaryView<scalar_t>* views;  // x (rope), or q and k (rope_qk); none empty
@@ -26,6 +27,7 @@ struct RopeProblem {
   double attention_scale;
   bool inverse;
   RopeLayout layout;
+  const RmsNormView<scalar_t, opmath_t<scalar_t>>* norms;  // one per view, or null
 };
 
 // Rotates token (b, s) by explicit tables cos/sin [rows, rotary_dim] in maths precision (row s when shared,

@@ -6,6 +6,7 @@
 #include <posenc/frequencies.h>
 #include <posenc/learned.h>
 #include <posenc/multiaxis.h>
+#include <posenc/qk_norm.h>
 #include <posenc/rope.h>
 #include <posenc/sinusoidal.h>
 #include <posenc/t5.h>

@@ -1,0 +1,154 @@
+// Autograd of the QK-norm + RoPE family. The forward saves q, k and the weights (the norm is recomputed in the
+// backward, which costs less than storing it); qk_norm_rope_backward returns the gradients of all four. The backward
+// is not itself differentiated: a second derivative of the norm is refused with an error, never silently zero.
+#include <posenc/qk_norm.h>
+
+#include "autograd/kernels.h"
+#include "families.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+namespace posenc {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// Everything but q and k, as saved for the backward.
+struct NormRope {
+  at::Tensor q_weight;
+  at::Tensor k_weight;
+  std::optional<at::Tensor> positions;
+  at::Tensor inv_freq;
+  double eps;
+  std::string norm;
+  double attention_scale;
+  std::string layout;
+  std::string format;
+  int64_t offset;
+  std::optional<at::Tensor> cu_seqlens;
+  std::optional<at::Tensor> pair_axis;
+
+  // q and k: the forward's inputs (copies of them in place).
+  void save(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k) const {
+    TORCH_CHECK(!inv_freq.requires_grad(), "posenc.qk_norm_rope: inv_freq is not differentiable; detach it");
+    ctx->save_for_backward({q, k, q_weight, k_weight, positions.value_or(at::Tensor()), inv_freq,
+                            cu_seqlens.value_or(at::Tensor()), pair_axis.value_or(at::Tensor())});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["norm"] = norm;
+    ctx->saved_data["attention_scale"] = attention_scale;
+    ctx->saved_data["layout"] = layout;
+    ctx->saved_data["format"] = format;
+    ctx->saved_data["offset"] = offset;
+  }
+
+  // The gradients of q, k, q_weight and k_weight, then none for the other ten arguments.
+  static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto grad_q = grads[0].defined() ? grads[0] : at::zeros_like(s[0]);
+    const auto grad_k = grads[1].defined() ? grads[1] : at::zeros_like(s[1]);
+    const auto [gq, gk, gqw, gkw] = qk_norm_rope_backward(
+        grad_q, grad_k, s[0], s[1], s[2], s[3], optional_of(s[4]), s[5], ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["norm"].toStringRef(), ctx->saved_data["attention_scale"].toDouble(),
+        ctx->saved_data["layout"].toStringRef(), ctx->saved_data["format"].toStringRef(),
+        ctx->saved_data["offset"].toInt(), optional_of(s[6]), optional_of(s[7]));
+    variable_list out(14);
+    out[0] = gq;
+    out[1] = gk;
+    out[2] = gqw;
+    out[3] = gkw;
+    return out;
+  }
+};
+
+struct QkNormRope : public torch::autograd::Function<QkNormRope> {
+  static constexpr const char* kOp = "posenc::qk_norm_rope";
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& q_weight, const at::Tensor& k_weight,
+                               const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps,
+                               c10::string_view norm, double attention_scale, c10::string_view layout,
+                               c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                               const std::optional<at::Tensor>& pair_axis) {
+    const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
+                        std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
+    args.save(ctx, q, k);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const auto [q_out, k_out] = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
+                                             attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return NormRope::backward(ctx, grads); }
+};
+constexpr auto qk_norm_rope_autograd = POSENC_AUTOGRAD(QkNormRope);
+
+// In place: the inputs are copied before they are overwritten (the backward needs them), and marking q and k dirty
+// rebases their history onto this node.
+struct QkNormRopeInplace : public torch::autograd::Function<QkNormRopeInplace> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& q_weight, const at::Tensor& k_weight,
+                               const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps,
+                               c10::string_view norm, double attention_scale, c10::string_view layout,
+                               c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                               const std::optional<at::Tensor>& pair_axis) {
+    const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
+                        std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
+    at::AutoDispatchBelowADInplaceOrView guard;
+    args.save(ctx, q.clone(), k.clone());
+    ctx->mark_dirty({q, k});
+    qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
+                  cu_seqlens, pair_axis);
+    return {q, k};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return NormRope::backward(ctx, grads); }
+};
+
+void qk_norm_rope__autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                            const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+                            const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale,
+                            c10::string_view layout, c10::string_view format, int64_t offset,
+                            const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+  if (!torch::autograd::compute_requires_grad(q, k, q_weight, k_weight, inv_freq)) {
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
+                    cu_seqlens, pair_axis);
+    }
+    torch::autograd::impl::bump_version(q);  // a tensor saved for another backward is now stale
+    torch::autograd::impl::bump_version(k);
+    return;
+  }
+  QkNormRopeInplace::apply(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format,
+                           offset, cu_seqlens, pair_axis);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward_autograd(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+    const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
+    c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& pair_axis) {
+  TORCH_CHECK(!at::GradMode::is_enabled() ||
+                  !torch::autograd::compute_requires_grad(grad_q, grad_k, q, k, q_weight, k_weight, inv_freq),
+              "posenc.qk_norm_rope_backward: a second derivative of qk_norm_rope is not supported (its backward is "
+              "not differentiable); differentiate once, or without create_graph=True");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
+                               attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) { POSENC_QK_NORM_OPS(POSENC_IMPL_SUFFIXED, _autograd) }
+
+}  // namespace posenc

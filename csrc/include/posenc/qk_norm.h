@@ -1,0 +1,57 @@
+#pragma once
+// QK-norm + RoPE: the attention prologue of Qwen3, Gemma 3, OLMo 2 and the other models that RMS-normalize q and k
+// per head before rotating them, in one pass over q and k.
+#include <posenc/find_op.h>
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+namespace posenc {
+
+// q and k each RMS-normalized, times their weight, then rotated as rope_qk rotates them (every argument after eps
+// and norm means what it means there). A weight [head_dim] normalizes each head, [heads * head_dim] all heads of a
+// token together (OLMo 2's q_norm and k_norm). norm, the convention: "llama" (Qwen3, Llama: x / rms(x) rounded to
+// the input dtype, then times the weight), "gemma" (weight 1 + w, float32 until the norm's output is rounded),
+// "olmo2" (float32 until the norm's output is rounded), "fused" (float32 from load to store, one rounding).
+inline std::tuple<at::Tensor, at::Tensor> qk_norm_rope(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
+    const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps = 1e-6,
+    std::string_view norm = "llama", double attention_scale = 1.0, std::string_view layout = "neox",
+    std::string_view format = "bshd", int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(qk_norm_rope)>("posenc::qk_norm_rope");
+  return op.call(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
+                 cu_seqlens, pair_axis);
+}
+
+// The gradients of qk_norm_rope for q, k, q_weight and k_weight, from those of its outputs and its inputs q and k
+// (the norm is recomputed). The weights' gradients are summed in an order that no thread count changes.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+    const at::Tensor& inv_freq, double eps = 1e-6, std::string_view norm = "llama", double attention_scale = 1.0,
+    std::string_view layout = "neox", std::string_view format = "bshd", int64_t offset = 0,
+    const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(qk_norm_rope_backward)>("posenc::qk_norm_rope_backward");
+  return op.call(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout,
+                 format, offset, cu_seqlens, pair_axis);
+}
+
+// qk_norm_rope in place: q and k overwritten (two distinct tensors, each without overlapping elements).
+inline void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
+                          const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
+                          const at::Tensor& inv_freq, double eps = 1e-6, std::string_view norm = "llama",
+                          double attention_scale = 1.0, std::string_view layout = "neox",
+                          std::string_view format = "bshd", int64_t offset = 0,
+                          const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                          const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+  static const auto op = detail::find_op<decltype(qk_norm_rope_)>("posenc::qk_norm_rope_");
+  op.call(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
+          cu_seqlens, pair_axis);
+}
+
+}  // namespace posenc
