@@ -429,6 +429,56 @@ def rope_rows(table: Table, shape: str, dtype: torch.dtype, q: torch.Tensor, k: 
     table.add(shape, dtype, "fwd in place", lambda: inplace(buffer), {}, both, copies=1, fresh=False)
 
 
+def bench_qk_norm_rope(repeat: int, quick: bool) -> List[dict]:
+    """QK-norm + RoPE (Qwen3's attention prologue) on q and k: Hugging Face's Qwen3RMSNorm modules then
+    apply_rotary_pos_emb (tables precomputed), eager and under torch.compile, against qk_norm_rope; fwd+bwd takes
+    the gradients of q, k and both norm weights."""
+    try:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    except ImportError:
+        print("qk_norm_rope: transformers is not installed (pip install transformers); skipped")
+        return []
+    table = Table("qk_norm_rope", repeat)
+    head_dim, q_heads, kv_heads = 128, 16, 8
+    inv_freq = posenc.frequencies.rope(head_dim, base=1e6)[0]
+    batch, seq = (1, 512) if quick else (4, 2048)
+    angle = torch.arange(seq).double()[:, None] * inv_freq
+    emb = torch.cat([angle, angle], dim=-1)[None]
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(batch, seq, q_heads, head_dim, dtype=dtype)
+        k = torch.randn(batch, seq, kv_heads, head_dim, dtype=dtype)
+        q_norm, k_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype), Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            q_norm.weight.uniform_(0.5, 1.5)
+            k_norm.weight.uniform_(0.5, 1.5)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        both = torch.cat([q.flatten(), k.flatten()])
+        shape = f"q,k [{batch}, {seq}, {q_heads}|{kv_heads}, {head_dim}]"
+
+        def hf(qq, kk):
+            return apply_rotary_pos_emb(q_norm(qq), k_norm(kk), cos, sin, unsqueeze_dim=2)
+
+        hf_compiled = torch.compile(hf, fullgraph=True, dynamic=False)  # fresh per case: never recompiled while timed
+
+        def ours(qq, kk):
+            return PF.qk_norm_rope(qq, kk, q_norm.weight, k_norm.weight, None, inv_freq, 1e-6)
+
+        with torch.no_grad():
+            table.add(shape, dtype, "fwd", lambda: ours(q, k), {"HF eager": lambda: hf(q, k),
+                                                                 "HF compile": lambda: hf_compiled(q, k)}, both)
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+        leaves = [qg, kg, q_norm.weight, k_norm.weight]
+
+        def train(fn):
+            return fwd_grads(lambda: fn(qg, kg), leaves, [grad_q, grad_k])
+
+        table.add(shape, dtype, "fwd+bwd", train(ours), {"HF eager": train(hf), "HF compile": train(hf_compiled)},
+                  both, copies=2, saved_bytes=saved_bytes(lambda: ours(qg, kg)),
+                  baseline_saved_bytes=saved_bytes(lambda: hf(qg, kg)))
+    return table.rows
+
+
 def bench_mrope(repeat: int, quick: bool) -> List[dict]:
     """M-RoPE (Qwen2-VL) on q and k of a prompt holding an image: Hugging Face's Qwen2VLRotaryEmbedding tables
     (built once per forward for all layers) + apply_rotary_pos_emb, eager and compiled, and the copy bound."""
@@ -845,6 +895,7 @@ CUDA_BENCHMARKS = {
 
 BENCHMARKS = {
     "rope": bench_rope,
+    "qk_norm_rope": bench_qk_norm_rope,
     "mrope": bench_mrope,
     "axial": bench_axial,
     "sinusoidal": bench_sinusoidal,
@@ -887,6 +938,9 @@ TARGETS = [
     ("rope_ in place bf16", dict(op="rope_qk", shape="[4, 2048", dtype="bfloat16", mode="fwd in place"),
      "ours_over_copy", "<=", 1.0),
     ("M-RoPE fwd", dict(op="rope_qk mrope", mode="fwd"), "ours_over_copy", "<=", 1.2),
+    ("qk_norm_rope against HF eager", dict(op="qk_norm_rope"), "speedup:HF eager", ">=", 3.0),
+    ("qk_norm_rope against HF compile", dict(op="qk_norm_rope"), "speedup:HF compile", ">=", 1.0),
+    ("qk_norm_rope over the copy", dict(op="qk_norm_rope"), "ours_over_copy", "<=", 1.3),
     ("axial / Flux gptj fwd", dict(op="rope_qk axial", mode="fwd"), "ours_over_copy", "<=", 1.2),
     ("add_sinusoidal fwd, fwd+bwd", dict(op="add_sinusoidal"), "ours_over_copy", "<=", 1.2),
     ("embed_sinusoidal fwd bf16", dict(op="embed_sinusoidal", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=",

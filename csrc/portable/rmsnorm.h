@@ -9,6 +9,7 @@
 // take the lanes and fold them by shuffles does too.
 #include "portable/convert.h"
 #include "portable/macros.h"
+#include "portable/rotary.h"
 #include "portable/types.h"
 
 #include <cmath>
@@ -47,30 +48,55 @@ POSENC_INLINE T round_to(T v) {
   return to_opmath(from_opmath<scalar_t>(v));
 }
 
-// The normalized row z = w * x * r in place of x, rounded as the convention rounds it before the rotation.
-template <typename scalar_t, typename T>
-POSENC_INLINE void rms_norm_row(T* x, const T* w, int64_t n, T eps, QkNorm convention) {
-  const T r = inverse_rms(lane_dot(x, x, n), n, eps);
-  if (convention == QkNorm::Llama) {
-    for (int64_t i = 0; i < n; ++i) x[i] = round_to<scalar_t>(w[i] * round_to<scalar_t>(x[i] * r));
-  } else if (convention == QkNorm::Fused) {
-    for (int64_t i = 0; i < n; ++i) x[i] = w[i] * (x[i] * r);
+// One channel of the normalized row, z = w * x * r with r the row's inverse_rms, rounded as the convention rounds it
+// before the rotation.
+template <QkNorm kConvention, typename scalar_t, typename T>
+POSENC_INLINE T rms_scale(T x, T w, T r) {
+  if constexpr (kConvention == QkNorm::Llama) {
+    return round_to<scalar_t>(w * round_to<scalar_t>(x * r));
+  } else if constexpr (kConvention == QkNorm::Fused) {
+    return w * (x * r);
   } else {
-    for (int64_t i = 0; i < n; ++i) x[i] = round_to<scalar_t>(w[i] * (x[i] * r));
+    return round_to<scalar_t>(w * (x * r));
   }
 }
 
-// The backward of rms_norm_row: x (the forward's input) becomes xhat, g (the gradient of z) that of x, and gz * xhat
+#if !defined(__CUDACC__)
+// One head of a token: its channels x (maths precision, contiguous) normalized by r with weights w, then rotated as
+// rotate_row rotates (pair i: channels (i, i + pairs) for neox, (2i, 2i + 1) for gptj) and stored, in one pass;
+// the channels past 2 * pairs are stored normalized. A kernel forms the r of all of a token's heads before it
+// calls this: their sums are then independent, and the core overlaps them instead of waiting on each head's sum,
+// square root and division in turn.
+template <RopeLayout kLayout, QkNorm kConvention, bool kUnit, typename scalar_t, typename T>
+inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, int64_t pairs, int64_t head_dim,
+                                 scalar_t* out, int64_t out_step) {
+  const int64_t os = kUnit ? 1 : out_step;
+  const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;
+  const int64_t second = kLayout == RopeLayout::Neox ? pairs : 1;
+  POSENC_NO_CARRIED_DEPENDENCY
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t d = i * first;
+    const T a = rms_scale<kConvention, scalar_t>(x[d], w[d], r);
+    const T b = rms_scale<kConvention, scalar_t>(x[d + second], w[d + second], r);
+    out[d * os] = from_opmath<scalar_t>(rotate_first(a, b, k.c1[i], k.s1[i]));
+    out[(d + second) * os] = from_opmath<scalar_t>(rotate_second(a, b, k.c2[i], k.s2[i]));
+  }
+  for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d * os] = from_opmath<scalar_t>(rms_scale<kConvention, scalar_t>(x[d], w[d], r));
+}
+#endif
+
+// The backward of rms_scale over a row: x (the forward's input) becomes xhat, g (the gradient of z) that of x, and gz * xhat
 // is added to gw. The intermediate roundings of the conventions pass the gradient through, as autograd's casts do.
 template <typename T>
-POSENC_INLINE void rms_norm_row_backward(T* x, T* g, const T* w, T* gw, int64_t n, T eps) {
-  const T r = inverse_rms(lane_dot(x, x, n), n, eps);
+POSENC_INLINE void rms_scale_row_backward(T* x, T* g, const T* w, T* gw, int64_t n, T r) {
+  POSENC_NO_CARRIED_DEPENDENCY
   for (int64_t i = 0; i < n; ++i) {
     x[i] = x[i] * r;
     gw[i] += g[i] * x[i];
     g[i] = g[i] * w[i];
   }
   const T mean_dot = lane_dot(g, x, n) / static_cast<T>(n);
+  POSENC_NO_CARRIED_DEPENDENCY
   for (int64_t i = 0; i < n; ++i) g[i] = r * (g[i] - x[i] * mean_dot);
 }
 

@@ -71,6 +71,54 @@ void rotate_heads_of_row(opmath* row, int64_t heads, int64_t head_dim, PairCoeff
   }
 }
 
+// The inverse root mean square of every group of a token's row.
+template <typename scalar_t, typename opmath>
+void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<scalar_t, opmath>& norm,
+                           opmath* inv_rms) {
+  const int64_t n = norm.group;
+  for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
+}
+
+// Every head of a view's token, from its channels x ([heads * head_dim], maths precision): normalized, rotated and
+// stored (the forward of qk_norm_rope).
+template <RopeLayout kLayout, QkNorm kConvention, typename scalar_t, typename opmath>
+void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
+                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out) {
+  const int64_t D = view.head_dim;
+  const bool per_head = norm.group == D;
+  for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
+    const opmath* w = per_head ? norm.weight : norm.weight + h * D;
+    const opmath r = inv_rms[per_head ? h : 0];
+    if (view.out_stride[3] == 1) {
+      rms_scale_rotate_row<kLayout, kConvention, true>(x, w, r, k, pairs, D, out, 1);
+    } else {
+      rms_scale_rotate_row<kLayout, kConvention, false>(x, w, r, k, pairs, D, out, view.out_stride[3]);
+    }
+  }
+}
+
+template <RopeLayout kLayout, typename scalar_t, typename opmath>
+void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
+                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out) {
+  switch (norm.convention) {
+    case QkNorm::Llama: return normalize_rotate_heads<kLayout, QkNorm::Llama>(x, norm, inv_rms, k, pairs, view, out);
+    case QkNorm::Gemma: return normalize_rotate_heads<kLayout, QkNorm::Gemma>(x, norm, inv_rms, k, pairs, view, out);
+    case QkNorm::Olmo2: return normalize_rotate_heads<kLayout, QkNorm::Olmo2>(x, norm, inv_rms, k, pairs, view, out);
+    case QkNorm::Fused: return normalize_rotate_heads<kLayout, QkNorm::Fused>(x, norm, inv_rms, k, pairs, view, out);
+  }
+}
+
+template <typename scalar_t, typename opmath>
+void normalize_rotate_heads(RopeLayout layout, const opmath* x, const RmsNormView<scalar_t, opmath>& norm,
+                            const opmath* inv_rms, PairCoeffs<opmath> k, int64_t pairs,
+                            const RotaryView<scalar_t>& view, scalar_t* out) {
+  if (layout == RopeLayout::Neox) {
+    normalize_rotate_heads<RopeLayout::Neox>(x, norm, inv_rms, k, pairs, view, out);
+  } else {
+    normalize_rotate_heads<RopeLayout::Gptj>(x, norm, inv_rms, k, pairs, view, out);
+  }
+}
+
 // Tokens per partial sum of the weights' gradients: a function of the token count alone, so that the sums, each in
 // token order and then folded chunk by chunk, come out the same for every thread count.
 inline int64_t tokens_per_chunk(int64_t tokens) { return std::max<int64_t>(16, (tokens + 1023) / 1024); }
@@ -85,8 +133,10 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   const int64_t tokens = problem.batch * seq;
   const auto scale = static_cast<opmath>(problem.attention_scale);
   int64_t width = 0;
+  int64_t min_group = width;
   int64_t token_work = 0;
   for (int64_t v = 0; v < problem.num_views; ++v) {
+    min_group = v == 0 ? problem.norms[v].group : std::min(min_group, problem.norms[v].group);
     width = std::max(width, problem.views[v].heads * problem.views[v].head_dim);
     token_work += 4 * problem.views[v].heads * problem.views[v].head_dim;
   }
@@ -96,11 +146,12 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
 
   parallel_for(0, chunks, std::max<int64_t>(1, rows_per_task(token_work) / chunk), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(2 * pairs + 2 * width);
+    std::vector<opmath> own(2 * pairs + 2 * width + width / min_group);
     opmath* cos_row = own.data();
     opmath* sin_row = cos_row + pairs;
     opmath* row = sin_row + pairs;
     opmath* grad = row + width;
+    opmath* inv_rms = grad + width;  // of each group of the row
     const PairCoeffs<opmath> k{cos_row, sin_row, cos_row, sin_row};
     for (int64_t n = begin * chunk; n < std::min(end * chunk, tokens); ++n) {
       const int64_t b = n / seq;
@@ -114,20 +165,25 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
         const scalar_t* in = view.in + b * view.in_stride[0] + s * view.in_stride[1];
         scalar_t* out = view.out + b * view.out_stride[0] + s * view.out_stride[1];
         if (!problem.inverse) {
-          load_heads(in, view.in_stride, H, D, row);
-          for (int64_t g = 0; g < H * D; g += norm.group) {
-            rms_norm_row<scalar_t>(row + g, norm.weight, norm.group, norm.eps, norm.convention);
+          for (int64_t h = 0; h < H; ++h) {
+            prefetch_next_token(view, in + h * view.in_stride[2], out + h * view.out_stride[2]);
           }
-          rotate_heads_of_row(row, H, D, k, pairs, problem.layout);
-          store_heads(row, out, view.out_stride, H, D);
+          // float32 heads side by side are read where they are; others are widened into the row first.
+          const bool direct = std::is_same_v<scalar_t, opmath> && view.in_stride[3] == 1 && view.in_stride[2] == D;
+          const opmath* x = direct ? reinterpret_cast<const opmath*>(in) : row;
+          if (!direct) load_heads(in, view.in_stride, H, D, row);
+          inverse_rms_of_groups(x, H * D, norm, inv_rms);
+          normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out);
           continue;
         }
         load_heads(norm.input + b * norm.input_stride[0] + s * norm.input_stride[1], norm.input_stride, H, D, row);
         load_heads(in, view.in_stride, H, D, grad);
         rotate_heads_of_row(grad, H, D, k, pairs, problem.layout);
         opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
-        for (int64_t g = 0; g < H * D; g += norm.group) {
-          rms_norm_row_backward(row + g, grad + g, norm.weight, weight_grad, norm.group, norm.eps);
+        inverse_rms_of_groups(row, H * D, norm, inv_rms);
+        for (int64_t g = 0; g * norm.group < H * D; ++g) {
+          const int64_t first = g * norm.group;
+          rms_scale_row_backward(row + first, grad + first, norm.weight, weight_grad, norm.group, inv_rms[g]);
         }
         store_heads(grad, out, view.out_stride, H, D);
       }
