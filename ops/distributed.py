@@ -17,6 +17,10 @@ the op cannot split). docs/distributed.md has the table; in short, per mesh dime
   ``add_alibi(local_scores, global_slopes, mode, head_offset=first_global_head)``. Head sharding therefore
   applies when the global call has ``head_offset=0`` and slopes for exactly the scores' heads (and, for
   ``alibi_bias``, ``num_heads=None``); other calls run replicated.
+- QK-norm + rotary (``qk_norm_rope``): as the rotary ops, each token's rows being normalized alone, with the
+  weights replicated; over heads only with per-head ``[head_dim]`` weights: ``[heads * head_dim]`` weights (OLMo 2)
+  normalize all heads of a token together, so head-sharded q and k are gathered (or moved to another placement of
+  the rule). The backward's weight gradients are partial sums (``Partial()``) over sharded rows.
 - Multi-axis rotary (``pair_axis``): the same, with positions ``[n_axes, S]`` shared by the batch and
   ``[n_axes, B, S]`` sharded over their batch dimension (1) alongside; ``pair_axis`` is replicated.
 - ``mrope_positions`` and ``rope_inv_freq_for_length`` run replicated: each result depends on the whole input
@@ -26,7 +30,7 @@ the op cannot split). docs/distributed.md has the table; in short, per mesh dime
   tables also over channels. T5: the table over heads. Gradients of tables from batch-sharded rows (and
   ``alibi_backward`` of ``[H]`` slopes) are partial sums (``Partial()``), reduced when read.
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -36,9 +40,9 @@ from torch.distributed.tensor.experimental import register_sharding
 
 __all__ = ["SUPPORTED_OPS"]
 
-# Rules give, for one mesh dimension, the acceptable pairs (placement of every output, placements of the
-# tensor arguments by name; a tensor not named is replicated).
-_Strategy = Tuple[Placement, Dict[str, Placement]]
+# Rules give, for one mesh dimension, the acceptable pairs (placement of every output, or a list with each output's,
+# placements of the tensor arguments by name; a tensor not named is replicated).
+_Strategy = Tuple[Union[Placement, List[Placement]], Dict[str, Placement]]
 
 # Dimensions of batch, sequence (tokens) and heads in each rotary format.
 _ROPE_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2), "thd": (None, 0, 1)}
@@ -76,6 +80,27 @@ def _rope_rule(rotated: Sequence[str], a: Dict[str, Any]) -> List[_Strategy]:
     # A shard without explicit positions would count from 0; cu_seqlens index the whole token dimension.
     if positions is not None and cu_seqlens is None:
         strategies.append(strategy(Shard(seq), Shard(positions.ndim - 1)))
+    return strategies
+
+
+def _qk_norm_rope_rule(a: Dict[str, Any], backward: bool = False) -> List[_Strategy]:
+    """qk_norm_rope, its backward and qk_norm_rope_: rope's placements, since each token's rows are normalized and
+    rotated alone, the weights replicated; but over heads only when both weights are per head ([head_dim]). A
+    [heads * head_dim] weight (OLMo 2) normalizes all heads of a token together, which a shard of the heads cannot:
+    the rule leaves head sharding out, and DTensor redistributes head-sharded q and k to a placement it keeps (it
+    gathers the heads). The backward's weight gradients sum over every row: partial sums on sharded rows."""
+    per_head = all(a[weight].ndim == 1 and a[x].ndim > 0 and a[weight].shape[0] == a[x].shape[-1]
+                   for weight, x in (("q_weight", "q"), ("k_weight", "k")))
+    head = _ROPE_DIMS.get(a["format"], (None, None, None))[2]
+    data = ["grad_q", "grad_k", "q", "k"] if backward else ["q", "k"]
+    strategies = []
+    for output, inputs in _rope_rule(data, a):
+        if not per_head and isinstance(output, Shard) and output.dim == head:
+            continue
+        if backward:  # grad_q and grad_k sharded as q and k, the weights' gradients summed over the ranks' rows
+            weights = Replicate() if output == Replicate() else Partial()
+            output = [output, output, weights, weights]
+        strategies.append((output, inputs))
     return strategies
 
 
@@ -207,6 +232,9 @@ _RULES = {
     "rope_": lambda a: _rope_rule(["x"], a),
     "rope_qk": lambda a: _rope_rule(["q", "k"], a),
     "rope_qk_backward": lambda a: _rope_rule(["grad_q", "grad_k"], a),
+    "qk_norm_rope": _qk_norm_rope_rule,
+    "qk_norm_rope_backward": lambda a: _qk_norm_rope_rule(a, backward=True),
+    "qk_norm_rope_": _qk_norm_rope_rule,
     "rope_cos_sin": _rope_cos_sin_rule,
     "rope_cos_sin_backward": _rope_cos_sin_rule,
     "add_alibi": lambda a: _alibi_rule("scores", a),
@@ -233,7 +261,8 @@ def _register(name: str) -> None:
         for output, inputs in rule(a):
             # One entry per argument passed, in the order DTensor lists them; None for non-tensors.
             placements = [inputs.get(n, Replicate()) if isinstance(a[n], DTensorSpec) else None for n in passed]
-            acceptable.append(([output] * len(schema.returns), placements))
+            outputs = output if isinstance(output, list) else [output] * len(schema.returns)
+            acceptable.append((outputs, placements))
         return acceptable
 
     register_sharding(op)(sharding)

@@ -428,6 +428,70 @@ class RotaryEmbedding(_ExactFrequencies):
 __all__ += ["RotaryEmbedding"]
 
 
+# ---------------------------------------------------------------- QK-norm + rotary
+
+_QK_NORMS = ("llama", "gemma", "olmo2", "fused")
+
+
+class QKNormRotaryEmbedding(torch.nn.Module):
+    """RMS-normalizes q and k, scales them by their weights and rotates them, in one op (``qk_norm_rope``): the
+    attention prologue of Qwen3, Gemma 3 and OLMo 2. ``forward(q, k, positions=None, offset=0, cu_seqlens=None) ->
+    (q, k)``; scriptable.
+
+    The weights are parameters ``q_weight [q_norm_dim]`` and ``k_weight [k_norm_dim]`` (Hugging Face's
+    ``q_norm.weight`` and ``k_norm.weight``): a width of ``head_dim`` (the default) normalizes each head (Qwen3,
+    Gemma 3), one of ``heads * head_dim`` all heads of a token together (OLMo 2's norms over the projections). They
+    start at one, or at zero for ``norm="gemma"``, whose scale is ``1 + w``: a new module normalizes and rotates.
+    ``norm`` is the model's rounding convention (:func:`posenc.functional.qk_norm_rope`): ``"llama"`` (Qwen3),
+    ``"gemma"``, ``"olmo2"`` or ``"fused"``; ``eps`` is added to the mean square. The rotary arguments are those of
+    :class:`RotaryEmbedding`, which the module holds as ``rotary`` (frequencies, scaling types, per-call lengths).
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: Optional[int] = None, base: float = 10000.0,
+                 layout: str = "neox", scaling: Optional[Dict[str, Any]] = None, format: str = "bshd",
+                 eps: float = 1e-6, norm: str = "llama", q_norm_dim: Optional[int] = None,
+                 k_norm_dim: Optional[int] = None):
+        super().__init__()
+        op = "posenc.nn.QKNormRotaryEmbedding"
+        if norm not in _QK_NORMS:
+            raise ValueError(f"{op}: norm must be one of {list(_QK_NORMS)}, got \"{norm}\"")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
+        q_norm_dim = head_dim if q_norm_dim is None else q_norm_dim
+        k_norm_dim = head_dim if k_norm_dim is None else k_norm_dim
+        for name, width in (("q_norm_dim", q_norm_dim), ("k_norm_dim", k_norm_dim)):
+            if head_dim <= 0 or width <= 0 or width % head_dim != 0:
+                raise ValueError(f"{op}: {name} {width} must be head_dim {head_dim} (each head) or heads * head_dim "
+                                 f"(all heads of a token)")
+        self.rotary = RotaryEmbedding(head_dim, rotary_dim, base, layout, scaling, format)
+        self.head_dim, self.eps, self.norm = head_dim, float(eps), norm
+        self.q_norm_dim, self.k_norm_dim = q_norm_dim, k_norm_dim
+        self.q_weight = torch.nn.Parameter(torch.empty(q_norm_dim))
+        self.k_weight = torch.nn.Parameter(torch.empty(k_norm_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # The identity scale: w = 1, or w = 0 where the scale is 1 + w (Gemma).
+        value = 0.0 if self.norm == "gemma" else 1.0
+        torch.nn.init.constant_(self.q_weight, value)
+        torch.nn.init.constant_(self.k_weight, value)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
+                cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        rotary = self.rotary
+        inv_freq = rotary.inv_freq_for(q, positions, offset, cu_seqlens)
+        return torch.ops.posenc.qk_norm_rope(q, k, self.q_weight, self.k_weight, positions, inv_freq, self.eps,
+                                             self.norm, rotary.attention_scale, rotary.layout, rotary.format, offset,
+                                             cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, norm={self.norm!r}, eps={self.eps}, q_norm_dim={self.q_norm_dim}, "
+                f"k_norm_dim={self.k_norm_dim}")
+
+
+__all__ += ["QKNormRotaryEmbedding"]
+
+
 # ---------------------------------------------------------------- Multi-axis rotary (images, video, multimodal text)
 
 __all__ += ["MultimodalRotaryEmbedding", "AxialRotaryEmbedding"]

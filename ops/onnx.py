@@ -12,21 +12,23 @@ finds them, at any opset, and so do exporters built on it (transformers'); with 
 
 The translations reproduce the ops' maths: angles = (positions + offset) * inv_freq in float64, sin and cos in
 float64, then the data's maths type (float32 for float16/bfloat16/float32 data, float64 for float64 data) and one
-rounding to the output dtype. From opset 23, ``rope`` and ``rope_qk`` use ONNX's ``RotaryEmbedding``, fed with
-per-token cos/sin tables (multi-axis calls gather each pair's position with ``pair_axis`` first); below it, and for
-``rope_cos_sin`` (whose tables may hold any values, while ``RotaryEmbedding`` reads half tables and assumes they
-repeat), the same products and sums are built from primitives. T5 buckets are read from a table of
-``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges match exactly. The ops
-without a tensor argument (frequencies, ALiBi slopes, position grids) become constants that the op itself computes
-at export time; ``rope_inv_freq_for_length`` switches to (LongRoPE) or computes (dynamic NTK) its frequencies in
-float64 from the length in the graph; ``mrope_positions`` walks Qwen2-VL's runs of tokens with sorts and sums.
-Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are fixed at export.
-The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime reports an
-out-of-range index in its own words.
+rounding to the output dtype. From opset 23, ``rope``, ``rope_qk`` and ``qk_norm_rope`` use ONNX's
+``RotaryEmbedding``, fed with per-token cos/sin tables (multi-axis calls gather each pair's position with
+``pair_axis`` first); below it, and for ``rope_cos_sin`` (whose tables may hold any values, while
+``RotaryEmbedding`` reads half tables and assumes they repeat), the same products and sums are built from
+primitives. ``qk_norm_rope`` normalizes q and k first, with opset 23's ``RMSNormalization`` (below it, and for
+float64 data, from ReduceMean, Sqrt, Reciprocal and Mul), rounding where its ``norm`` convention rounds. T5 buckets
+are read from a table of ``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges
+match exactly. The ops without a tensor argument (frequencies, ALiBi slopes, position grids) become constants that
+the op itself computes at export time; ``rope_inv_freq_for_length`` switches to (LongRoPE) or computes (dynamic
+NTK) its frequencies in float64 from the length in the graph; ``mrope_positions`` walks Qwen2-VL's runs of tokens
+with sorts and sums. Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are
+fixed at export. The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime
+reports an out-of-range index in its own words.
 
-Backward ops and the in-place ``rope_`` / ``add_alibi_`` have no translation (export graphs are functional
-inference graphs; use ``rope`` / ``add_alibi``), nor has ``zigzag_positions_varlen``, whose output sizes follow
-its input's values: torch.export cannot trace it.
+Backward ops and the in-place ``rope_`` / ``qk_norm_rope_`` / ``add_alibi_`` have no translation (export graphs
+are functional inference graphs; use ``rope`` / ``qk_norm_rope`` / ``add_alibi``), nor has
+``zigzag_positions_varlen``, whose output sizes follow its input's values: torch.export cannot trace it.
 """
 from fractions import Fraction
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -257,9 +259,10 @@ def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, of
     return tables
 
 
-def _rotary_embedding(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str):
+def _rotary_embedding(x, cos, sin, rotary_dim: int, layout: str, format: str, op_name: str, data=None):
     """RotaryEmbedding (opset 23) on x in its format, with tables [B, S, F] ([1, T, F] for thd): bhsd is its 4-D
-    input; bshd/thd/sbhd become [B, S, H * D]."""
+    input; bshd/thd/sbhd become [B, S, H * D]. ``data``: what to rotate in place of x, x's shape in x's maths type
+    (qk_norm_rope's normalized q and k); the result has x's dtype."""
     maths = _maths_type(x.dtype)
     heads = _static(x, -2 if format != "bhsd" else 1, op_name, "head count")
     head_dim = _static(x, -1, op_name, "head_dim")
@@ -268,7 +271,7 @@ def _rotary_embedding(x, cos, sin, rotary_dim: int, layout: str, format: str, op
     batch = op.Constant(value_ints=[1]) if format == "thd" else \
         op.Shape(x, start=_BATCH_AXIS[format], end=_BATCH_AXIS[format] + 1)
     cos, sin = (op.Expand(t, op.Concat(batch, op.Shape(t, start=-2), axis=0)) for t in (cos, sin))
-    data = _to(x, maths)
+    data = _to(x, maths) if data is None else data
     if format == "bhsd":
         return _to(opset23.RotaryEmbedding(data, cos, sin, **attributes), x.dtype)
     if format == "sbhd":
@@ -295,18 +298,23 @@ def _full_width(table, layout: str):
 
 
 def _rope(name: str, tensors: Sequence[Any], positions, inv_freq, attention_scale: float, layout: str, format: str,
-          offset: int, cu_seqlens, pair_axis, opset: int):
+          offset: int, cu_seqlens, pair_axis, opset: int, data: Optional[Sequence[Any]] = None):
+    """The tensors rotated, each rounded once to its dtype; ``data``: the values to rotate in place of the tensors,
+    of their shapes in their maths type (qk_norm_rope's normalized q and k)."""
     _check_rope(name, layout, format)
+    data = [None] * len(tensors) if data is None else data
     rotary_dim = 2 * _static(inv_freq, 0, name, "inv_freq length")
     if pair_axis is not None and positions is None:
         raise ValueError(f"posenc.onnx: {name}: pair_axis needs positions [n_axes, ...]")
     cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens, pair_axis)
     if opset >= OPSET:
-        return tuple(_rotary_embedding(x, cos, sin, rotary_dim, layout, format, name) for x in tensors)
+        return tuple(_rotary_embedding(x, cos, sin, rotary_dim, layout, format, name, d)
+                     for x, d in zip(tensors, data))
     # Before RotaryEmbedding: the products and sums it computes, in the same maths type.
     per_row = format != "thd" and positions is not None and _rank(positions) == (2 if pair_axis is None else 3)
     cos, sin = _full_width(cos, layout), _full_width(sin, layout)
-    return tuple(_rotate_by_tables(x, cos, sin, rotary_dim, per_row, layout, format, name) for x in tensors)
+    return tuple(_rotate_by_tables(x, cos, sin, rotary_dim, per_row, layout, format, name, d)
+                 for x, d in zip(tensors, data))
 
 
 def _rope_for_opset(opset: int):
@@ -320,10 +328,66 @@ def _rope_for_opset(opset: int):
         return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
                      pair_axis, opset)
 
-    return rope, rope_qk
+    def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps: float = 1e-06, norm: str = "llama",
+                     attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
+                     cu_seqlens=None, pair_axis=None):
+        _check_rope("qk_norm_rope", layout, format)
+        if norm not in _QK_NORMS:
+            raise ValueError(f'posenc.onnx: qk_norm_rope: norm must be one of {_QK_NORMS}, got "{norm}"')
+        normalized = [_rms_norm(x, weight, eps, norm, format, opset, name)
+                      for x, weight, name in ((q, q_weight, "q_weight"), (k, k_weight, "k_weight"))]
+        return _rope("qk_norm_rope", [q, k], positions, inv_freq, attention_scale, layout, format, offset,
+                     cu_seqlens, pair_axis, opset, normalized)
+
+    return rope, rope_qk, qk_norm_rope
 
 
-rope, rope_qk = _rope_for_opset(OPSET)
+# ---------------------------------------------------------------- QK-norm + RoPE
+
+_QK_NORMS = ("llama", "gemma", "olmo2", "fused")
+
+
+def _rms_norm(x, weight, eps: float, norm: str, format: str, opset: int, weight_name: str):
+    """qk_norm_rope's norm of x (q or k) in x's maths type, rounded as the convention rounds it before the rotation:
+    xhat = x / sqrt(mean(x^2) + eps) over each head (a [head_dim] weight) or over all heads of a token (a
+    [heads * head_dim] weight), then w * xhat; "llama" rounds xhat to x's dtype and w * xhat again, "gemma" (w + 1)
+    and "olmo2" round w * xhat once, "fused" not at all. From opset 23 ONNX's RMSNormalization; below it, and for
+    float64 data (RMSNormalization's epsilon is a float32 attribute), the same sums and products from primitives
+    (ReduceMean, Sqrt, Reciprocal, Mul): r = 1 / sqrt(mean + eps) multiplies x, as in the op."""
+    maths = _maths_type(x.dtype)
+    head_dim = _static(x, -1, "qk_norm_rope", "head_dim")
+    width = _static(weight, 0, "qk_norm_rope", f"{weight_name} length")
+    over_heads = width != head_dim  # the op checked width == heads * head_dim
+    w = _to(weight, maths)
+    if norm == "gemma":
+        w = op.Add(w, op.CastLike(_double(1.0), w))  # 1 + w in the maths type, as Gemma adds it
+    data = _to(x, maths)
+    if over_heads:
+        w = op.Reshape(w, op.Constant(value_ints=[width // head_dim, head_dim]))
+        if format == "bhsd":  # the heads of a token next to each other: [B, S, H, D]
+            data = op.Transpose(data, perm=[0, 2, 1, 3])
+    # llama multiplies by its weight after rounding xhat; the others inside the norm.
+    if opset >= OPSET and maths == _FLOAT:
+        shape = [width // head_dim, head_dim] if over_heads else [head_dim]
+        scale = op.Constant(value=ir.tensor(torch.ones(shape))) if norm == "llama" else w
+        y = opset23.RMSNormalization(data, scale, axis=-2 if over_heads else -1, epsilon=float(eps))
+    else:
+        squares = op.ReduceMean(op.Mul(data, data), op.Constant(value_ints=[-2, -1] if over_heads else [-1]),
+                                keepdims=1)
+        r = op.Reciprocal(op.Sqrt(op.Add(squares, op.Constant(value=ir.tensor(float(eps), dtype=maths)))))
+        y = op.Mul(data, r)
+        if norm != "llama":
+            y = op.Mul(y, w)
+    if norm == "llama":
+        y = op.Mul(_to(_to(y, x.dtype), maths), w)
+    if norm != "fused":
+        y = _to(_to(y, x.dtype), maths)
+    if over_heads and format == "bhsd":
+        y = op.Transpose(y, perm=[0, 2, 1, 3])
+    return y
+
+
+rope, rope_qk, qk_norm_rope = _rope_for_opset(OPSET)
 
 
 def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
@@ -333,12 +397,13 @@ def rope_cos_sin(x, cos, sin, layout: str = "neox", format: str = "bshd"):
     return _rotate_by_tables(x, cos, sin, rotary_dim, _rank(cos) == 3, layout, format, "rope_cos_sin")
 
 
-def _rotate_by_tables(x, cos, sin, rotary_dim: int, per_row: bool, layout: str, format: str, op_name: str):
+def _rotate_by_tables(x, cos, sin, rotary_dim: int, per_row: bool, layout: str, format: str, op_name: str,
+                      data=None):
     """x * cos + rotate(x) * sin over the first rotary_dim channels; tables [S, r], [1 or B, S, r] (per_row) or
-    [T, r] (thd)."""
+    [T, r] (thd). ``data`` as in _rotary_embedding."""
     head_dim = _static(x, -1, op_name, "head_dim")
     maths = _maths_type(x.dtype)
-    data = _to(x, maths)
+    data = _to(x, maths) if data is None else data
     rotated = _last_dim(data, 0, rotary_dim)
     half = rotary_dim // 2
     if layout == "neox":  # rotate_half: [-x2, x1]
@@ -621,7 +686,7 @@ _TRANSLATIONS: Dict[str, Callable] = {
     "sinusoidal": sinusoidal, "add_sinusoidal": add_sinusoidal, "embed_sinusoidal": embed_sinusoidal,
     "learned": learned, "add_learned": add_learned, "embed_learned": embed_learned,
     "make_positions": make_positions, "positions_from_mask": positions_from_mask,
-    "rope": rope, "rope_qk": rope_qk, "rope_cos_sin": rope_cos_sin,
+    "rope": rope, "rope_qk": rope_qk, "rope_cos_sin": rope_cos_sin, "qk_norm_rope": qk_norm_rope,
     "alibi_bias": alibi_bias, "add_alibi": add_alibi,
     "relative_position_bucket": relative_position_bucket, "t5_bias": t5_bias,
     "rope_inv_freq_for_length": rope_inv_freq_for_length, "mrope_positions": mrope_positions,

@@ -199,6 +199,121 @@ def rope_multiaxis_sharded_over_heads_batch_and_sequence(mesh):
                  grad_wrt=(0,), out_placements=[Shard(0)])
 
 
+# ---------------------------------------------------------------- QK-norm + rotary
+
+QK_NORMS = ("llama", "gemma", "olmo2", "fused")
+
+
+@check
+def qk_norm_rope_with_per_head_weights_over_heads_batch_and_sequence(mesh):
+    # [head_dim] weights: every row normalized alone, so q and k shard as rope_qk's do, the weights replicated; the
+    # weights' gradients come back from each rank's rows as partial sums.
+    _, Replicate, Shard, _ = _dt()
+    inv_freq, scale = posenc.frequencies.rope(12, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 64})
+    q, k = torch.randn(4, 6, 4, 16), torch.randn(4, 6, 2, 16)  # GQA: 4 query heads, 2 key heads
+    q_weight, k_weight = torch.rand(16) + 0.5, torch.rand(16) + 0.5
+    per_row, shared = torch.randint(0, 500, (4, 6)), torch.randint(0, 500, (6,))
+    for norm in QK_NORMS:
+        def op(q, k, qw, kw, p, f):
+            return PF.qk_norm_rope(q, k, qw, kw, p, f, 1e-5, norm, scale, "neox", "bshd", 2)
+
+        for x_p, p_p, positions in ((Shard(2), Replicate(), per_row), (Shard(0), Shard(0), per_row),
+                                    (Shard(0), Replicate(), shared), (Shard(1), Shard(1), per_row),
+                                    (Shard(1), Shard(0), shared)):
+            _run_sharded(op, mesh, [q, k, q_weight, k_weight, positions, inv_freq],
+                         [x_p, x_p, Replicate(), Replicate(), p_p, Replicate()], grad_wrt=(0, 1, 2, 3),
+                         out_placements=[x_p, x_p])
+    # Every format over its heads, without positions; thd over its tokens with positions sharded alongside.
+    for fmt, head in (("bhsd", 1), ("sbhd", 2), ("thd", 1)):
+        def op(q, k, qw, kw, f):
+            return PF.qk_norm_rope(q, k, qw, kw, None, f, 1e-6, "llama", 1.0, "gptj", fmt)
+
+        x_q, x_k = (t.permute(0, 2, 1, 3) if fmt == "bhsd" else t.transpose(0, 1) if fmt == "sbhd" else t[0]
+                    for t in (q, k))
+        _run_sharded(op, mesh, [x_q.contiguous(), x_k.contiguous(), q_weight, k_weight, inv_freq],
+                     [Shard(head), Shard(head), Replicate(), Replicate(), Replicate()], grad_wrt=(0, 1, 2, 3),
+                     out_placements=[Shard(head), Shard(head)])
+    def thd(q, k, qw, kw, p, f):
+        return PF.qk_norm_rope(q, k, qw, kw, p, f, 1e-6, "olmo2", 1.0, "neox", "thd")
+
+    _run_sharded(thd, mesh, [q[0], k[0], q_weight, k_weight, shared, inv_freq],
+                 [Shard(0), Shard(0), Replicate(), Replicate(), Shard(0), Replicate()], grad_wrt=(0, 1, 2, 3),
+                 out_placements=[Shard(0), Shard(0)])
+
+
+@check
+def qk_norm_rope_with_weights_over_all_heads_gathers_a_head_shard(mesh):
+    # OLMo 2's [heads * head_dim] weights normalize all heads of a token together: a rank holding half the heads
+    # cannot, so the rule offers no head sharding and DTensor moves q and k to another placement of the rule first
+    # (the result stays exact). Batch and sequence shards hold whole tokens and keep their placement.
+    _, Replicate, Shard, _ = _dt()
+    inv_freq = posenc.frequencies.rope(16)[0]
+    q, k = torch.randn(4, 6, 4, 16), torch.randn(4, 6, 2, 16)
+    q_weight, k_weight = torch.rand(64) + 0.5, torch.rand(32) + 0.5
+    positions = torch.randint(0, 500, (4, 6))
+    for norm in QK_NORMS:
+        op = lambda q, k, qw, kw, p, f: PF.qk_norm_rope(q, k, qw, kw, p, f, 1e-6, norm)  # noqa: E731
+        q_out, k_out = _run_sharded(op, mesh, [q, k, q_weight, k_weight, positions, inv_freq],
+                                    [Shard(2), Shard(2), Replicate(), Replicate(), Replicate(), Replicate()],
+                                    grad_wrt=(0, 1, 2, 3))
+        assert Shard(2) not in q_out.placements + k_out.placements, (q_out.placements, k_out.placements)
+        for x_p, p_p in ((Shard(0), Shard(0)), (Shard(1), Shard(1))):
+            _run_sharded(op, mesh, [q, k, q_weight, k_weight, positions, inv_freq],
+                         [x_p, x_p, Replicate(), Replicate(), p_p, Replicate()], grad_wrt=(0, 1, 2, 3),
+                         out_placements=[x_p, x_p])
+    # One weight per head and one over all heads: q and k share their placement, so neither shards its heads.
+    op = lambda q, k, qw, kw, f: PF.qk_norm_rope(q, k, qw, kw, None, f)  # noqa: E731
+    q_out, _ = _run_sharded(op, mesh, [q, k, q_weight[:16], k_weight, inv_freq],
+                            [Shard(2), Shard(2), Replicate(), Replicate(), Replicate()], grad_wrt=(0, 1, 2, 3))
+    assert q_out.placements != (Shard(2),)
+
+
+@check
+def qk_norm_rope_backward_directly(mesh):
+    # The gradients of q and k keep the placement of their rows; the weights' gradients are partial sums.
+    Partial, Replicate, Shard, _ = _dt()
+    inv_freq = posenc.frequencies.rope(16)[0]
+    g, h, q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16), torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)
+    for norm in QK_NORMS:
+        def op(g, h, q, k, qw, kw, f):
+            return PF.qk_norm_rope_backward(g, h, q, k, qw, kw, None, f, 1e-6, norm)
+
+        for x_p in (Shard(2), Shard(0)):
+            _run_sharded(op, mesh, [g, h, q, k, torch.rand(16), torch.rand(16), inv_freq],
+                         [x_p, x_p, x_p, x_p, Replicate(), Replicate(), Replicate()],
+                         out_placements=[x_p, x_p, Partial(), Partial()], exact=False)
+    # Replicated rows: every output replicated.
+    op = lambda g, h, q, k, qw, kw, f: PF.qk_norm_rope_backward(g, h, q, k, qw, kw, None, f)  # noqa: E731
+    _run_sharded(op, mesh, [g, h, q, k, torch.rand(64), torch.rand(32), inv_freq], [Replicate()] * 7,
+                 out_placements=[Replicate()] * 4)
+
+
+@check
+def qk_norm_rope_in_place_keeps_the_sharding(mesh):
+    _, Replicate, Shard, distribute_tensor = _dt()
+    inv_freq = posenc.frequencies.rope(16)[0]
+    q, k = torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16)
+    positions = torch.randint(0, 100, (6,))
+    for q_weight, k_weight, placement, p_placement in ((torch.rand(16), torch.rand(16), Shard(2), Replicate()),
+                                                       (torch.rand(64), torch.rand(32), Shard(1), Shard(0))):
+        expected = PF.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, 1e-6, "gemma")
+        sharded = [distribute_tensor(t, mesh, [placement]) for t in (q, k)]
+        local = [t.to_local().data_ptr() for t in sharded]
+        replicated = [distribute_tensor(t, mesh, [Replicate()]) for t in (q_weight, k_weight)]
+        PF.qk_norm_rope_(*sharded, *replicated, distribute_tensor(positions, mesh, [p_placement]),
+                         distribute_tensor(inv_freq, mesh, [Replicate()]), 1e-6, "gemma")
+        for t, pointer, e in zip(sharded, local, expected):
+            assert t.placements == (placement,)
+            assert t.to_local().data_ptr() == pointer  # normalized and rotated where it lies
+            assert_close(t.full_tensor(), e, rtol=0, atol=0)
+    # Over all heads, a head shard cannot be normalized where it lies, and an in-place op cannot be redistributed.
+    sharded = [distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k)]
+    replicated = [distribute_tensor(t, mesh, [Replicate()]) for t in (torch.rand(64), torch.rand(32), inv_freq)]
+    with pytest.raises(RuntimeError, match=r"in-place operations that require placement changes are not supported"):
+        PF.qk_norm_rope_(*sharded, replicated[0], replicated[1], None, replicated[2])
+
+
 @check
 def position_and_frequency_builders_run_replicated(mesh):
     # Each result depends on the whole input (grids handed to the rows in order, every sequence boundary): a

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import posenc
+from helpers import rotate_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "export.md"
@@ -77,8 +78,8 @@ def test_aoti_package_runs_from_cpp(documented):
 
 
 def test_aoti_package_of_every_remaining_op(tmp_path):
-    """The ops the documented model does not use, the in-place ones, ScalarType and SymInt arguments: one more
-    package, run from Python (the C++ loader is the same code)."""
+    """The ops the documented model does not use (qk_norm_rope among them), the in-place ones, ScalarType and SymInt
+    arguments: one more package, run from Python (the C++ loader is the same code)."""
     from posenc import functional as PF
 
     class Rest(torch.nn.Module):
@@ -87,6 +88,9 @@ def test_aoti_package_of_every_remaining_op(tmp_path):
             self.wte, self.wpe = torch.nn.Parameter(torch.randn(50, 16)), torch.nn.Parameter(torch.randn(80, 16))
             self.register_buffer("sin_freq", posenc.frequencies.sinusoidal(16))
             self.register_buffer("rope_freq", posenc.frequencies.rope(4)[0])  # partial rotary: 4 of 8 channels
+            # QK-norm weights: per head (q, k) and over both heads of a token (OLMo 2)
+            self.q_norm, self.k_norm = torch.nn.Parameter(torch.rand(8) + 0.5), torch.nn.Parameter(torch.rand(8))
+            self.all_norm = torch.nn.Parameter(torch.rand(16) + 0.5)
 
         def forward(self, tokens, mask):
             s = tokens.shape[1]
@@ -101,6 +105,11 @@ def test_aoti_package_of_every_remaining_op(tmp_path):
             cos = torch.cos(positions[..., None] * self.rope_freq.float()).repeat_interleave(2, -1)
             y = PF.rope_cos_sin(PF.rope(x, None, self.rope_freq), cos, torch.sqrt(1 - cos * cos), "gptj")
             scores = torch.einsum("bshd,bthd->bhst", x, y)
+            q, k = PF.qk_norm_rope(x, y, self.q_norm, self.k_norm, positions, self.rope_freq, 1e-5, "gemma", 0.5,
+                                   "gptj")
+            q_all, k_all = x * 2, y - 1
+            PF.qk_norm_rope_(q_all, k_all, self.all_norm, self.k_norm, None, self.rope_freq, 1e-6, "olmo2")
+            scores = scores + torch.einsum("bshd,bthd->bhst", q, k) + torch.einsum("bshd,bthd->bhst", q_all, k_all)
             PF.add_alibi_(scores, PF.alibi_slopes(2), "symmetric")
             buckets = PF.relative_position_bucket(torch.arange(s)[None] - torch.arange(s)[:, None], False, 8, 20)
             bias = PF.alibi_bias(PF.alibi_slopes(4), s, s, "causal", 2, None, torch.float32) + buckets / 8
@@ -111,6 +120,8 @@ def test_aoti_package_of_every_remaining_op(tmp_path):
     mask[1, :3] = 0
     seq = torch.export.Dim("seq", min=2, max=64)
     exported = torch.export.export(model, (tokens, mask), dynamic_shapes=({1: seq}, {1: seq}))
+    graph = str(exported.graph)
+    assert "posenc.qk_norm_rope.default" in graph and "posenc.qk_norm_rope_.default" in graph
     compiled = torch._inductor.aoti_load_package(
         torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "rest.pt2")))
     for s in (9, 21):
@@ -118,3 +129,46 @@ def test_aoti_package_of_every_remaining_op(tmp_path):
         mask[0, :4] = 0
         # rtol: Inductor's generated einsum sums its products in another order than eager's.
         torch.testing.assert_close(compiled(tokens, mask), model(tokens, mask), rtol=1e-5, atol=1e-5)
+
+
+def reference_qk_norm_rope(x, weight, positions, inv_freq, eps, norm, attention_scale, layout):
+    """float64 QK-norm + RoPE of bshd x, written from the definition: x / sqrt(mean(x^2) + eps) over each head (a
+    [head_dim] weight) or over all heads of a token ([heads * head_dim]), times w (gemma: 1 + w), rotated by
+    p * inv_freq."""
+    x, w = x.double(), weight.double() + (1.0 if norm == "gemma" else 0.0)
+    rows = x.flatten(-2) if w.numel() != x.shape[-1] else x
+    normalized = (rows / (rows.square().mean(-1, keepdim=True) + eps).sqrt() * w).view(x.shape)
+    return rotate_pairs(normalized, positions.double()[..., None] * inv_freq.double(), layout, attention_scale)
+
+
+def test_qk_norm_rotary_module_scripts_saves_and_loads(tmp_path):
+    """TorchScript: posenc.nn.QKNormRotaryEmbedding scripted, saved and reloaded computes what eager does, and both
+    the norm and rotation written above (per head with Gemma's 1 + w and a scaled partial rotation; over all heads
+    with OLMo 2's weights, gptj pairs and frequencies chosen per call)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 16}
+    cases = [(dict(rotary_dim=12, scaling=yarn, norm="gemma", eps=1e-5), None, 0),
+             (dict(layout="gptj", scaling=dynamic, norm="olmo2", q_norm_dim=64, k_norm_dim=32), None, 20),
+             (dict(norm="llama", k_norm_dim=32), torch.randint(0, 1000, (2, 9)), 3)]
+    for i, (config, positions, offset) in enumerate(cases):
+        module = posenc.nn.QKNormRotaryEmbedding(16, **config)
+        with torch.no_grad():
+            module.q_weight.uniform_(-1.0, 2.0)
+            module.k_weight.uniform_(-1.0, 2.0)
+        path = tmp_path / f"qk_norm_rope_{i}.pt"
+        torch.jit.save(torch.jit.script(module), str(path))
+        loaded = torch.jit.load(str(path))
+        q, k = torch.randn(2, 9, 4, 16) * 3, torch.randn(2, 9, 2, 16)
+        actual = loaded(q, k, positions, offset)
+        eager = module(q, k, positions, offset)
+        p = positions + offset if positions is not None else torch.arange(offset, offset + 9)
+        rotary = module.rotary
+        # The frequencies of a sequence of max position + 1 tokens (dynamic NTK grows its base past 16).
+        inv_freq = posenc.frequencies.rope(rotary.rotary_dim, rotary.base, config.get("scaling"), int(p.max()) + 1)[0]
+        for a, e, x, w in zip(actual, eager, (q, k), (module.q_weight, module.k_weight), strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
+            expected = reference_qk_norm_rope(x, w.detach(), p, inv_freq, module.eps, module.norm,
+                                              rotary.attention_scale, rotary.layout)
+            torch.testing.assert_close(a, expected.float(), atol=1e-5, rtol=1e-5)
+        if config.get("scaling") is dynamic:  # beyond the context: frequencies of another base than inv_freq's
+            assert not torch.equal(inv_freq, rotary.inv_freq)

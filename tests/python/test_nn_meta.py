@@ -19,6 +19,14 @@ def qk(heads=2, dim=16, seq=12):
     return torch.randn(2, seq, heads, dim), torch.randn(2, seq, 1, dim)
 
 
+def trained(module):
+    """The module with weights away from their initial ones (zeros for gemma), so that the state dict carries them."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.uniform_(0.5, 2.0)
+    return module
+
+
 # Per class: (construction, inputs of forward) pairs; inputs are drawn after construction.
 CASES = {
     "SinusoidalPositionalEncoding": [
@@ -42,6 +50,13 @@ CASES = {
     "MultimodalRotaryEmbedding": [
         (lambda: posenc.nn.MultimodalRotaryEmbedding(16, [2, 3, 3], 5e5, interleaved=True, scaling=YARN),
          lambda: (*qk(), torch.randint(0, 300, (3, 2, 12))))],
+    "QKNormRotaryEmbedding": [
+        (lambda: trained(posenc.nn.QKNormRotaryEmbedding(16, 12, scaling=YARN, norm="gemma")), lambda: qk()),
+        # OLMo 2: weights over all heads; frequencies chosen per call
+        (lambda: trained(posenc.nn.QKNormRotaryEmbedding(16, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                                      "max_position_embeddings": 8},
+                                                         norm="olmo2", q_norm_dim=32, k_norm_dim=16)),
+         lambda: (*qk(), None, 20))],
     "AxialRotaryEmbedding": [
         (lambda: posenc.nn.AxialRotaryEmbedding(16, 2), lambda: (*qk(), torch.randint(0, 64, (2, 12)))),
         (lambda: posenc.nn.AxialRotaryEmbedding(16, axes_dim=[4, 6, 4], layout="gptj"),
@@ -64,7 +79,8 @@ def outputs(module, inputs):
 
 
 def test_the_walk_finds_the_modules():
-    assert {"RotaryEmbedding", "MultimodalRotaryEmbedding", "AxialRotaryEmbedding", "ALiBi"} <= set(module_classes())
+    assert {"RotaryEmbedding", "MultimodalRotaryEmbedding", "AxialRotaryEmbedding", "QKNormRotaryEmbedding",
+            "ALiBi"} <= set(module_classes())
 
 
 @pytest.mark.parametrize("how", ["built on meta", "moved to meta"])

@@ -29,13 +29,20 @@ class Calls(torch.nn.Module):
         return self.fn(*inputs)
 
 
-def export_and_compare(fn, inputs, dynamic=None, other_inputs=(), atol=1e-5, rtol=0.0):
+def export_and_compare(fn, inputs, dynamic=None, other_inputs=(), atol=1e-5, rtol=0.0, opset=posenc.onnx.OPSET,
+                       compare=None):
     """Exports Calls(fn) with dynamic_shapes (one dict per input, or None), runs ONNX Runtime on the export inputs and
-    on every tuple of other_inputs, and compares each output with fn's. Returns the ONNX model."""
-    program = posenc.onnx.export(Calls(fn), tuple(inputs),
-                                 dynamic_shapes=None if dynamic is None else (tuple(dynamic),))
+    on every tuple of other_inputs, and compares each output with fn's (assert_close, or compare(actual, expected)).
+    Below opset 23, plain torch.onnx.export (posenc.onnx.export refuses it). Returns the ONNX model."""
+    dynamic_shapes = None if dynamic is None else (tuple(dynamic),)
+    if opset >= posenc.onnx.OPSET:
+        program = posenc.onnx.export(Calls(fn), tuple(inputs), opset_version=opset, dynamic_shapes=dynamic_shapes)
+    else:
+        program = torch.onnx.export(Calls(fn), tuple(inputs), dynamo=True, opset_version=opset, verbose=False,
+                                    dynamic_shapes=dynamic_shapes)
     model = program.model_proto
     assert not [n.op_type for n in model.graph.node if n.domain not in ("", "ai.onnx")], "non-standard ONNX ops"
+    assert {o.domain: o.version for o in model.opset_import}[""] == opset
     session = onnxruntime.InferenceSession(model.SerializeToString())
     for values in [inputs, *other_inputs]:
         expected = fn(*values)
@@ -43,7 +50,10 @@ def export_and_compare(fn, inputs, dynamic=None, other_inputs=(), atol=1e-5, rto
         actual = session.run(None, feed)
         assert len(actual) == len(expected)
         for a, e in zip(actual, expected):
-            torch.testing.assert_close(torch.from_numpy(a), e, atol=atol, rtol=rtol)
+            if compare is None:
+                torch.testing.assert_close(torch.from_numpy(a), e, atol=atol, rtol=rtol)
+            else:
+                compare(torch.from_numpy(a), e)
     return model
 
 
@@ -257,6 +267,99 @@ def test_plain_torch_onnx_export_finds_the_translations_at_any_opset(opset):
         actual = session.run(None, {i.name: v.numpy() for i, v in zip(session.get_inputs(), values)})
         for a, e in zip(actual, fn(*values), strict=True):
             torch.testing.assert_close(torch.from_numpy(a), e, atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- QK-norm + rotary
+
+QK_NORMS = ["llama", "gemma", "olmo2", "fused"]
+
+
+def qk_norm_model(norm):
+    """qk_norm_rope in every format, with weights per head ([head_dim]) and over all heads of a token ([heads *
+    head_dim], OLMo 2), both at once too; GQA (q: 4 heads, k: 2), partial rotary, gptj, positions [B, S], [S] and
+    none, an offset, packed sequences and M-RoPE positions. Inputs (q, k, positions, rows) in bshd."""
+    partial = posenc.frequencies.rope(12)[0]                                # 12 of 16 channels rotate
+    full, scale = posenc.frequencies.rope(16, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+    mrope, mrope_axis = posenc.frequencies.mrope(16, [2, 3, 3])
+    generator = torch.Generator().manual_seed(1)
+    head_q, head_k, all_q, all_k = (torch.randn(n, generator=generator) for n in (16, 16, 64, 32))
+
+    def fn(q, k, positions, rows):
+        def call(q, k, q_weight, k_weight, positions, *args, **kwargs):
+            return PF.qk_norm_rope(q, k, q_weight, k_weight, positions, *args, norm=norm, **kwargs)
+
+        bhsd, sbhd = (q.transpose(1, 2), k.transpose(1, 2)), (q.transpose(0, 1), k.transpose(0, 1))
+        return (*call(q, k, head_q, head_k, positions, full, 1e-6, attention_scale=scale, offset=2),
+                *call(q, k, all_q, all_k, None, partial, 1e-5, layout="gptj", offset=3),
+                *call(*bhsd, all_q, all_k, positions[0], full, format="bhsd"),
+                *call(*bhsd, head_q, all_k, None, partial, 1e-3, layout="gptj", format="bhsd", offset=1),
+                *call(*sbhd, all_q, head_k, positions, full, attention_scale=scale, format="sbhd"),
+                *call(q[0], k[0], all_q, all_k, None, full, format="thd",
+                      cu_seqlens=torch.tensor([0, 2, q.shape[1]])),
+                *call(q, k, head_q, all_k, rows, mrope, attention_scale=0.5, pair_axis=mrope_axis))
+
+    return fn
+
+
+def qk_norm_inputs(b, s, dtype=torch.float32):
+    return (torch.randn(b, s, 4, 16).mul(3).to(dtype), torch.randn(b, s, 2, 16).to(dtype),
+            torch.randint(0, 1 << 20, (b, s)), torch.randint(0, 5000, (3, b, s)))
+
+
+QK_NORM_DIMS = [{0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}, {0: "batch", 1: "seq"}, {1: "batch", 2: "seq"}]
+
+
+def qk_norm_dynamic_shapes():
+    batch, s = torch.export.Dim("batch", min=2, max=64), seq()
+    return [{axis: {"batch": batch, "seq": s}[name] for axis, name in dims.items()} for dims in QK_NORM_DIMS]
+
+
+@pytest.mark.parametrize("opset", [20, 23])
+@pytest.mark.parametrize("norm", QK_NORMS)
+def test_qk_norm_rope_per_head_and_over_heads_weights(norm, opset):
+    """float32: RMSNormalization and RotaryEmbedding from opset 23, primitives (ReduceMean, Sqrt, Reciprocal, Mul)
+    below it; dynamic batch and sequence."""
+    model = export_and_compare(qk_norm_model(norm), qk_norm_inputs(2, 5), qk_norm_dynamic_shapes(),
+                               [qk_norm_inputs(3, 9), qk_norm_inputs(2, 2)], opset=opset)
+    assert {"RMSNormalization", "RotaryEmbedding"} & op_types(model) == \
+        ({"RMSNormalization", "RotaryEmbedding"} if opset >= 23 else set())
+
+
+def within_one_float16_step_at_few_places(actual, expected):
+    """The graph and the op compute the same float32 values but for the order of the mean square's sum: a rounding
+    to float16 may land one step apart, at a few places. A convention rounding elsewhere (llama's xhat, or none)
+    moves a quarter of the outputs."""
+    assert actual.dtype == expected.dtype == torch.float16
+    torch.testing.assert_close(actual, expected, atol=2 ** -24, rtol=2 ** -10)
+    differ = int((actual != expected).sum())
+    assert differ <= expected.numel() // 100, f"{differ} of {expected.numel()} differ"
+
+
+@pytest.mark.parametrize("opset", [20, 23])
+@pytest.mark.parametrize("norm", QK_NORMS)
+def test_qk_norm_rope_rounds_float16_where_its_convention_rounds(norm, opset):
+    """float16 q and k (float32 weights): llama rounds the normalized value and the scaled one, gemma and olmo2 the
+    scaled one, fused only the rotated output."""
+    export_and_compare(qk_norm_model(norm), qk_norm_inputs(2, 7, torch.float16), qk_norm_dynamic_shapes(),
+                       [qk_norm_inputs(3, 11, torch.float16)], opset=opset,
+                       compare=within_one_float16_step_at_few_places)
+
+
+def test_qk_norm_rotary_module_exports():
+    """posenc.nn.QKNormRotaryEmbedding (OLMo 2's weights over all heads, trained values) against ONNX Runtime."""
+    module = posenc.nn.QKNormRotaryEmbedding(16, scaling={"rope_type": "linear", "factor": 2.0}, norm="olmo2",
+                                             q_norm_dim=64, k_norm_dim=32).eval()
+    with torch.no_grad():
+        module.q_weight.uniform_(0.5, 2.0)
+        module.k_weight.uniform_(0.5, 2.0)
+    q, k, positions, _ = qk_norm_inputs(2, 6)
+    program = posenc.onnx.export(module, (q, k, positions), dynamic_shapes=({1: seq()}, {1: seq()}, {1: seq()}))
+    session = onnxruntime.InferenceSession(program.model_proto.SerializeToString())
+    for q, k, positions, _ in (qk_norm_inputs(2, 6), qk_norm_inputs(2, 30)):
+        actual = session.run(None, {"q": q.numpy(), "k": k.numpy(), "positions": positions.numpy()})
+        for a, e in zip(actual, module(q, k, positions), strict=True):
+            torch.testing.assert_close(torch.from_numpy(a), e, atol=1e-5, rtol=0.0)
 
 
 # ---------------------------------------------------------------- frequencies and positions built in the graph
@@ -486,7 +589,7 @@ def test_every_op_of_an_exported_graph_has_a_translation():
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
     expected = ops_in_exported_graphs()
-    assert {"rope_qk", "rope_inv_freq_for_length", "mrope_positions", "alibi_slopes"} <= set(expected)
+    assert {"rope_qk", "qk_norm_rope", "rope_inv_freq_for_length", "mrope_positions", "alibi_slopes"} <= set(expected)
     assert sorted(op.name() for op in posenc.onnx.translation_table()) == [f"posenc::{n}" for n in expected]
     # torch.onnx's own table holds them too, so that no export needs a custom_translation_table.
     for opset in (18, 20, 23):

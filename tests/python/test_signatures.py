@@ -33,7 +33,7 @@ from op_registry import all_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADERS = sorted((ROOT / "csrc" / "include" / "posenc").glob("*.h"))
-# Fewer C++ functions named after an op than this means the parser, not the headers, lost them (30 today).
+# Fewer C++ functions named after an op than this means the parser, not the headers, lost them (33 today).
 MIN_CPP_OPS = 25
 
 # Parameters that every wrapper, Python and C++, names differently from the schema:
@@ -194,6 +194,14 @@ def onnx_translations():
 
 
 ONNX_TRANSLATIONS = onnx_translations()
+
+
+def test_the_rotations_have_translations_at_every_opset():
+    """The ops with a translation below opset 23 too (without RotaryEmbedding and RMSNormalization) are compared
+    above in both forms."""
+    cases = {case for case, _ in ONNX_TRANSLATIONS}
+    assert {"rope", "rope_qk", "qk_norm_rope"} <= cases
+    assert {"rope-below-opset-23", "rope_qk-below-opset-23", "qk_norm_rope-below-opset-23"} <= cases
 
 
 @pytest.mark.parametrize("case,translation", ONNX_TRANSLATIONS, ids=[case for case, _ in ONNX_TRANSLATIONS])
@@ -520,7 +528,8 @@ def test_cpp_functions_match_the_schema(name):
 
 def test_the_parser_finds_the_ops_in_the_headers():
     assert len(CPP_OPS) >= MIN_CPP_OPS, CPP_OPS
-    assert {"rope", "rope_qk", "add_alibi_", "learned", "sinusoidal", "t5_bias", "mrope_positions"} <= set(CPP_OPS)
+    assert {"rope", "rope_qk", "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "add_alibi_", "learned",
+            "sinusoidal", "t5_bias", "mrope_positions"} <= set(CPP_OPS)
     assert "t5_bias_symint" in CPP_FUNCTIONS and "embedding_backward_symint" in CPP_FUNCTIONS
     # Functions of posenc::frequencies, posenc::detail and class members are not posenc's own.
     assert not {"rope_for_length", "multiaxis", "find_op", "forward", "reset_parameters"} & set(CPP_FUNCTIONS)

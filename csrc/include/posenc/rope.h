@@ -115,8 +115,14 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
                                              const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
   // The frequencies used for a sequence of seq_len tokens (max position + 1).
   at::Tensor inv_freq(std::optional<int64_t> seq_len = std::nullopt) const;
+  // The frequencies forward uses for this call, on q's device: "dynamic" and "longrope" form them there from the
+  // call's length (without a host read), the other types return the module's (moved to q's device once).
+  at::Tensor inv_freq_for(const at::Tensor& q, const std::optional<at::Tensor>& positions = std::nullopt,
+                          int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
   double attention_scale() const { return attention_scale_; }
   int64_t rotary_dim() const { return rotary_dim_; }
+  const std::string& layout() const { return layout_; }
+  const std::string& format() const { return format_; }
 
  private:
   bool per_call_scaling() const;
@@ -133,6 +139,35 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
   double attention_scale_;
 };
 TORCH_MODULE(RotaryEmbedding);
+
+// RMS-normalizes q and k, scales them by their weights and rotates them, in one op (qk_norm_rope): the attention
+// prologue of Qwen3, Gemma 3 and OLMo 2. The weights are parameters "q_weight" [q_norm_dim] and "k_weight"
+// [k_norm_dim] (Hugging Face's q_norm.weight and k_norm.weight): head_dim (the default) normalizes each head,
+// heads * head_dim all heads of a token (OLMo 2). They start at one, or zero for norm "gemma" (scale 1 + w). norm:
+// the rounding convention, "llama", "gemma", "olmo2" or "fused" (posenc::qk_norm_rope). The rotary arguments are
+// RotaryEmbedding's, which the module holds as its submodule "rotary". Python: posenc.nn.QKNormRotaryEmbedding,
+// with the same state dict.
+class QKNormRotaryEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit QKNormRotaryEmbeddingImpl(int64_t head_dim, std::optional<int64_t> rotary_dim = std::nullopt,
+                                     double base = 10000.0, std::string layout = "neox",
+                                     frequencies::RopeScaling scaling = {}, std::string format = "bshd",
+                                     double eps = 1e-6, std::string norm = "llama",
+                                     std::optional<int64_t> q_norm_dim = std::nullopt,
+                                     std::optional<int64_t> k_norm_dim = std::nullopt);
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k,
+                                             const std::optional<at::Tensor>& positions = std::nullopt,
+                                             int64_t offset = 0,
+                                             const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+  void reset_parameters();
+
+  RotaryEmbedding rotary{nullptr};
+  at::Tensor q_weight;
+  at::Tensor k_weight;
+  double eps;
+  std::string norm;
+};
+TORCH_MODULE(QKNormRotaryEmbedding);
 
 }  // namespace nn
 }  // namespace posenc
