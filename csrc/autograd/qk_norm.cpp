@@ -18,6 +18,10 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+void check_inv_freq_constant(const char* op, const at::Tensor& inv_freq) {
+  TORCH_CHECK(!inv_freq.requires_grad(), "posenc.", op, ": inv_freq is not differentiable; detach it");
+}
+
 std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -38,8 +42,8 @@ struct NormRope {
   std::optional<at::Tensor> pair_axis;
 
   // q and k: the forward's inputs (copies of them in place).
-  void save(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k) const {
-    TORCH_CHECK(!inv_freq.requires_grad(), "posenc.qk_norm_rope: inv_freq is not differentiable; detach it");
+  void save(const char* op, AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k) const {
+    check_inv_freq_constant(op, inv_freq);
     ctx->save_for_backward({q, k, q_weight, k_weight, positions.value_or(at::Tensor()), inv_freq,
                             cu_seqlens.value_or(at::Tensor()), pair_axis.value_or(at::Tensor())});
     ctx->saved_data["eps"] = eps;
@@ -80,7 +84,7 @@ struct QkNormRope : public torch::autograd::Function<QkNormRope> {
                                const std::optional<at::Tensor>& pair_axis) {
     const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
                         std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
-    args.save(ctx, q, k);
+    args.save("qk_norm_rope", ctx, q, k);
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto [q_out, k_out] = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
                                              attention_scale, layout, format, offset, cu_seqlens, pair_axis);
@@ -103,7 +107,7 @@ struct QkNormRopeInplace : public torch::autograd::Function<QkNormRopeInplace> {
     const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
                         std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
     at::AutoDispatchBelowADInplaceOrView guard;
-    args.save(ctx, q.clone(), k.clone());
+    args.save("qk_norm_rope_", ctx, q.clone(), k.clone());
     ctx->mark_dirty({q, k});
     qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
                   cu_seqlens, pair_axis);
@@ -138,10 +142,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
     const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
     c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
     const std::optional<at::Tensor>& pair_axis) {
-  TORCH_CHECK(!at::GradMode::is_enabled() ||
-                  !torch::autograd::compute_requires_grad(grad_q, grad_k, q, k, q_weight, k_weight, inv_freq),
-              "posenc.qk_norm_rope_backward: a second derivative of qk_norm_rope is not supported (its backward is "
-              "not differentiable); differentiate once, or without create_graph=True");
+  if (at::GradMode::is_enabled()) {
+    check_inv_freq_constant("qk_norm_rope_backward", inv_freq);
+    TORCH_CHECK(!torch::autograd::compute_requires_grad(grad_q, grad_k, q, k, q_weight, k_weight),
+                "posenc.qk_norm_rope_backward: a second derivative of qk_norm_rope is not supported (its backward is "
+                "not differentiable); differentiate once, or without create_graph=True");
+  }
   at::AutoDispatchBelowADInplaceOrView guard;
   return qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
                                attention_scale, layout, format, offset, cu_seqlens, pair_axis);

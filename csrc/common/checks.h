@@ -98,29 +98,70 @@ inline bool offsets_are_distinct(const std::vector<std::pair<int64_t, int64_t>>&
   return std::adjacent_find(offsets.begin(), offsets.end()) == offsets.end();
 }
 
-// An in-place op writes every element once, so no two elements may share memory (an expanded tensor, an
-// as_strided view whose rows overlap). ATen's check finds expanded dimensions; other strides are sorted, and
-// each must step past everything the smaller ones span, which proves the elements distinct.
-inline void check_no_internal_overlap(const char* op, const char* arg, const at::Tensor& t, const char* advice) {
-  bool distinct = t.numel() <= 1 || at::has_internal_overlap(t) == at::MemOverlap::No;
-  if (!distinct && at::has_internal_overlap(t) != at::MemOverlap::Yes) {
-    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of every dimension of size > 1
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
-    }
-    std::sort(dims.begin(), dims.end());
-    int64_t span = 0;  // largest offset reached by the dimensions of smaller stride
-    distinct = true;
-    for (const auto& [stride, size] : dims) {
-      distinct = distinct && stride > span;
-      span += (size - 1) * stride;
-    }
-    // Strides that interleave (sizes [2, 3], strides [3, 2]) can still give every element its own address: the
-    // test above cannot tell, so list the offsets and look for a repeat.
-    if (!distinct) distinct = offsets_are_distinct(dims);
+// Whether every element of a tensor of these sizes and strides has its own address. ATen's check finds expanded
+// dimensions; other strides are sorted, and each must step past everything the smaller ones span, which proves the
+// elements distinct.
+inline bool elements_are_distinct(at::IntArrayRef sizes, at::IntArrayRef strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size) of every dimension of size > 1
+  int64_t numel = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    numel *= sizes[d];
+    if (sizes[d] > 1) dims.emplace_back(std::abs(strides[d]), sizes[d]);
   }
+  if (numel <= 1) return true;
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // largest offset reached by the dimensions of smaller stride
+  bool distinct = true;
+  for (const auto& [stride, size] : dims) {
+    distinct = distinct && stride > span;
+    span += (size - 1) * stride;
+  }
+  // Strides that interleave (sizes [2, 3], strides [3, 2]) can still give every element its own address: the test
+  // above cannot tell, so list the offsets and look for a repeat.
+  return distinct || offsets_are_distinct(dims);
+}
+
+// An in-place op writes every element once, so no two elements may share memory (an expanded tensor, an
+// as_strided view whose rows overlap).
+inline void check_no_internal_overlap(const char* op, const char* arg, const at::Tensor& t, const char* advice) {
+  const bool distinct = t.numel() <= 1 || at::has_internal_overlap(t) == at::MemOverlap::No ||
+                        (at::has_internal_overlap(t) != at::MemOverlap::Yes &&
+                         elements_are_distinct(t.sizes(), t.strides()));
   TORCH_CHECK(distinct, "posenc.", op, ": ", arg, " has elements that share memory (sizes ", t.sizes(), ", strides ",
               t.strides(), "); ", advice);
+}
+
+// Two tensors that an in-place op rewrites one after the other share no element: they lie in different memory or
+// in disjoint ranges of it, or they are slices of one view along dimension `dim` that do not meet (q and k of a
+// packed projection: the same strides, k's heads after q's or before them).
+inline void check_no_shared_elements(const char* op, const char* a_name, const at::Tensor& a, const char* b_name,
+                                     const at::Tensor& b, int64_t dim, const char* advice) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return;
+  const auto range = [](const at::Tensor& t) {  // first and last element offsets reached
+    int64_t low = t.storage_offset();
+    int64_t high = low;
+    for (int64_t d = 0; d < t.dim(); ++d) (t.stride(d) < 0 ? low : high) += (t.size(d) - 1) * t.stride(d);
+    return std::make_pair(low, high);
+  };
+  const auto [a_low, a_high] = range(a);
+  const auto [b_low, b_high] = range(b);
+  bool disjoint = a_high < b_low || b_high < a_low;
+  const int64_t step = a.stride(dim);
+  const int64_t delta = b.storage_offset() - a.storage_offset();
+  if (!disjoint && a.dim() == b.dim() && a.strides() == b.strides() && step != 0 && delta % step == 0) {
+    // a and b as slices of one view along dim, from the one that starts first.
+    const int64_t shift = delta / step;
+    const auto& first = shift >= 0 ? a : b;
+    const auto& second = shift >= 0 ? b : a;
+    auto sizes = first.sizes().vec();
+    sizes[dim] = std::abs(shift) + second.size(dim);
+    bool same_other_sizes = true;
+    for (int64_t d = 0; d < a.dim(); ++d) same_other_sizes = same_other_sizes && (d == dim || a.size(d) == b.size(d));
+    disjoint = same_other_sizes && std::abs(shift) >= first.size(dim) && elements_are_distinct(sizes, a.strides());
+  }
+  TORCH_CHECK(disjoint, "posenc.", op, ": ", a_name, " and ", b_name, " may share elements (sizes ", a.sizes(), " and ",
+              b.sizes(), ", strides ", a.strides(), " and ", b.strides(), ", storage offsets ", a.storage_offset(),
+              " and ", b.storage_offset(), "); ", advice);
 }
 
 }  // namespace posenc

@@ -4,7 +4,6 @@
 // family's (common/rope.h): positions, offsets, cu_seqlens and pair_axis mean the same and are read the same way.
 #include "common/rope.h"
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
@@ -129,8 +128,9 @@ struct QkNormOps {
                                          norm, layout, format, cu_seqlens, pair_axis);
     check_no_internal_overlap(op, "q", q, "normalize and rotate copies with posenc.qk_norm_rope");
     check_no_internal_overlap(op, "k", k, "normalize and rotate copies with posenc.qk_norm_rope");
-    TORCH_CHECK(at::get_overlap_status(q, k) != at::MemOverlapStatus::Full, "posenc.", op,
-                ": q and k are the same tensor; pass two tensors (or use posenc.qk_norm_rope)");
+    // Each token's q rows are stored before its k rows are read: they must not share an element.
+    check_no_shared_elements(op, "q", q, "k", k, rope_dim_order(args.rope.format)[2],
+                             "normalize and rotate copies with posenc.qk_norm_rope");
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention),
                                           norm_of(k_weight, k, eps, args.convention)};
     RopeOps<Device>::rotate(op, {q, k}, {q, k}, args.rope, positions, inv_freq, attention_scale, offset, cu_seqlens,
