@@ -36,6 +36,7 @@ ARCH = "sm_90"
 # to the rule.
 HOT = {
     "rotary_kernel": "rope.cu: every rope op (one-axis and multi-axis, backward, in place, rope_cos_sin)",
+    "norm_rope_kernel": "qk_norm.cuh: qk_norm_rope, its backward and in-place form",
     "additive_kernel": "additive.cuh: sinusoidal and learned families (x rows, token-table rows, encoding alone)",
     "embedding_backward_kernel": "embedding.cu: embedding_backward (the [rows, D] gradient)",
     "alibi_kernel": "alibi.cu: alibi_bias, add_alibi, add_alibi_",

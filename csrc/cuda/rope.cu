@@ -11,10 +11,15 @@
 // Multi-axis rotary (pair_axis): the positions [n_axes, ...] are checked and offset as one-axis positions are
 // (cuda/positions.cuh), then reordered token by token, so that a block finds its token's n_axes positions side
 // by side, as the CPU's angle engine does; pair_axis is checked on a host copy, as the CPU checks it.
+//
+// qk_norm_rope (a Rotation with norms) takes the same positions and coefficients (AngleCoeffs) into kernels of its
+// own (cuda/qk_norm.cuh): a group's sum of squares must be complete before any of its channels is rotated.
 #include "common/positions.h"
+#include "common/qk_norm.h"
 #include "common/rope.h"
 #include "cuda/angle.cuh"
 #include "cuda/positions.cuh"
+#include "cuda/qk_norm.cuh"
 #include "cuda/utils.cuh"
 #include "portable/rotary.h"
 
@@ -279,6 +284,23 @@ void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch
   }
 }
 
+// A norm as the kernels read it (cpu/rope.cpp's norm_view): the backward's input through its own strides.
+template <typename scalar_t, typename opmath = opmath_t<scalar_t>>
+NormRopeView<scalar_t> norm_rope_view(const at::Tensor& in, const at::Tensor& out, const RotationNorm& norm,
+                                      RopeFormat format) {
+  NormRopeView<scalar_t> view{rotary_view<scalar_t>(in, out, format),
+                              {norm.weight.const_data_ptr<opmath>(), norm.group, static_cast<opmath>(norm.eps),
+                               norm.convention, nullptr, {}, nullptr},
+                              nullptr};
+  if (norm.input.defined()) {
+    const auto order = rope_dim_order(format);
+    view.norm.input = norm.input.const_data_ptr<scalar_t>();
+    for (int i = 0; i < 4; ++i) view.norm.input_stride[i] = order[i] < 0 ? 0 : norm.input.stride(order[i]);
+    view.norm.weight_grad = norm.weight_grad.mutable_data_ptr<opmath>();
+  }
+  return view;
+}
+
 struct CudaRope : CudaDevice {
 
   static void rotate(const Rotation& r) {
@@ -300,9 +322,14 @@ struct CudaRope : CudaDevice {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
       using opmath = opmath_t<scalar_t>;
       std::vector<RotaryView<scalar_t>> views;
+      std::vector<NormRopeView<scalar_t>> norm_views;
       for (size_t i = 0; i < r.inputs.size(); ++i) {
         if (r.inputs[i].numel() == 0) continue;
-        views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
+        if (r.norms != nullptr) {
+          norm_views.push_back(norm_rope_view<scalar_t>(r.inputs[i], r.outputs[i], (*r.norms)[i], r.args.format));
+        } else {
+          views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
+        }
       }
       const auto scale = static_cast<opmath>(r.attention_scale);
       const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
@@ -315,7 +342,12 @@ struct CudaRope : CudaDevice {
                                        freq.numel(),
                                        scale,
                                        r.inverse ? -scale : scale};
-      launch_rotary(views, r.batch, r.seq, freq.numel(), r.args.layout, coeffs);
+      if (r.norms != nullptr) {
+        launch_norm_rope(norm_views, r.batch, r.seq, freq.numel(), r.args.layout, r.inverse, coeffs,
+                         r.inputs[0].options());
+      } else {
+        launch_rotary(views, r.batch, r.seq, freq.numel(), r.args.layout, coeffs);
+      }
     });
   }
 
@@ -335,6 +367,7 @@ struct CudaRope : CudaDevice {
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
   RopeOps<CudaRope>::register_kernels(m);
+  QkNormOps<CudaRope>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda

@@ -20,6 +20,13 @@ inline namespace POSENC_KERNEL_NAMESPACE {
 
 constexpr int kSumLanes = 16;
 
+// Tokens per partial sum of the weights' gradients: a function of the token count alone, so that the sums, each in
+// token order and then folded chunk by chunk in float64, come out the same for every thread count and on the GPU.
+POSENC_INLINE int64_t norm_tokens_per_chunk(int64_t tokens) {
+  const int64_t spread = (tokens + 1023) / 1024;  // at most 1024 chunks
+  return spread > 16 ? spread : 16;
+}
+
 // The sum of a[i] * b[i], i < n, over the lanes.
 template <typename T>
 POSENC_INLINE T lane_dot(const T* a, const T* b, int64_t n) {

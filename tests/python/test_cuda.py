@@ -229,6 +229,169 @@ def test_rope_cos_sin_and_transpose(dtype, layout):
         run_both(ops.rope_cos_sin_backward, x, cos.double(), sin.half(), layout, "bshd")
 
 
+# ---------------------------------------------------------------- QK-norm + RoPE
+# The CUDA kernels sum as the CPU does (16 lanes folded by the same tree, the weight gradients in the CPU's chunks of
+# tokens, folded in float64 in chunk order) and round every product, square root and division as it does, so every
+# output is compared bit for bit: the forward, the in-place form, the input gradients and both weight gradients.
+
+NORMS = ["llama", "gemma", "olmo2", "fused"]
+
+
+def qk_norm_weights(q, k, fmt, k_over_heads, dtype):
+    """q's weight per head ([head_dim]); k's per head or over its heads ([heads * head_dim], OLMo 2)."""
+    heads = {"bshd": 2, "bhsd": 1, "sbhd": 2, "thd": 1}[fmt]
+    q_weight = torch.randn(q.shape[-1], dtype=dtype)
+    k_weight = torch.randn(k.shape[heads] * k.shape[-1] if k_over_heads else k.shape[-1], dtype=dtype)
+    return q_weight, k_weight
+
+
+def run_qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, scale, layout, fmt, offset,
+                     cu_seqlens=None, pair_axis=None):
+    """The forward, the backward (its four gradients, the weights' twice: their bits must not vary between runs)
+    and the in-place form, each on both devices."""
+    args = (positions, inv_freq, eps, norm, scale, layout, fmt, offset, cu_seqlens, pair_axis)
+    run_both(ops.qk_norm_rope, q, k, q_weight, k_weight, *args)
+    grad_q, grad_k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
+    expected = run_both(ops.qk_norm_rope_backward, grad_q, grad_k, q, k, q_weight, k_weight, *args)
+    again = ops.qk_norm_rope_backward(*[to_cuda(t) for t in (grad_q, grad_k, q, k, q_weight, k_weight)],
+                                      *[to_cuda(a) for a in args])
+    same(again, expected)
+    q_cpu, k_cpu = q.clone(), k.clone()
+    ops.qk_norm_rope_(q_cpu, k_cpu, q_weight, k_weight, *args)
+    q_cuda, k_cuda = to_cuda(q), to_cuda(k)
+    ops.qk_norm_rope_(q_cuda, k_cuda, to_cuda(q_weight), to_cuda(k_weight), *[to_cuda(a) for a in args])
+    same((q_cuda, k_cuda), (q_cpu, k_cpu))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd", "sbhd", "thd"])
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "channel_strided", "unaligned"])
+def test_qk_norm_rope_forward_backward_and_in_place(dtype, norm, fmt, view):
+    torch.manual_seed(0)
+    q = rope_input(fmt, dtype, head_dim=32, layout_view=view)
+    k = rope_input(fmt, dtype, heads=2, head_dim=32, layout_view=view)
+    batch, seq = (1, q.shape[0]) if fmt == "thd" else (q.shape[PERM_B[fmt]], q.shape[PERM_S[fmt]])
+    for layout in ("neox", "gptj"):
+        for k_over_heads, weight_dtype in [(False, dtype), (True, torch.float32)]:
+            q_weight, k_weight = qk_norm_weights(q, k, fmt, k_over_heads, weight_dtype)
+            # Every channel rotated, and 12 of 32 (the rest normalized only).
+            for rotary_dim in (32, 12):
+                inv_freq, _ = FQ.rope(rotary_dim)
+                for positions in [None, torch.randint(0, 4096, (seq,))]:
+                    run_qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, 1e-6, norm, 0.75, layout, fmt, 3)
+            inv_freq, _ = FQ.rope(32)
+            if fmt == "thd":
+                for cu in [torch.tensor([0, 2, 2, seq]), torch.tensor([0, seq], dtype=torch.int32)]:
+                    run_qk_norm_rope(q, k, q_weight, k_weight, None, inv_freq, 1e-5, norm, 1.0, layout, fmt, 4, cu)
+                    run_qk_norm_rope(q, k, q_weight, k_weight, torch.arange(seq), inv_freq, 1e-5, norm, 1.0, layout,
+                                     fmt, 0, cu)
+            else:
+                per_row = torch.randint(0, 10**6, (batch, seq))
+                run_qk_norm_rope(q, k, q_weight, k_weight, per_row, inv_freq, 0.0, norm, 1.0, layout, fmt, 0)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_qk_norm_rope_pair_axis(dtype, fmt):
+    q = rope_input(fmt, dtype, head_dim=32)
+    k = rope_input(fmt, dtype, heads=2, head_dim=32, layout_view="channel_strided")
+    seq = q.shape[0] if fmt == "thd" else q.shape[1]
+    inv_freq, pair_axis = FQ.mrope(32, [4, 6, 6], 1e4)
+    for norm, layout, k_over_heads in [("llama", "neox", False), ("olmo2", "gptj", True), ("fused", "neox", True)]:
+        q_weight, k_weight = qk_norm_weights(q, k, fmt, k_over_heads, dtype)
+        run_qk_norm_rope(q, k, q_weight, k_weight, torch.randint(0, 4096, (3, seq)), inv_freq, 1e-6, norm, 1.0,
+                         layout, fmt, 2, None, pair_axis)
+        if fmt == "thd":
+            run_qk_norm_rope(q, k, q_weight, k_weight, torch.randint(0, 99, (3, seq)), inv_freq, 1e-6, norm, 1.0,
+                             layout, fmt, 1, torch.tensor([0, 2, seq]), pair_axis.int())
+        else:
+            run_qk_norm_rope(q, k, q_weight, k_weight, torch.randint(0, 10**5, (3, q.shape[0], seq)), inv_freq,
+                             1e-6, norm, 1.0, layout, fmt, 0, None, pair_axis)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_norm_rope_shapes_past_one_block(dtype):
+    # 80 heads (more than the 64 groups a block holds at once); head_dim 8, over all heads (a lane's channels step
+    # over several heads, 16 > head_dim); 5000 pairs (cos/sin past 32 KiB: a global row per block); a decoding step
+    # (B = 8, S = 1: a token's heads split over several blocks).
+    cases = [((2, 3, 80, 64), (2, 3, 8, 64), 64, False),
+             ((2, 5, 6, 8), (2, 5, 3, 8), 8, True),
+             ((1, 2, 2, 10000), (1, 2, 1, 10008), 10000, False),
+             ((8, 1, 32, 128), (8, 1, 8, 128), 128, True)]
+    for q_shape, k_shape, rotary_dim, k_over_heads in cases:
+        q, k = torch.randn(q_shape, dtype=dtype), torch.randn(k_shape, dtype=dtype)
+        q_weight, k_weight = qk_norm_weights(q, k, "bshd", k_over_heads, dtype)
+        inv_freq, scale = FQ.rope(rotary_dim, 5e5)
+        positions = torch.randint(0, 8192, (q_shape[0], q_shape[1]))
+        for norm in ("llama", "gemma"):
+            run_qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, 1e-6, norm, scale, "neox", "bshd", 0)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_weight_gradients_over_many_chunks(dtype):
+    # 20012 tokens: 1001 chunks of 20 (tokens_per_chunk past 16384 tokens), the last of 12, and float32 partial sums
+    # that depend on where the chunks split: the CPU's bits only where the GPU chunks the tokens as the CPU does.
+    q, k = torch.randn(4, 5003, 4, 32, dtype=dtype), torch.randn(4, 5003, 1, 32, dtype=dtype)
+    q_weight, k_weight = qk_norm_weights(q, k, "bshd", True, dtype)
+    inv_freq, _ = FQ.rope(32)
+    grads = torch.randn(q.shape, dtype=dtype), torch.randn(k.shape, dtype=dtype)
+    args = (q, k, q_weight, k_weight, None, inv_freq, 1e-6, "olmo2", 1.0, "neox", "bshd", 0)
+    expected = run_both(ops.qk_norm_rope_backward, *grads, *args)
+    for _ in range(2):
+        actual = ops.qk_norm_rope_backward(*[to_cuda(t) for t in (*grads, *args)])
+        same(actual[2:], expected[2:])
+
+
+@cuda_only
+@pytest.mark.parametrize("norm", NORMS)
+def test_qk_norm_rope_autograd_matches_the_cpu(norm):
+    inv_freq, _ = FQ.rope(16)
+    q, k = torch.randn(2, 5, 4, 16, requires_grad=True), torch.randn(2, 5, 2, 16, requires_grad=True)
+    q_weight, k_weight = torch.randn(16, requires_grad=True), torch.randn(32, requires_grad=True)
+    positions = torch.randint(0, 100, (2, 5))
+
+    def grads(q, k, q_weight, k_weight, positions, inv_freq):
+        rq, rk = PF.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, 1e-6, norm)
+        return torch.autograd.grad((rq * rq.detach()).sum() + (rk * 3).sum(), (q, k, q_weight, k_weight))
+
+    expected = grads(q, k, q_weight, k_weight, positions, inv_freq)
+    cuda_leaves = [t.detach().cuda().requires_grad_() for t in (q, k, q_weight, k_weight)]
+    same(grads(*cuda_leaves, positions.cuda(), inv_freq.cuda()), expected)
+
+
+@cuda_only
+def test_qk_norm_rope_under_graph_capture():
+    inv_freq, _ = FQ.rope(64)
+    inv_freq = inv_freq.cuda()
+    q, k = torch.randn(2, 16, 4, 64, device="cuda"), torch.randn(2, 16, 2, 64, device="cuda")
+    q_weight, k_weight = torch.randn(64, device="cuda"), torch.randn(128, device="cuda")
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+
+    def step():
+        out = ops.qk_norm_rope(q, k, q_weight, k_weight, None, inv_freq, 1e-6, "llama", 1.0, "neox", "bshd", 5)
+        return (*out, *ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, None, inv_freq, 1e-6,
+                                                 "llama", 1.0, "neox", "bshd", 5))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, step()):
+        assert torch.equal(a, e)
+
+
 # ---------------------------------------------------------------- sinusoidal and learned
 
 @cuda_only
@@ -603,7 +766,7 @@ def test_gpu_smoke_runs_every_op_and_names_the_first_difference():
         "gpu_smoke", Path(__file__).resolve().parents[2] / "scripts" / "gpu_smoke.py")
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)
-    for name in tensor_ops():
+    for name in [*tensor_ops(), *smoke.EXTRA]:
         assert smoke.check(name, torch.float32, device="cpu") == [], name
     x = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).reshape(3, 4)
     y = x.clone()

@@ -119,10 +119,6 @@ void normalize_rotate_heads(RopeLayout layout, const opmath* x, const RmsNormVie
   }
 }
 
-// Tokens per partial sum of the weights' gradients: a function of the token count alone, so that the sums, each in
-// token order and then folded chunk by chunk, come out the same for every thread count.
-inline int64_t tokens_per_chunk(int64_t tokens) { return std::max<int64_t>(16, (tokens + 1023) / 1024); }
-
 // qk_norm_rope: every view's token rows gathered into one row of maths precision, normalized group by group,
 // rotated head by head and stored; inverse: the backward, the gradient rotated back, then through the norm.
 template <typename scalar_t>
@@ -140,7 +136,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
     width = std::max(width, problem.views[v].heads * problem.views[v].head_dim);
     token_work += 4 * problem.views[v].heads * problem.views[v].head_dim;
   }
-  const int64_t chunk = tokens_per_chunk(tokens);
+  const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
