@@ -92,19 +92,41 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 }
 #endif
 
-// The backward of rms_scale over a row: x (the forward's input) becomes xhat, g (the gradient of z) that of x, and gz * xhat
-// is added to gw. The intermediate roundings of the conventions pass the gradient through, as autograd's casts do.
-template <typename T>
-POSENC_INLINE void rms_scale_row_backward(T* x, T* g, const T* w, T* gw, int64_t n, T r) {
+#if !defined(__CUDACC__)
+// The backward of one head, first pass: the gradient of the output (grad, read through grad_step) rotated back by the
+// inverse coefficients k into gz; then, with xhat = x * r written over x, gw += gz * xhat and g = gz * w (the
+// gradient of xhat) written to g. The intermediate roundings of the conventions pass the gradient through, as
+// autograd's casts do.
+template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename T>
+inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoeffs<T> k, int64_t pairs,
+                                int64_t head_dim, T* x, T r, const T* w, T* gw, T* g) {
+  const int64_t gs = kUnit ? 1 : grad_step;
+  const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;
+  const int64_t second = kLayout == RopeLayout::Neox ? pairs : 1;
+  const auto through_norm = [&](int64_t d, T gz) {
+    x[d] = x[d] * r;
+    gw[d] += gz * x[d];
+    g[d] = gz * w[d];
+  };
   POSENC_NO_CARRIED_DEPENDENCY
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = x[i] * r;
-    gw[i] += g[i] * x[i];
-    g[i] = g[i] * w[i];
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t d = i * first;
+    const T a = to_opmath(grad[d * gs]);
+    const T b = to_opmath(grad[(d + second) * gs]);
+    through_norm(d, rotate_first(a, b, k.c1[i], k.s1[i]));
+    through_norm(d + second, rotate_second(a, b, k.c2[i], k.s2[i]));
   }
-  const T mean_dot = lane_dot(g, x, n) / static_cast<T>(n);
+  for (int64_t d = 2 * pairs; d < head_dim; ++d) through_norm(d, to_opmath(grad[d * gs]));
+}
+#endif
+
+// The backward's last step over a group of n channels, after rms_rotate_back_row has formed xhat (in x) and the
+// gradient g of xhat: the gradient of x, r * (g - xhat * mean(g * xhat)), in place of g.
+template <typename T>
+POSENC_INLINE void rms_input_grad(const T* xhat, T* g, int64_t n, T r) {
+  const T mean_dot = lane_dot(g, xhat, n) / static_cast<T>(n);
   POSENC_NO_CARRIED_DEPENDENCY
-  for (int64_t i = 0; i < n; ++i) g[i] = r * (g[i] - x[i] * mean_dot);
+  for (int64_t i = 0; i < n; ++i) g[i] = r * (g[i] - xhat[i] * mean_dot);
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE

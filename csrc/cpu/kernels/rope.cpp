@@ -36,6 +36,53 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
   }
 }
 
+// The backward's first pass over every head of a view's token: its gradient rows (from `grad`, the token's first
+// row) rotated back and taken through the weights, x (the token's input, maths precision) becoming xhat, and gz * xhat
+// added to the chunk's weight gradient gw.
+template <RopeLayout kLayout, typename scalar_t, typename opmath>
+void rotate_back_heads(const RotaryView<scalar_t>& view, const scalar_t* grad, const RmsNormView<scalar_t, opmath>& norm,
+                       const opmath* inv_rms, PairCoeffs<opmath> k, int64_t pairs, opmath* x, opmath* gw, opmath* g) {
+  const int64_t D = view.head_dim;
+  const bool per_head = norm.group == D;
+  for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], x += D, g += D) {
+    const int64_t w0 = per_head ? 0 : h * D;
+    const opmath r = inv_rms[per_head ? h : 0];
+    if (view.in_stride[3] == 1) {
+      rms_rotate_back_row<kLayout, true>(grad, 1, k, pairs, D, x, r, norm.weight + w0, gw + w0, g);
+    } else {
+      rms_rotate_back_row<kLayout, false>(grad, view.in_stride[3], k, pairs, D, x, r, norm.weight + w0, gw + w0, g);
+    }
+  }
+}
+
+template <typename scalar_t, typename opmath>
+void rotate_back_heads(RopeLayout layout, const RotaryView<scalar_t>& view, const scalar_t* grad,
+                       const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms, PairCoeffs<opmath> k,
+                       int64_t pairs, opmath* x, opmath* gw, opmath* g) {
+  if (layout == RopeLayout::Neox) {
+    rotate_back_heads<RopeLayout::Neox>(view, grad, norm, inv_rms, k, pairs, x, gw, g);
+  } else {
+    rotate_back_heads<RopeLayout::Gptj>(view, grad, norm, inv_rms, k, pairs, x, gw, g);
+  }
+}
+
+// Positions shared by several batch rows: one table of [seq, 2 * pairs] coefficients (cos, then sin) for all of
+// them; else none (each token forms its own).
+template <typename scalar_t, typename opmath>
+std::vector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, opmath scale) {
+  const int64_t pairs = problem.pairs;
+  if (!problem.shared_positions || problem.batch == 1) return {};
+  std::vector<opmath> coeffs(problem.seq * 2 * pairs);
+  // A sin/cos pair costs roughly as much as rotating 16 channels: weigh the grain accordingly.
+  parallel_for(0, problem.seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      opmath* row = &coeffs[s * 2 * pairs];
+      angle_coeffs(problem, s, scale, row, row + pairs);
+    }
+  });
+  return coeffs;
+}
+
 // Rows of a token's heads, channel step `step`, widened into (or narrowed from) the contiguous row [heads * head_dim].
 template <typename scalar_t, typename opmath>
 void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_t head_dim, opmath* row) {
@@ -55,18 +102,6 @@ void store_heads(const opmath* row, scalar_t* out, const int64_t* stride, int64_
       narrow(row, out, head_dim);
     } else {
       for (int64_t d = 0; d < head_dim; ++d) out[d * stride[3]] = from_opmath<scalar_t>(row[d]);
-    }
-  }
-}
-
-template <typename opmath>
-void rotate_heads_of_row(opmath* row, int64_t heads, int64_t head_dim, PairCoeffs<opmath> k, int64_t pairs,
-                         RopeLayout layout) {
-  for (int64_t h = 0; h < heads; ++h, row += head_dim) {
-    if (layout == RopeLayout::Neox) {
-      rotate_row<RopeLayout::Neox, true>(row, 1, row, 1, k, pairs, head_dim);
-    } else {
-      rotate_row<RopeLayout::Gptj, true>(row, 1, row, 1, k, pairs, head_dim);
     }
   }
 }
@@ -138,6 +173,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
+  const auto table = coefficient_table(problem, scale);
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
 
@@ -148,11 +184,12 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
     opmath* row = sin_row + pairs;
     opmath* grad = row + width;
     opmath* inv_rms = grad + width;  // of each group of the row
-    const PairCoeffs<opmath> k{cos_row, sin_row, cos_row, sin_row};
     for (int64_t n = begin * chunk; n < std::min(end * chunk, tokens); ++n) {
       const int64_t b = n / seq;
       const int64_t s = n % seq;
-      angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
+      if (table.empty()) angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
+      const opmath* cos = table.empty() ? cos_row : &table[s * 2 * pairs];
+      const PairCoeffs<opmath> k{cos, cos + pairs, cos, cos + pairs};
       for (int64_t v = 0; v < problem.num_views; ++v) {
         const auto& view = problem.views[v];
         const auto& norm = problem.norms[v];
@@ -161,9 +198,6 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
         const scalar_t* in = view.in + b * view.in_stride[0] + s * view.in_stride[1];
         scalar_t* out = view.out + b * view.out_stride[0] + s * view.out_stride[1];
         if (!problem.inverse) {
-          for (int64_t h = 0; h < H; ++h) {
-            prefetch_next_token(view, in + h * view.in_stride[2], out + h * view.out_stride[2]);
-          }
           // float32 heads side by side are read where they are; others are widened into the row first.
           const bool direct = std::is_same_v<scalar_t, opmath> && view.in_stride[3] == 1 && view.in_stride[2] == D;
           const opmath* x = direct ? reinterpret_cast<const opmath*>(in) : row;
@@ -172,14 +206,14 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out);
           continue;
         }
-        load_heads(norm.input + b * norm.input_stride[0] + s * norm.input_stride[1], norm.input_stride, H, D, row);
-        load_heads(in, view.in_stride, H, D, grad);
-        rotate_heads_of_row(grad, H, D, k, pairs, problem.layout);
-        opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
+        const scalar_t* input = norm.input + b * norm.input_stride[0] + s * norm.input_stride[1];
+        load_heads(input, norm.input_stride, H, D, row);
         inverse_rms_of_groups(row, H * D, norm, inv_rms);
+        rotate_back_heads(problem.layout, view, in, norm, inv_rms, k, pairs, row, &partial[v][(n / chunk) * norm.group],
+                          grad);
         for (int64_t g = 0; g * norm.group < H * D; ++g) {
           const int64_t first = g * norm.group;
-          rms_scale_row_backward(row + first, grad + first, norm.weight, weight_grad, norm.group, inv_rms[g]);
+          rms_input_grad(row + first, grad + first, norm.group, inv_rms[g]);
         }
         store_heads(grad, out, view.out_stride, H, D);
       }
@@ -207,18 +241,8 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   int64_t token_work = 0;
   for (int64_t v = 0; v < problem.num_views; ++v) token_work += problem.views[v].heads * problem.views[v].head_dim;
 
-  // Positions shared by several batch rows: one table of [seq, 2 * pairs] coefficients for all of them.
-  const bool table = problem.shared_positions && problem.batch > 1;
-  std::vector<opmath> coeffs(table ? seq * 2 * pairs : 0);
-  if (table) {
-    // A sin/cos pair costs roughly as much as rotating 16 channels: weigh the grain accordingly.
-    parallel_for(0, seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; ++s) {
-        opmath* row = &coeffs[s * 2 * pairs];
-        angle_coeffs(problem, s, scale, row, row + pairs);
-      }
-    });
-  }
+  const auto coeffs = coefficient_table(problem, scale);
+  const bool table = !coeffs.empty();
   if (table) {
     // The coefficients are a table: each view (q, then k) is walked on its own, which halves the rows in flight
     // per token (a bhsd token's heads are a whole sequence apart: 16 heads read and written in q and k at once
