@@ -276,6 +276,34 @@ def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posi
     return q, k
 
 
+def qk_norm_rope_packed(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weight: Tensor, k_weight: Tensor,
+                        positions: Optional[Tensor], inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama",
+                        attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
+                        cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None,
+                        inplace: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`qk_norm_rope` of a fused QKV projection: ``qkv`` is ``[B, S, (Hq + 2 Hk) * D]`` (``"bshd"``),
+    ``[S, B, ...]`` (``"sbhd"``) or ``[T, ...]`` (``"thd"``), its q heads, then k's, then v's. Returns
+    ``(q, k, v)`` as ``[..., H, D]`` tensors in that format: q and k normalized and rotated (fresh tensors, or with
+    ``inplace`` the views of qkv, rewritten), v a view of qkv, untouched. No copy is made of qkv."""
+    if format not in ("bshd", "sbhd", "thd"):
+        raise ValueError(f"posenc.qk_norm_rope_packed: format must be \"bshd\", \"sbhd\" or \"thd\" (a packed "
+                         f"projection is token-major), got \"{format}\"")
+    heads = num_q_heads + 2 * num_kv_heads
+    width = qkv.shape[-1]
+    if num_q_heads < 1 or num_kv_heads < 1 or width % heads != 0:
+        raise ValueError(f"posenc.qk_norm_rope_packed: qkv's last size {width} must be (num_q_heads + 2 * "
+                         f"num_kv_heads) * head_dim; got num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}")
+    split = qkv.unflatten(-1, (heads, width // heads))
+    q, k, v = split.split([num_q_heads, num_kv_heads, num_kv_heads], dim=-2)
+    if inplace:
+        torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                                       layout, format, offset, cu_seqlens, pair_axis)
+        return q, k, v
+    q, k = torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                                         layout, format, offset, cu_seqlens, pair_axis)
+    return q, k, v
+
+
 def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
           layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
           pair_axis: Optional[Tensor] = None) -> Tensor:
@@ -326,7 +354,8 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
 
 
 __all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
-            "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "zigzag_positions", "zigzag_positions_varlen"]
+            "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "qk_norm_rope_packed", "zigzag_positions",
+            "zigzag_positions_varlen"]
 
 
 # Multi-axis positions: the grids of images and videos, and Qwen2-VL's M-RoPE positions of text and vision.

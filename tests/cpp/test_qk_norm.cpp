@@ -273,3 +273,31 @@ TEST(QkNormRope, BadInputIsAnErrorNamingTheArgument) {
 }
 
 }  // namespace
+
+TEST(QkNormRope, PackedProjectionSplitsIntoQKAndAViewOfV) {
+  torch::manual_seed(9);
+  const auto qkv = torch::randn({2, 5, (3 + 2 * 1) * 8}, kDouble);
+  const auto qw = torch::rand({8}, kDouble) + 0.5;
+  const auto kw = torch::rand({8}, kDouble) + 0.5;
+  const auto inv_freq = posenc::frequencies::rope(8).inv_freq;
+  const auto positions = torch::randint(0, 99, {2, 5}, torch::kLong);
+  const auto heads = qkv.reshape({2, 5, 5, 8});
+  const auto [q, k, v] = posenc::qk_norm_rope_packed(qkv, 3, 1, qw, kw, positions, inv_freq, 1e-6, "olmo2");
+  EXPECT_LE(max_abs_diff(q, reference_qk_norm_rope(heads.slice(2, 0, 3), qw, positions, inv_freq, "olmo2", "neox")),
+            1e-12);
+  EXPECT_LE(max_abs_diff(k, reference_qk_norm_rope(heads.slice(2, 3, 4), kw, positions, inv_freq, "olmo2", "neox")),
+            1e-12);
+  EXPECT_TRUE(torch::equal(v, heads.slice(2, 4, 5)));
+  EXPECT_EQ(v.data_ptr<double>(), qkv.data_ptr<double>() + 32);  // a view, not a copy
+
+  const auto buffer = qkv.clone();
+  const auto [q_in, k_in, v_in] =
+      posenc::qk_norm_rope_packed(buffer, 3, 1, qw, kw, positions, inv_freq, 1e-6, "olmo2", 1.0, "neox", "bshd", 0,
+                                  std::nullopt, std::nullopt, /*inplace=*/true);
+  EXPECT_TRUE(torch::equal(q_in, q) && torch::equal(k_in, k));
+  EXPECT_EQ(q_in.data_ptr<double>(), buffer.data_ptr<double>());
+  EXPECT_TRUE(torch::equal(buffer.slice(2, 32, 40), qkv.slice(2, 32, 40)));  // v untouched
+
+  expect_error([&] { posenc::qk_norm_rope_packed(qkv, 2, 2, qw, kw, positions, inv_freq); },
+               "posenc.qk_norm_rope_packed: qkv's last size 40 must be (num_q_heads + 2 * num_kv_heads) * head_dim");
+}

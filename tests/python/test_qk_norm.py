@@ -1086,6 +1086,84 @@ bad_inputs("qk_norm_rope_backward", base=qk_norm_rope_backward, mutations=BACKWA
 bad_inputs("qk_norm_rope_", base=qk_norm_rope_inplace, mutations=norm_mutations(["q", "k"], inplace=True))
 
 
+# ---------------------------------------------------------------- a fused QKV projection
+
+def packed_case(fmt, dtype=torch.float32):
+    """qkv of 3 q heads, 1 kv head, head_dim 8, in a token-major format, with its positions."""
+    shape = {"bshd": (2, 6), "sbhd": (6, 2), "thd": (7,)}[fmt]
+    qkv = randn(*shape, (3 + 2) * 8, dtype=dtype, seed=120)
+    positions, cu_seqlens = (None, torch.tensor([0, 3, 7])) if fmt == "thd" else (torch.randint(0, 99, (2, 6)), None)
+    return qkv, positions, cu_seqlens
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_packed_equals_the_op_on_the_slices_and_leaves_v(fmt, inplace):
+    qkv, positions, cu_seqlens = packed_case(fmt, torch.bfloat16)
+    if fmt == "sbhd":
+        positions = positions.T.contiguous().T  # [B, S] whatever the format
+    qw, kw = randn(8, seed=121) * 0.5 + 1, randn(8, seed=122) * 0.5 + 1
+    inv_freq = FQ.rope(8)[0]
+    before = qkv.clone()
+    heads = before.unflatten(-1, (5, 8))
+    want_q, want_k = PF.qk_norm_rope(heads[..., :3, :], heads[..., 3:4, :], qw, kw, positions, inv_freq, 1e-6,
+                                     "gemma", 1.0, "gptj", fmt, 2, cu_seqlens)
+    q, k, v = PF.qk_norm_rope_packed(qkv, 3, 1, qw, kw, positions, inv_freq, 1e-6, "gemma", 1.0, "gptj", fmt, 2,
+                                     cu_seqlens, None, inplace)
+    assert same_bits(q, want_q) and same_bits(k, want_k)
+    assert v.data_ptr() == qkv.data_ptr() + 4 * 8 * qkv.element_size() and torch.equal(v, heads[..., 4:, :])
+    if inplace:  # q and k are qkv's own memory, rewritten; v's columns untouched
+        assert q.data_ptr() == qkv.data_ptr() and torch.equal(qkv.unflatten(-1, (5, 8))[..., :3, :], want_q)
+        assert torch.equal(qkv[..., 32:], before[..., 32:])
+    else:
+        assert torch.equal(qkv, before)
+
+
+def test_packed_gradients_reach_qkv():
+    qkv, positions, _ = packed_case("bshd")
+    qkv.requires_grad_()
+    qw, kw = randn(8, seed=123, requires_grad=True), randn(8, seed=124, requires_grad=True)
+    inv_freq = FQ.rope(8)[0]
+    q, k, v = PF.qk_norm_rope_packed(qkv, 3, 1, qw, kw, positions, inv_freq)
+    cotangent = [randn(*t.shape, seed=125 + i) for i, t in enumerate((q, k, v))]
+    got = torch.autograd.grad([q, k, v], [qkv, qw, kw], cotangent)
+    detached = qkv.detach().clone().requires_grad_()
+    heads = detached.unflatten(-1, (5, 8))
+    q2, k2 = PF.qk_norm_rope(heads[..., :3, :], heads[..., 3:4, :], qw, kw, positions, inv_freq)
+    want = torch.autograd.grad([q2, k2, heads[..., 4:, :]], [detached, qw, kw], cotangent)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+
+
+def test_packed_refuses_a_width_or_format_it_cannot_split():
+    qkv, _, _ = packed_case("bshd")
+    w, inv_freq = torch.ones(8), FQ.rope(8)[0]
+    with pytest.raises(ValueError, match=r"posenc.qk_norm_rope_packed: qkv's last size 40 must be .* "
+                                         r"num_q_heads=2, num_kv_heads=2"):
+        PF.qk_norm_rope_packed(qkv, 2, 2, w, w, None, inv_freq)
+    with pytest.raises(ValueError, match='posenc.qk_norm_rope_packed: format must be .* got "bhsd"'):
+        PF.qk_norm_rope_packed(qkv, 3, 1, w, w, None, inv_freq, format="bhsd")
+
+
+def test_packed_exports_and_scripts():
+    class Prologue(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_weight, self.k_weight = torch.nn.Parameter(torch.rand(8) + 0.5), torch.nn.Parameter(torch.rand(8))
+            self.register_buffer("inv_freq", FQ.rope(8)[0])
+
+        def forward(self, qkv):
+            q, k, v = PF.qk_norm_rope_packed(qkv, 3, 1, self.q_weight, self.k_weight, None, self.inv_freq)
+            return q.sum(-2) + k.sum(-2) + v.sum(-2)
+
+    qkv, model = packed_case("bshd")[0], Prologue()
+    want = model(qkv)
+    assert want.shape == (2, 6, 8)
+    exported = torch.export.export(model, (qkv,))
+    assert same_bits(exported.module()(qkv), want)
+    assert any("qk_norm_rope" in str(node.target) for node in exported.graph.nodes)
+    assert same_bits(torch.jit.script(model)(qkv), want)
+
+
 # ---------------------------------------------------------------- the example of docs/qk_norm.md
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "qk_norm.md"

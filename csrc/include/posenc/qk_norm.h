@@ -54,4 +54,32 @@ inline void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Te
           cu_seqlens, pair_axis);
 }
 
+// qk_norm_rope of a fused QKV projection qkv [B, S, (Hq + 2 Hk) * D] ("bshd"), [S, B, ...] ("sbhd") or [T, ...]
+// ("thd"): its q heads, then k's, then v's. Returns (q, k, v) as [..., H, D] tensors in that format: q and k
+// normalized and rotated (fresh tensors, or with inplace the views of qkv, rewritten), v a view of qkv, untouched.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_packed(
+    const at::Tensor& qkv, int64_t num_q_heads, int64_t num_kv_heads, const at::Tensor& q_weight,
+    const at::Tensor& k_weight, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+    double eps = 1e-6, std::string_view norm = "llama", double attention_scale = 1.0, std::string_view layout = "neox",
+    std::string_view format = "bshd", int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    const std::optional<at::Tensor>& pair_axis = std::nullopt, bool inplace = false) {
+  TORCH_CHECK_VALUE(format == "bshd" || format == "sbhd" || format == "thd",
+                    "posenc.qk_norm_rope_packed: format must be \"bshd\", \"sbhd\" or \"thd\" (a packed projection "
+                    "is token-major), got \"", format, "\"");
+  const int64_t heads = num_q_heads + 2 * num_kv_heads;
+  const int64_t width = qkv.dim() > 0 ? qkv.size(-1) : 0;
+  TORCH_CHECK_VALUE(num_q_heads >= 1 && num_kv_heads >= 1 && width % heads == 0,
+                    "posenc.qk_norm_rope_packed: qkv's last size ", width, " must be (num_q_heads + 2 * num_kv_heads) "
+                    "* head_dim; got num_q_heads=", num_q_heads, ", num_kv_heads=", num_kv_heads);
+  const auto parts = qkv.unflatten(-1, {heads, width / heads}).split({num_q_heads, num_kv_heads, num_kv_heads}, -2);
+  if (inplace) {
+    qk_norm_rope_(parts[0], parts[1], q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout,
+                  format, offset, cu_seqlens, pair_axis);
+    return {parts[0], parts[1], parts[2]};
+  }
+  auto [q, k] = qk_norm_rope(parts[0], parts[1], q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                             layout, format, offset, cu_seqlens, pair_axis);
+  return {q, k, parts[2]};
+}
+
 }  // namespace posenc
