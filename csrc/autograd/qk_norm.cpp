@@ -73,7 +73,10 @@ struct NormRope {
   }
 };
 
-struct QkNormRope : public torch::autograd::Function<QkNormRope> {
+// qk_norm_rope (kInPlace = false) and qk_norm_rope_, whose inputs are copied before they are overwritten (the backward
+// needs them), and marked dirty, which rebases q's and k's history onto this node.
+template <bool kInPlace>
+struct QkNormRope : public torch::autograd::Function<QkNormRope<kInPlace>> {
   static constexpr const char* kOp = "posenc::qk_norm_rope";
 
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
@@ -84,38 +87,24 @@ struct QkNormRope : public torch::autograd::Function<QkNormRope> {
                                const std::optional<at::Tensor>& pair_axis) {
     const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
                         std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
-    args.save("qk_norm_rope", ctx, q, k);
     at::AutoDispatchBelowADInplaceOrView guard;
-    const auto [q_out, k_out] = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
-                                             attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-    return {q_out, k_out};
+    if constexpr (kInPlace) {
+      args.save("qk_norm_rope_", ctx, q.clone(), k.clone());
+      ctx->mark_dirty({q, k});
+      qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
+                    cu_seqlens, pair_axis);
+      return {q, k};
+    } else {
+      args.save("qk_norm_rope", ctx, q, k);
+      const auto [q_out, k_out] = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
+                                               attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+      return {q_out, k_out};
+    }
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) { return NormRope::backward(ctx, grads); }
 };
-constexpr auto qk_norm_rope_autograd = POSENC_AUTOGRAD(QkNormRope);
-
-// In place: the inputs are copied before they are overwritten (the backward needs them), and marking q and k dirty
-// rebases their history onto this node.
-struct QkNormRopeInplace : public torch::autograd::Function<QkNormRopeInplace> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& q_weight, const at::Tensor& k_weight,
-                               const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps,
-                               c10::string_view norm, double attention_scale, c10::string_view layout,
-                               c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                               const std::optional<at::Tensor>& pair_axis) {
-    const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
-                        std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
-    at::AutoDispatchBelowADInplaceOrView guard;
-    args.save("qk_norm_rope_", ctx, q.clone(), k.clone());
-    ctx->mark_dirty({q, k});
-    qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
-                  cu_seqlens, pair_axis);
-    return {q, k};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) { return NormRope::backward(ctx, grads); }
-};
+constexpr auto qk_norm_rope_autograd = POSENC_AUTOGRAD(QkNormRope<false>);
 
 void qk_norm_rope__autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
                             const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
@@ -132,7 +121,7 @@ void qk_norm_rope__autograd(const at::Tensor& q, const at::Tensor& k, const at::
     torch::autograd::impl::bump_version(k);
     return;
   }
-  QkNormRopeInplace::apply(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format,
+  QkNormRope<true>::apply(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format,
                            offset, cu_seqlens, pair_axis);
 }
 

@@ -82,6 +82,20 @@ def test_every_sample_on_cuda_equals_the_cpu(name):
 
 # ---------------------------------------------------------------- rotary
 
+def captured_graph(step):
+    """step() warmed up on a side stream, then captured in a CUDA graph: (graph, the captured outputs), which each
+    graph.replay() rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
 def rope_input(fmt, dtype, batch=2, seq=5, heads=3, head_dim=16, layout_view="contiguous"):
     """x in `fmt` as contiguous data, a transposed view (channel stride 1, other strides permuted), a channel-strided
     view (V = 1 path) or a view one element off 16-byte alignment."""
@@ -377,14 +391,7 @@ def test_qk_norm_rope_under_graph_capture():
         return (*out, *ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, None, inv_freq, 1e-6,
                                                  "llama", 1.0, "neox", "bshd", 5))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = captured_graph(step)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
@@ -663,14 +670,7 @@ def test_multiaxis_rope_and_per_length_frequencies_under_graph_capture():
         return ops.rope(q, positions, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis), freq
 
     eager = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = captured_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     for a, e in zip(captured, eager):
