@@ -57,6 +57,23 @@ def test_rope_family_reads_and_writes_past_2_pow_31():
     assert same_bits(far, expected)
 
 
+def test_qk_norm_rope_reads_and_writes_past_2_pow_31():
+    q, k = randn(2, 3, 2, 8, seed=4), randn(2, 3, 1, 8, seed=5)
+    q_far, k_far = far_view(q), far_view(k)
+    weights = (randn(8, seed=6), randn(8, seed=7))
+    positions = torch.tensor([[0, 5, 9], [3, 4, 7]])
+    got = PF.qk_norm_rope(q_far, k_far, *weights, positions, ROPE_FREQ)
+    assert all(same_bits(a, b) for a, b in zip(got, PF.qk_norm_rope(q, k, *weights, positions, ROPE_FREQ)))
+    grads = (randn(2, 3, 2, 8, seed=8), randn(2, 3, 1, 8, seed=9))
+    got = PF.qk_norm_rope_backward(far_view(grads[0]), far_view(grads[1]), q_far, k_far, *weights, positions,
+                                   ROPE_FREQ)
+    want = PF.qk_norm_rope_backward(*grads, q, k, *weights, positions, ROPE_FREQ)
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+    PF.qk_norm_rope_(q_far, k_far, *weights, positions, ROPE_FREQ)
+    want = PF.qk_norm_rope(q, k, *weights, positions, ROPE_FREQ)
+    assert same_bits(q_far, want[0]) and same_bits(k_far, want[1])
+
+
 def test_alibi_reads_and_writes_past_2_pow_31():
     scores = randn(2, 3, 4, 5)
     slopes = PF.alibi_slopes(3).expand(2, 3) * torch.tensor([[1.0], [0.5]])

@@ -10,6 +10,7 @@
 - In-place ops refuse tensors whose elements overlap in memory, whatever their strides, and leave memory as it
   was; non-overlapping strided views are rotated (or biased) where they lie.
 """
+import math
 import re
 
 import pytest
@@ -24,7 +25,7 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1
 
 SINUSOIDAL_OPS = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal"]
-ROPE_OPS = ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_"]
+ROPE_OPS = ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "qk_norm_rope", "qk_norm_rope_"]
 POSITION_OPS = SINUSOIDAL_OPS + ROPE_OPS
 LEARNED_OPS = ["learned", "add_learned", "embed_learned"]
 
@@ -59,6 +60,16 @@ def encoding(op, positions, inv_freq, offset=0, dtype=torch.float64, seq_len=Non
     elif op == "rope_":
         out = x.clone()
         PF.rope_(out, positions, inv_freq, 1.0, "neox", "bshd", offset)
+    elif op in ("qk_norm_rope", "qk_norm_rope_"):
+        # x's norm (mean square 1/2: a unit vector in each pair) undone by the weight sqrt(1/2), without rounding in
+        # between ("fused"): the rotation of x, within an ulp of the maths type.
+        weight = torch.full((2 * pairs,), math.sqrt(0.5), dtype=torch.float64)
+        args = (weight, weight, positions, inv_freq, 0.0, "fused", 1.0, "neox", "bshd", offset)
+        if op == "qk_norm_rope":
+            out, _ = PF.qk_norm_rope(x, x.clone(), *args)
+        else:
+            out = x.clone()
+            PF.qk_norm_rope_(out, x.clone(), *args)
     else:
         raise ValueError(op)
     return out[0, :, 0]
