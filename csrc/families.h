@@ -36,13 +36,17 @@
 // Every other op runs in the dtypes it is given (autocast/autocast.cpp says why).
 #define POSENC_AUTOCAST_PROMOTED(X) X(add_learned, "x", "weight") X(embed_learned, "token_weight", "pos_weight")
 
+// The query scale of rope_qk and qk_norm_rope (Llama 4's attention temperature, Ministral 3's llama_4_scaling_beta):
+// q, and only q, times 1 + q_scale_beta * log(1 + floor((p + q_scale_shift) / q_scale_length)) at position p.
+#define POSENC_Q_SCALE_ARGS ", float q_scale_beta=0.0, int q_scale_length=1, int q_scale_shift=0"
+
 // Rotary. pair_axis [pairs]: multi-axis positions ([n_axes, S], [n_axes, B, S] or [n_axes, T]; images, video,
 // multimodal text), frequency pair i rotating by the position of axis pair_axis[i].
 #define POSENC_ROPE_OPS(X, A) \
   X(A, rope, "(Tensor x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor") \
   X(A, rope_backward, "(Tensor grad, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> Tensor") \
-  X(A, rope_qk, "(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> (Tensor, Tensor)") \
-  X(A, rope_qk_backward, "(Tensor grad_q, Tensor grad_k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> (Tensor, Tensor)") \
+  X(A, rope_qk, "(Tensor q, Tensor k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None" POSENC_Q_SCALE_ARGS ") -> (Tensor, Tensor)") \
+  X(A, rope_qk_backward, "(Tensor grad_q, Tensor grad_k, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None" POSENC_Q_SCALE_ARGS ") -> (Tensor, Tensor)") \
   X(A, rope_, "(Tensor(a!) x, Tensor? positions, Tensor inv_freq, float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None) -> ()") \
   X(A, rope_cos_sin, "(Tensor x, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor") \
   X(A, rope_cos_sin_backward, "(Tensor grad, Tensor cos, Tensor sin, str layout=\"neox\", str format=\"bshd\") -> Tensor")
@@ -55,7 +59,7 @@
 #define POSENC_QK_NORM_ROPE_ARGS                                                                                   \
   "Tensor q_weight, Tensor k_weight, Tensor? positions, Tensor inv_freq, float eps=1e-06, str norm=\"llama\", "    \
   "float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, " \
-  "Tensor? pair_axis=None"
+  "Tensor? pair_axis=None" POSENC_Q_SCALE_ARGS
 #define POSENC_QK_NORM_OPS(X, A)                                                                                   \
   X(A, qk_norm_rope, "(Tensor q, Tensor k, " POSENC_QK_NORM_ROPE_ARGS ") -> (Tensor, Tensor)")                      \
   X(A, qk_norm_rope_backward, "(Tensor grad_q, Tensor grad_k, Tensor q, Tensor k, " POSENC_QK_NORM_ROPE_ARGS        \

@@ -224,55 +224,66 @@ def rope_backward(grad: Tensor, positions: Optional[Tensor], inv_freq: Tensor, a
 
 def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
             layout: str = "neox", format: str = "bshd", offset: int = 0,
-            cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+            cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0,
+            q_scale_length: int = 1, q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`rope` of q and k in one pass (each angle formed once for both). q and k share the format,
-    batch and sequence sizes and dtype; their head counts (GQA/MQA) and head dims may differ."""
+    batch and sequence sizes and dtype; their head counts (GQA/MQA) and head dims may differ.
+
+    ``q_scale_beta`` (Llama 4's attention temperature, Ministral 3's ``llama_4_scaling_beta``): q, and only q, also
+    times ``1 + q_scale_beta * log(1 + floor((p + q_scale_shift) / q_scale_length))`` at its position p (q fully
+    rotated, one position per token)."""
     return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                                    pair_axis)
+                                    pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
 
 
 def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
                      attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
-                     cu_seqlens: Optional[Tensor] = None,
-                     pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                     cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None,
+                     q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                     q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """The gradient of :func:`rope_qk`."""
     return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                                             offset, cu_seqlens, pair_axis)
+                                             offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                             q_scale_shift)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
                  inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama", attention_scale: float = 1.0,
                  layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
-                 pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                 q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """q and k RMS-normalized, times their weights, then rotated as :func:`rope_qk` rotates them, in one pass.
 
     A weight of shape [head_dim] normalizes each head (Qwen3, Gemma 3); one of [heads * head_dim] all heads of a
     token together (OLMo 2). ``norm`` is the rounding convention: ``"llama"`` (Qwen3, Llama: x / rms(x) rounded to
     the input dtype, then times the weight), ``"gemma"`` (weight 1 + w, float32 until the norm's output),
     ``"olmo2"`` (float32 until the norm's output) or ``"fused"`` (float32 from load to store, one rounding).
-    Differentiable in q, k and both weights."""
+    Differentiable in q, k and both weights. ``q_scale_*``: q's scale by position, as in :func:`rope_qk`."""
     return torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
-                                         layout, format, offset, cu_seqlens, pair_axis)
+                                         layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                         q_scale_shift)
 
 
 def qk_norm_rope_backward(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
                           positions: Optional[Tensor], inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama",
                           attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
-                          cu_seqlens: Optional[Tensor] = None,
-                          pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+                          cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None,
+                          q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                          q_scale_shift: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`qk_norm_rope` for q, k, q_weight and k_weight (the norm recomputed from q and k)."""
     return torch.ops.posenc.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps,
                                                   norm, attention_scale, layout, format, offset, cu_seqlens,
-                                                  pair_axis)
+                                                  pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
 
 
 def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
                   inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama", attention_scale: float = 1.0,
                   layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
-                  pair_axis: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                  pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                  q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`qk_norm_rope` in place (q and k keep their strides), for inference paths; returns (q, k)."""
     torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout,
-                                   format, offset, cu_seqlens, pair_axis)
+                                   format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
     return q, k
 
 
@@ -280,6 +291,7 @@ def qk_norm_rope_packed(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weig
                         positions: Optional[Tensor], inv_freq: Tensor, eps: float = 1e-06, norm: str = "llama",
                         attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
                         cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None,
+                        q_scale_beta: float = 0.0, q_scale_length: int = 1, q_scale_shift: int = 0,
                         inplace: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`qk_norm_rope` of a fused QKV projection: ``qkv`` is ``[B, S, (Hq + 2 Hk) * D]`` (``"bshd"``),
     ``[S, B, ...]`` (``"sbhd"``) or ``[T, ...]`` (``"thd"``), its q heads, then k's, then v's. Returns
@@ -297,10 +309,12 @@ def qk_norm_rope_packed(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weig
     q, k, v = split.split([num_q_heads, num_kv_heads, num_kv_heads], dim=-2)
     if inplace:
         torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
-                                       layout, format, offset, cu_seqlens, pair_axis)
+                                       layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                       q_scale_shift)
         return q, k, v
     q, k = torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
-                                         layout, format, offset, cu_seqlens, pair_axis)
+                                         layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                         q_scale_shift)
     return q, k, v
 
 

@@ -69,18 +69,23 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_autocast(const at::Tensor& q, const a
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
                                                     const std::optional<at::Tensor>& cu_seqlens,
-                                                    const std::optional<at::Tensor>& pair_axis) {
+                                                    const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                                                    int64_t q_scale_length, int64_t q_scale_shift) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocast);
-  const auto rotate = kInverse ? rope_backward : rope;  // one tensor
+  const auto rotate_qk = [&](const at::Tensor& a, const at::Tensor& b) {
+    return kInverse ? rope_qk_backward(a, b, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                       pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+                    : rope_qk(a, b, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                              pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
+  };
   if (q.scalar_type() != k.scalar_type() && at::isFloatingType(q.scalar_type()) &&
       at::isFloatingType(k.scalar_type())) {
-    return {rotate(q, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis),
+    // Two rotations: q's (with its scale; k := q keeps the call's shapes valid), then k alone.
+    const auto rotate = kInverse ? rope_backward : rope;
+    return {std::get<0>(rotate_qk(q, q)),
             rotate(k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)};
   }
-  return kInverse ? rope_qk_backward(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                                     pair_axis)
-                  : rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                            pair_axis);
+  return rotate_qk(q, k);
 }
 
 template <c10::DispatchKey kAutocast>

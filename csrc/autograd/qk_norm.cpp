@@ -40,6 +40,9 @@ struct NormRope {
   int64_t offset;
   std::optional<at::Tensor> cu_seqlens;
   std::optional<at::Tensor> pair_axis;
+  double q_scale_beta;
+  int64_t q_scale_length;
+  int64_t q_scale_shift;
 
   // q and k: the forward's inputs (copies of them in place).
   void save(const char* op, AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k) const {
@@ -52,6 +55,9 @@ struct NormRope {
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["format"] = format;
     ctx->saved_data["offset"] = offset;
+    ctx->saved_data["q_scale_beta"] = q_scale_beta;
+    ctx->saved_data["q_scale_length"] = q_scale_length;
+    ctx->saved_data["q_scale_shift"] = q_scale_shift;
   }
 
   // The gradients of q, k, q_weight and k_weight, then none for the other ten arguments.
@@ -63,8 +69,10 @@ struct NormRope {
         grad_q, grad_k, s[0], s[1], s[2], s[3], optional_of(s[4]), s[5], ctx->saved_data["eps"].toDouble(),
         ctx->saved_data["norm"].toStringRef(), ctx->saved_data["attention_scale"].toDouble(),
         ctx->saved_data["layout"].toStringRef(), ctx->saved_data["format"].toStringRef(),
-        ctx->saved_data["offset"].toInt(), optional_of(s[6]), optional_of(s[7]));
-    variable_list out(14);
+        ctx->saved_data["offset"].toInt(), optional_of(s[6]), optional_of(s[7]),
+        ctx->saved_data["q_scale_beta"].toDouble(), ctx->saved_data["q_scale_length"].toInt(),
+        ctx->saved_data["q_scale_shift"].toInt());
+    variable_list out(17);  // q, k and the weights, then the thirteen arguments without a gradient
     out[0] = gq;
     out[1] = gk;
     out[2] = gqw;
@@ -84,20 +92,23 @@ struct QkNormRope : public torch::autograd::Function<QkNormRope<kInPlace>> {
                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps,
                                c10::string_view norm, double attention_scale, c10::string_view layout,
                                c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                               const std::optional<at::Tensor>& pair_axis) {
-    const NormRope args{q_weight, k_weight, positions, inv_freq, eps, std::string(norm), attention_scale,
-                        std::string(layout), std::string(format), offset, cu_seqlens, pair_axis};
+                               const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                               int64_t q_scale_length, int64_t q_scale_shift) {
+    const NormRope args{q_weight,      k_weight,     positions,       inv_freq,       eps,
+                        std::string(norm), attention_scale, std::string(layout), std::string(format), offset,
+                        cu_seqlens,    pair_axis,    q_scale_beta,    q_scale_length, q_scale_shift};
     at::AutoDispatchBelowADInplaceOrView guard;
     if constexpr (kInPlace) {
       args.save("qk_norm_rope_", ctx, q.clone(), k.clone());
       ctx->mark_dirty({q, k});
       qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
-                    cu_seqlens, pair_axis);
+                    cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
       return {q, k};
     } else {
       args.save("qk_norm_rope", ctx, q, k);
-      const auto [q_out, k_out] = qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
-                                               attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+      const auto [q_out, k_out] =
+          qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format,
+                       offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
       return {q_out, k_out};
     }
   }
@@ -110,19 +121,20 @@ void qk_norm_rope__autograd(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale,
                             c10::string_view layout, c10::string_view format, int64_t offset,
-                            const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+                            const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis,
+                            double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
   if (!torch::autograd::compute_requires_grad(q, k, q_weight, k_weight, inv_freq)) {
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
-                    cu_seqlens, pair_axis);
+                    cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
     }
     torch::autograd::impl::bump_version(q);  // a tensor saved for another backward is now stale
     torch::autograd::impl::bump_version(k);
     return;
   }
   QkNormRope<true>::apply(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format,
-                           offset, cu_seqlens, pair_axis);
+                           offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward_autograd(
@@ -130,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
     const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
     const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
     c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-    const std::optional<at::Tensor>& pair_axis) {
+    const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
   if (at::GradMode::is_enabled()) {
     check_inv_freq_constant("qk_norm_rope_backward", inv_freq);
     TORCH_CHECK(!torch::autograd::compute_requires_grad(grad_q, grad_k, q, k, q_weight, k_weight),
@@ -139,7 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
   }
   at::AutoDispatchBelowADInplaceOrView guard;
   return qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
-                               attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+                               attention_scale, layout, format, offset, cu_seqlens, pair_axis, q_scale_beta,
+                               q_scale_length, q_scale_shift);
 }
 
 }  // namespace

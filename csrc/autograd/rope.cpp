@@ -39,6 +39,9 @@ struct Angles {
   int64_t offset;
   std::optional<at::Tensor> cu_seqlens;
   std::optional<at::Tensor> pair_axis;
+  double q_scale_beta = 0.0;  // rope_qk's query scale
+  int64_t q_scale_length = 1;
+  int64_t q_scale_shift = 0;
 
   void save(AutogradContext* ctx) const {
     ctx->save_for_backward({positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor()),
@@ -47,6 +50,9 @@ struct Angles {
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["format"] = format;
     ctx->saved_data["offset"] = offset;
+    ctx->saved_data["q_scale_beta"] = q_scale_beta;
+    ctx->saved_data["q_scale_length"] = q_scale_length;
+    ctx->saved_data["q_scale_shift"] = q_scale_shift;
   }
 
   static Angles load(AutogradContext* ctx) {
@@ -58,7 +64,10 @@ struct Angles {
             ctx->saved_data["format"].toStringRef(),
             ctx->saved_data["offset"].toInt(),
             optional_of(saved[2]),
-            optional_of(saved[3])};
+            optional_of(saved[3]),
+            ctx->saved_data["q_scale_beta"].toDouble(),
+            ctx->saved_data["q_scale_length"].toInt(),
+            ctx->saved_data["q_scale_shift"].toInt()};
   }
 
   at::Tensor rotate(const at::Tensor& x, bool inverse) const {
@@ -103,10 +112,12 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                double attention_scale, c10::string_view layout, c10::string_view format,
                                int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                               const std::optional<at::Tensor>& pair_axis) {
+                               const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                               int64_t q_scale_length, int64_t q_scale_shift) {
     check_constant(kInverse ? "rope_qk_backward" : "rope_qk", "inv_freq", inv_freq);
-    const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
-                        cu_seqlens, pair_axis};
+    const Angles angles{positions,  inv_freq,     attention_scale, std::string(layout), std::string(format),
+                        offset,     cu_seqlens,   pair_axis,       q_scale_beta,        q_scale_length,
+                        q_scale_shift};
     angles.save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
     const auto [q_out, k_out] = rotate(angles, q, k, kInverse);
@@ -115,16 +126,18 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto [grad_q, grad_k] = rotate(Angles::load(ctx), grads[0], grads[1], !kInverse);
-    return {grad_q,       grad_k,       at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list out(13);  // q, k, then the eleven arguments without a gradient
+    out[0] = grad_q;
+    out[1] = grad_k;
+    return out;
   }
 
   static std::tuple<at::Tensor, at::Tensor> rotate(const Angles& a, const at::Tensor& q, const at::Tensor& k,
                                                    bool inverse) {
     return inverse ? rope_qk_backward(q, k, a.positions, a.inv_freq, a.attention_scale, a.layout, a.format, a.offset,
-                                      a.cu_seqlens, a.pair_axis)
+                                      a.cu_seqlens, a.pair_axis, a.q_scale_beta, a.q_scale_length, a.q_scale_shift)
                    : rope_qk(q, k, a.positions, a.inv_freq, a.attention_scale, a.layout, a.format, a.offset,
-                             a.cu_seqlens, a.pair_axis);
+                             a.cu_seqlens, a.pair_axis, a.q_scale_beta, a.q_scale_length, a.q_scale_shift);
   }
 };
 constexpr auto rope_qk_autograd = POSENC_AUTOGRAD(RopeQK<false>);

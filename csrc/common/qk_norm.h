@@ -85,16 +85,19 @@ struct QkNormOps {
       const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
       const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps, c10::string_view norm,
       double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-      const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+      const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+      int64_t q_scale_length, int64_t q_scale_shift) {
     constexpr const char* op = "qk_norm_rope";
     const auto args = check_qk_norm_rope(op, {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps,
                                          norm, layout, format, cu_seqlens, pair_axis);
+    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                                       inv_freq.sym_size(0) * 2, pair_axis);
     auto q_out = Device::empty(q.sizes(), q.options());
     auto k_out = Device::empty(k.sizes(), k.options());
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention),
                                           norm_of(k_weight, k, eps, args.convention)};
     RopeOps<Device>::rotate(op, {q, k}, {q_out, k_out}, args.rope, positions, inv_freq, attention_scale, offset,
-                            cu_seqlens, pair_axis, false, &norms);
+                            cu_seqlens, pair_axis, false, &norms, q_scale);
     return {q_out, k_out};
   }
 
@@ -103,17 +106,20 @@ struct QkNormOps {
       const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
       const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
       c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-      const std::optional<at::Tensor>& pair_axis) {
+      const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length,
+      int64_t q_scale_shift) {
     constexpr const char* op = "qk_norm_rope_backward";
     const auto args =
         check_qk_norm_rope(op, {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}}, q_weight, k_weight,
                            positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                                       inv_freq.sym_size(0) * 2, pair_axis);
     auto grad_q_in = Device::empty(q.sizes(), q.options());
     auto grad_k_in = Device::empty(k.sizes(), k.options());
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention, q),
                                           norm_of(k_weight, k, eps, args.convention, k)};
     RopeOps<Device>::rotate(op, {grad_q, grad_k}, {grad_q_in, grad_k_in}, args.rope, positions, inv_freq,
-                            attention_scale, offset, cu_seqlens, pair_axis, true, &norms);
+                            attention_scale, offset, cu_seqlens, pair_axis, true, &norms, q_scale);
     return {grad_q_in, grad_k_in, norms[0].weight_grad.to(q_weight.scalar_type()),
             norms[1].weight_grad.to(k_weight.scalar_type())};
   }
@@ -122,19 +128,22 @@ struct QkNormOps {
                             const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
                             const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale,
                             c10::string_view layout, c10::string_view format, int64_t offset,
-                            const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
+                            const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis,
+                            double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
     constexpr const char* op = "qk_norm_rope_";
     const auto args = check_qk_norm_rope(op, {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps,
                                          norm, layout, format, cu_seqlens, pair_axis);
     check_no_internal_overlap(op, "q", q, "normalize and rotate copies with posenc.qk_norm_rope");
     check_no_internal_overlap(op, "k", k, "normalize and rotate copies with posenc.qk_norm_rope");
+    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                                       inv_freq.sym_size(0) * 2, pair_axis);
     // Each token's q rows are stored before its k rows are read: they must not share an element.
     check_no_shared_elements(op, "q", q, "k", k, rope_dim_order(args.rope.format)[2],
                              "normalize and rotate copies with posenc.qk_norm_rope");
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention),
                                           norm_of(k_weight, k, eps, args.convention)};
     RopeOps<Device>::rotate(op, {q, k}, {q, k}, args.rope, positions, inv_freq, attention_scale, offset, cu_seqlens,
-                            pair_axis, false, &norms);
+                            pair_axis, false, &norms, q_scale);
   }
 
   static void register_kernels(torch::Library& m) { POSENC_QK_NORM_OPS(POSENC_IMPL_MEMBER, QkNormOps) }

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -114,6 +115,23 @@ inline bool check_rope_axes(const char* op, const std::optional<at::Tensor>& pos
   TORCH_CHECK(per_row, "posenc.", op, ": positions has shape ", shape, " but with pair_axis needs [n_axes, ",
               sizes[1], "]", per_row_shape, " (n_axes >= 1) for an input of shape ", x.sym_sizes());
   return false;
+}
+
+// The query scale: q_scale_length >= 1, q_scale_beta finite; q's heads fully rotated (the scale is folded into the
+// rotation's coefficients, which the channels past rotary_dim never meet) and one position per token (no pair_axis).
+inline QScale check_q_scale(const char* op, double beta, int64_t length, int64_t shift, const at::Tensor& q,
+                            RopeFormat format, const c10::SymInt& rotary_dim,
+                            const std::optional<at::Tensor>& pair_axis) {
+  TORCH_CHECK(std::isfinite(beta), "posenc.", op, ": q_scale_beta must be finite, got ", beta);
+  TORCH_CHECK(length >= 1, "posenc.", op, ": q_scale_length must be >= 1, got ", length);
+  if (beta != 0.0) {
+    const auto head_dim = rope_sizes(q, format)[3];
+    TORCH_CHECK(head_dim == rotary_dim, "posenc.", op, ": q_scale_beta needs q's heads fully rotated, but rotary_dim ",
+                rotary_dim, " < head_dim ", head_dim, " (scale the rest of q apart)");
+    TORCH_CHECK(!pair_axis.has_value(), "posenc.", op,
+                ": q_scale_beta takes one position per token; with pair_axis, scale q apart");
+  }
+  return {beta, length, shift};
 }
 
 struct RopeArgs {
@@ -234,6 +252,7 @@ struct Rotation {
   const std::optional<at::Tensor>& pair_axis;
   bool inverse;
   const std::vector<RotationNorm>* norms = nullptr;
+  QScale q_scale = {};  // of inputs[0], q
 };
 
 // The ops of the rotary family on one device: checks, allocation and empty outputs, the same on every device.
@@ -251,13 +270,13 @@ struct RopeOps {
                      const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                      double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                      const std::optional<at::Tensor>& pair_axis, bool inverse,
-                     const std::vector<RotationNorm>* norms = nullptr) {
+                     const std::vector<RotationNorm>* norms = nullptr, QScale q_scale = {}) {
     const typename Device::Guard guard(inputs[0].device());
     const auto order = rope_dim_order(args.format);
     const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
     const int64_t seq = inputs[0].size(order[1]);
     Device::rotate({op, std::move(inputs), std::move(outputs), args, batch, seq, positions, inv_freq, attention_scale,
-                    offset, cu_seqlens, pair_axis, inverse, norms});
+                    offset, cu_seqlens, pair_axis, inverse, norms, q_scale});
   }
 
   static at::Tensor one(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,
@@ -276,13 +295,16 @@ struct RopeOps {
                                                double attention_scale, c10::string_view layout,
                                                c10::string_view format, int64_t offset,
                                                const std::optional<at::Tensor>& cu_seqlens,
-                                               const std::optional<at::Tensor>& pair_axis, bool inverse) {
+                                               const std::optional<at::Tensor>& pair_axis, bool inverse,
+                                               double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
     const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
                                  inv_freq, layout, format, cu_seqlens, pair_axis);
+    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.format,
+                                       inv_freq.sym_size(0) * 2, pair_axis);
     auto q_out = Device::empty(q.sizes(), q.options());
     auto k_out = Device::empty(k.sizes(), k.options());
     rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
-           inverse);
+           inverse, nullptr, q_scale);
     return {q_out, k_out};
   }
 
@@ -306,9 +328,10 @@ struct RopeOps {
                                                     const at::Tensor& inv_freq, double attention_scale,
                                                     c10::string_view layout, c10::string_view format, int64_t offset,
                                                     const std::optional<at::Tensor>& cu_seqlens,
-                                                    const std::optional<at::Tensor>& pair_axis) {
+                                                    const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                                                    int64_t q_scale_length, int64_t q_scale_shift) {
     return qk("rope_qk", q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
-              false);
+              false, q_scale_beta, q_scale_length, q_scale_shift);
   }
 
   static std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
@@ -317,9 +340,11 @@ struct RopeOps {
                                                              c10::string_view layout, c10::string_view format,
                                                              int64_t offset,
                                                              const std::optional<at::Tensor>& cu_seqlens,
-                                                             const std::optional<at::Tensor>& pair_axis) {
+                                                             const std::optional<at::Tensor>& pair_axis,
+                                                             double q_scale_beta, int64_t q_scale_length,
+                                                             int64_t q_scale_shift) {
     return qk("rope_qk_backward", grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset,
-              cu_seqlens, pair_axis, true);
+              cu_seqlens, pair_axis, true, q_scale_beta, q_scale_length, q_scale_shift);
   }
 
   static void rope_(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,

@@ -57,15 +57,18 @@ struct CpuRope : CpuDevice {
       using opmath = opmath_t<scalar_t>;
       std::vector<RotaryView<scalar_t>> views;
       std::vector<RmsNormView<scalar_t, opmath>> norms;
+      int64_t scaled_view = -1;
       for (size_t i = 0; i < r.inputs.size(); ++i) {
         if (r.inputs[i].numel() == 0) continue;
+        if (i == 0 && r.q_scale.beta != 0.0) scaled_view = static_cast<int64_t>(views.size());
         views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         if (r.norms != nullptr) norms.push_back(norm_view<scalar_t>((*r.norms)[i], r.args.format));
       }
       cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.data(),
                                 pos.first, r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr,
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
-                                r.args.layout, r.norms != nullptr ? norms.data() : nullptr});
+                                r.args.layout, r.norms != nullptr ? norms.data() : nullptr, r.q_scale,
+                                scaled_view});
     });
   }
 

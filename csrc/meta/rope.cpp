@@ -33,8 +33,12 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_meta(const at::Tensor& q, const at::T
                                                 double attention_scale, c10::string_view layout,
                                                 c10::string_view format, int64_t offset,
                                                 const std::optional<at::Tensor>& cu_seqlens,
-                                                const std::optional<at::Tensor>& pair_axis) {
-  check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+                                                const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                                                int64_t q_scale_length, int64_t q_scale_shift) {
+  const auto args =
+      check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+  check_q_scale("rope_qk", q_scale_beta, q_scale_length, q_scale_shift, q, args.format, inv_freq.sym_size(0) * 2,
+                pair_axis);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
 }
 
@@ -43,9 +47,13 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_backward_meta(const at::Tensor& grad_
                                                          const at::Tensor& inv_freq, double attention_scale,
                                                          c10::string_view layout, c10::string_view format,
                                                          int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                                                         const std::optional<at::Tensor>& pair_axis) {
-  check_rope("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq, layout, format,
-             cu_seqlens, pair_axis);
+                                                         const std::optional<at::Tensor>& pair_axis,
+                                                         double q_scale_beta, int64_t q_scale_length,
+                                                         int64_t q_scale_shift) {
+  const auto args = check_rope("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq,
+                               layout, format, cu_seqlens, pair_axis);
+  check_q_scale("rope_qk_backward", q_scale_beta, q_scale_length, q_scale_shift, grad_q, args.format,
+                inv_freq.sym_size(0) * 2, pair_axis);
   return {at::empty_symint(grad_q.sym_sizes(), grad_q.options()),
           at::empty_symint(grad_k.sym_sizes(), grad_k.options())};
 }
@@ -72,9 +80,12 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_meta(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight, const at::Tensor& k_weight,
     const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq, double eps, c10::string_view norm,
     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
-    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  check_qk_norm_rope("qk_norm_rope", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
-                     layout, format, cu_seqlens, pair_axis);
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+    int64_t q_scale_length, int64_t q_scale_shift) {
+  const auto args = check_qk_norm_rope("qk_norm_rope", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions,
+                                       inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+  check_q_scale("qk_norm_rope", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                inv_freq.sym_size(0) * 2, pair_axis);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
 }
 
@@ -83,9 +94,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
     const at::Tensor& q_weight, const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
     const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale, c10::string_view layout,
     c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-    const std::optional<at::Tensor>& pair_axis) {
-  check_qk_norm_rope("qk_norm_rope_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}},
-                     q_weight, k_weight, positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+    const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length,
+    int64_t q_scale_shift) {
+  const auto args =
+      check_qk_norm_rope("qk_norm_rope_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}},
+                         q_weight, k_weight, positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+  check_q_scale("qk_norm_rope_backward", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                inv_freq.sym_size(0) * 2, pair_axis);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options()),
           at::empty_symint(q_weight.sym_sizes(), q_weight.options()),
           at::empty_symint(k_weight.sym_sizes(), k_weight.options())};
@@ -95,9 +110,12 @@ void qk_norm_rope__meta(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& k_weight, const std::optional<at::Tensor>& positions,
                         const at::Tensor& inv_freq, double eps, c10::string_view norm, double attention_scale,
                         c10::string_view layout, c10::string_view format, int64_t offset,
-                        const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis) {
-  check_qk_norm_rope("qk_norm_rope_", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
-                     layout, format, cu_seqlens, pair_axis);
+                        const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis,
+                        double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
+  const auto args = check_qk_norm_rope("qk_norm_rope_", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions,
+                                       inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
+  check_q_scale("qk_norm_rope_", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
+                inv_freq.sym_size(0) * 2, pair_axis);
 }
 
 }  // namespace

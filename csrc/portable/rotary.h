@@ -7,6 +7,7 @@
 // the same bits, and float32 results equal eager PyTorch's x * cos + rotate_half(x) * sin for the same
 // cos and sin.
 #include "portable/convert.h"
+#include "portable/libm.h"
 #include "portable/types.h"
 
 #include <algorithm>
@@ -25,6 +26,14 @@ struct PairCoeffs {
 };
 
 inline namespace POSENC_KERNEL_NAMESPACE {
+
+// The query scale at position p, 1 + beta * log(1 + floor((p + shift) / length)), in float64 on posenc's own log
+// (the same bits everywhere). A position below -shift is scaled as -shift is (by 1): the models' formula takes the
+// log of zero or less there, and no model gives q such a position.
+POSENC_INLINE double query_scale(double position, QScale q) {
+  const double steps = std::floor((position + static_cast<double>(q.shift)) / static_cast<double>(q.length));
+  return 1.0 + q.beta * libm::log(1.0 + (steps > 0.0 ? steps : 0.0));
+}
 
 template <typename T>
 POSENC_INLINE T rotate_first(T x1, T x2, T c, T s) {

@@ -42,6 +42,14 @@ struct RotaryView {
   int64_t out_stride[4];
 };
 
+// The query scale of rope_qk and qk_norm_rope: q times 1 + beta * log(1 + floor((p + shift) / length)) at position p
+// (beta 0: none).
+struct QScale {
+  double beta = 0.0;
+  int64_t length = 1;
+  int64_t shift = 0;
+};
+
 // Rounding of qk_norm_rope's normalization z = w * x / rms(x), by the model family that defines it: "llama"
 // (Qwen3, Llama: x / rms(x) rounded to the input dtype, then the product rounded), "gemma" (weight 1 + w) and
 // "olmo2" (the product rounded once), "fused" (nothing rounded before the rotation's output).

@@ -293,11 +293,37 @@ TEST(QkNormRope, PackedProjectionSplitsIntoQKAndAViewOfV) {
   const auto buffer = qkv.clone();
   const auto [q_in, k_in, v_in] =
       posenc::qk_norm_rope_packed(buffer, 3, 1, qw, kw, positions, inv_freq, 1e-6, "olmo2", 1.0, "neox", "bshd", 0,
-                                  std::nullopt, std::nullopt, /*inplace=*/true);
+                                  std::nullopt, std::nullopt, 0.0, 1, 0, /*inplace=*/true);
   EXPECT_TRUE(torch::equal(q_in, q) && torch::equal(k_in, k));
   EXPECT_EQ(q_in.data_ptr<double>(), buffer.data_ptr<double>());
   EXPECT_TRUE(torch::equal(buffer.slice(2, 32, 40), qkv.slice(2, 32, 40)));  // v untouched
 
   expect_error([&] { posenc::qk_norm_rope_packed(qkv, 2, 2, qw, kw, positions, inv_freq); },
                "posenc.qk_norm_rope_packed: qkv's last size 40 must be (num_q_heads + 2 * num_kv_heads) * head_dim");
+}
+
+TEST(QkNormRope, QueryScaleMultipliesQAloneByItsPositionsFactor) {
+  torch::manual_seed(10);
+  const auto q = torch::randn({2, 6, 3, 8}, kDouble);
+  const auto k = torch::randn({2, 6, 1, 8}, kDouble);
+  const auto w = torch::rand({8}, kDouble) + 0.5;
+  const auto inv_freq = posenc::frequencies::rope(8).inv_freq;
+  const auto positions = torch::randint(0, 40000, {2, 6}, torch::kLong);
+  // Llama 4's attention temperature: 1 + 0.1 * log(1 + floor((p + 1) / 8192)).
+  const auto factor = 1 + 0.1 * torch::log1p(torch::floor((positions.to(at::kDouble) + 1) / 8192));
+  const auto [q_norm, k_norm] =
+      posenc::qk_norm_rope(q, k, w, w, positions, inv_freq, 1e-6, "llama", 1.0, "neox", "bshd", 0, std::nullopt,
+                           std::nullopt, 0.1, 8192, 1);
+  EXPECT_LE(max_abs_diff(q_norm, reference_qk_norm_rope(q, w, positions, inv_freq, "llama", "neox") *
+                                     factor.unsqueeze(-1).unsqueeze(-1)),
+            1e-12);
+  EXPECT_LE(max_abs_diff(k_norm, reference_qk_norm_rope(k, w, positions, inv_freq, "llama", "neox")), 1e-12);
+  const auto [q_rot, k_rot] = posenc::rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bshd", 0, std::nullopt,
+                                              std::nullopt, 0.1, 8192, 1);
+  const auto [q_plain, k_plain] = posenc::rope_qk(q, k, positions, inv_freq);
+  EXPECT_LE(max_abs_diff(q_rot, q_plain * factor.unsqueeze(-1).unsqueeze(-1)), 1e-12);
+  EXPECT_TRUE(torch::equal(k_rot, k_plain));
+  expect_error([&] { posenc::rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bshd", 0, std::nullopt, std::nullopt,
+                                     0.1, 0, 0); },
+               "posenc.rope_qk: q_scale_length must be >= 1, got 0");
 }

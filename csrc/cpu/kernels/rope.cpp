@@ -83,6 +83,53 @@ std::vector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, opma
   return coeffs;
 }
 
+// The coefficient rows of a problem's tokens: a table shared by the batch when its positions are, else formed per
+// token; q's rows (view scaled_view) times its query scale at the token's position when it has one.
+template <typename scalar_t, typename opmath>
+struct Coefficients {
+  const RopeProblem<scalar_t>& problem;
+  opmath scale;
+  std::vector<opmath> table;    // [seq, 2 * pairs], or empty
+  std::vector<opmath> q_table;  // the same rows scaled for q, or empty
+
+  Coefficients(const RopeProblem<scalar_t>& p, opmath attention_scale)
+      : problem(p), scale(attention_scale), table(coefficient_table(p, attention_scale)) {
+    if (table.empty() || p.scaled_view < 0) return;
+    q_table.resize(table.size());
+    for (int64_t s = 0; s < p.seq; ++s) scale_row(&table[s * 2 * p.pairs], query_factor(s), &q_table[s * 2 * p.pairs]);
+  }
+
+  opmath query_factor(int64_t index) const {
+    const double position = problem.positions != nullptr ? problem.positions[index]
+                                                          : static_cast<double>(problem.first_position + index);
+    return static_cast<opmath>(query_scale(position, problem.q_scale));
+  }
+
+  void scale_row(const opmath* row, opmath factor, opmath* out) const {
+    for (int64_t i = 0; i < 2 * problem.pairs; ++i) out[i] = row[i] * factor;
+  }
+
+  // Token n's rows, {every view's but q's, q's}, from the tables or formed in own [4 * pairs].
+  std::pair<const opmath*, const opmath*> rows(int64_t n, opmath* own) const {
+    const int64_t pairs = problem.pairs;
+    const int64_t s = n % problem.seq;
+    if (!table.empty()) {
+      const opmath* row = &table[s * 2 * pairs];
+      return {row, q_table.empty() ? row : &q_table[s * 2 * pairs]};
+    }
+    const int64_t index = problem.shared_positions ? s : n;
+    angle_coeffs(problem, index, scale, own, own + pairs);
+    if (problem.scaled_view < 0) return {own, own};
+    scale_row(own, query_factor(index), own + 2 * pairs);
+    return {own, own + 2 * pairs};
+  }
+
+  PairCoeffs<opmath> of_view(int64_t v, std::pair<const opmath*, const opmath*> rows) const {
+    const opmath* row = v == problem.scaled_view ? rows.second : rows.first;
+    return {row, row + problem.pairs, row, row + problem.pairs};
+  }
+};
+
 // Rows of a token's heads, channel step `step`, widened into (or narrowed from) the contiguous row [heads * head_dim].
 template <typename scalar_t, typename opmath>
 void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_t head_dim, opmath* row) {
@@ -173,24 +220,22 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
-  const auto table = coefficient_table(problem, scale);
+  const Coefficients<scalar_t, opmath> coefficients(problem, scale);
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
 
   parallel_for(0, chunks, std::max<int64_t>(1, rows_per_task(token_work) / chunk), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(2 * pairs + 2 * width + width / min_group);
-    opmath* cos_row = own.data();
-    opmath* sin_row = cos_row + pairs;
-    opmath* row = sin_row + pairs;
+    std::vector<opmath> own(4 * pairs + 2 * width + width / min_group);
+    opmath* coeff_rows = own.data();
+    opmath* row = coeff_rows + 4 * pairs;
     opmath* grad = row + width;
     opmath* inv_rms = grad + width;  // of each group of the row
     for (int64_t n = begin * chunk; n < std::min(end * chunk, tokens); ++n) {
       const int64_t b = n / seq;
       const int64_t s = n % seq;
-      if (table.empty()) angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
-      const opmath* cos = table.empty() ? cos_row : &table[s * 2 * pairs];
-      const PairCoeffs<opmath> k{cos, cos + pairs, cos, cos + pairs};
+      const auto token_rows = coefficients.rows(n, coeff_rows);
       for (int64_t v = 0; v < problem.num_views; ++v) {
+        const auto k = coefficients.of_view(v, token_rows);
         const auto& view = problem.views[v];
         const auto& norm = problem.norms[v];
         const int64_t H = view.heads;
@@ -241,9 +286,8 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   int64_t token_work = 0;
   for (int64_t v = 0; v < problem.num_views; ++v) token_work += problem.views[v].heads * problem.views[v].head_dim;
 
-  const auto coeffs = coefficient_table(problem, scale);
-  const bool table = !coeffs.empty();
-  if (table) {
+  const Coefficients<scalar_t, opmath> coefficients(problem, scale);
+  if (!coefficients.table.empty()) {
     // The coefficients are a table: each view (q, then k) is walked on its own, which halves the rows in flight
     // per token (a bhsd token's heads are a whole sequence apart: 16 heads read and written in q and k at once
     // are 64 streams, more than the prefetchers follow).
@@ -251,8 +295,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
       const auto& view = problem.views[v];
       parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
-          const opmath* row = &coeffs[(n % seq) * 2 * pairs];
-          rotate_token(view, n / seq, n % seq, PairCoeffs<opmath>{row, row + pairs, row, row + pairs}, pairs,
+          rotate_token(view, n / seq, n % seq, coefficients.of_view(v, coefficients.rows(n, nullptr)), pairs,
                        problem.layout);
         }
       });
@@ -260,16 +303,11 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
     return;
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(2 * pairs);
-    opmath* cos_row = own.data();
-    opmath* sin_row = cos_row + pairs;
-    const PairCoeffs<opmath> k{cos_row, sin_row, cos_row, sin_row};
+    std::vector<opmath> own(4 * pairs);
     for (int64_t n = begin; n < end; ++n) {
-      const int64_t b = n / seq;
-      const int64_t s = n % seq;
-      angle_coeffs(problem, problem.shared_positions ? s : n, scale, cos_row, sin_row);
+      const auto token_rows = coefficients.rows(n, own.data());
       for (int64_t v = 0; v < problem.num_views; ++v) {
-        rotate_token(problem.views[v], b, s, k, pairs, problem.layout);
+        rotate_token(problem.views[v], n / seq, n % seq, coefficients.of_view(v, token_rows), pairs, problem.layout);
       }
     }
   });

@@ -41,16 +41,22 @@ inline at::Tensor rope_backward(const at::Tensor& grad, const std::optional<at::
   return op.call(grad, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
-// q and k rotated in one pass (the angles are formed once for both); their head counts may differ.
+// q and k rotated in one pass (the angles are formed once for both); their head counts may differ. q_scale_beta
+// (Llama 4's attention temperature, Ministral 3's llama_4_scaling_beta): q, and only q, also times
+// 1 + q_scale_beta * log(1 + floor((p + q_scale_shift) / q_scale_length)) at its position p (q fully rotated, one
+// position per token).
 inline std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k,
                                                   const std::optional<at::Tensor>& positions,
                                                   const at::Tensor& inv_freq, double attention_scale = 1.0,
                                                   std::string_view layout = "neox", std::string_view format = "bshd",
                                                   int64_t offset = 0,
                                                   const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                                                  const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+                                                  const std::optional<at::Tensor>& pair_axis = std::nullopt,
+                                                  double q_scale_beta = 0.0, int64_t q_scale_length = 1,
+                                                  int64_t q_scale_shift = 0) {
   static const auto op = detail::find_op<decltype(rope_qk)>("posenc::rope_qk");
-  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+  return op.call(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                 q_scale_beta, q_scale_length, q_scale_shift);
 }
 
 inline std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
@@ -59,9 +65,12 @@ inline std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& gra
                                                            std::string_view layout = "neox",
                                                            std::string_view format = "bshd", int64_t offset = 0,
                                                            const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                                                           const std::optional<at::Tensor>& pair_axis = std::nullopt) {
+                                                           const std::optional<at::Tensor>& pair_axis = std::nullopt,
+                                                           double q_scale_beta = 0.0, int64_t q_scale_length = 1,
+                                                           int64_t q_scale_shift = 0) {
   static const auto op = detail::find_op<decltype(rope_qk_backward)>("posenc::rope_qk_backward");
-  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
+  return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                 q_scale_beta, q_scale_length, q_scale_shift);
 }
 
 // rope in place, for inference paths (x's own strides are kept).
