@@ -255,10 +255,11 @@ __device__ __forceinline__ void norm_rope_token(const NormRopeView<scalar_t>& v,
 }
 
 // One view's tokens in chunks of `chunk` (the backward's tokens_per_chunk; 1 for the forward), a block per chunk
-// walking its tokens in order and forming each token's cos/sin (c1 = c2, s1 = s2: AngleCoeffs) in cos_row/sin_row.
+// walking its tokens in order and forming each token's cos/sin (c1 = c2, s1 = s2: AngleCoeffs) in cos_row/sin_row;
+// `scaled` (q with a query scale): each times the token's query factor, rounded after the attention scale.
 template <RopeLayout kLayout, bool kBackward, typename scalar_t, typename Coeffs>
 __device__ __forceinline__ void norm_rope_view(const NormRopeView<scalar_t>& v, int64_t batch, int64_t seq,
-                                               int64_t pairs, int64_t chunk, const Coeffs& coeffs,
+                                               int64_t pairs, int64_t chunk, const Coeffs& coeffs, bool scaled,
                                                opmath_t<scalar_t>* cos_row, opmath_t<scalar_t>* sin_row,
                                                opmath_t<scalar_t>* group_r, opmath_t<scalar_t>* group_dot) {
   using opmath = opmath_t<scalar_t>;
@@ -272,11 +273,16 @@ __device__ __forceinline__ void norm_rope_view(const NormRopeView<scalar_t>& v, 
       const int64_t b = token / seq;
       const int64_t s = token - b * seq;
       const auto state = coeffs.token(b, s, local_max);
+      const opmath query = scaled ? coeffs.query_factor(state) : opmath(1);
       __syncthreads();  // the previous token's readers of the coefficients are done
       for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
+        opmath c1;
+        opmath s1;
         opmath c2;
         opmath s2;
-        coeffs.fill(state, i, cos_row[i], sin_row[i], c2, s2);
+        coeffs.fill(state, i, c1, s1, c2, s2);
+        cos_row[i] = scaled ? c1 * query : c1;
+        sin_row[i] = scaled ? s1 * query : s1;
       }
       __syncthreads();
       norm_rope_token<kLayout, kBackward>(v, b, s, c, token == first, pairs, cos_row, sin_row, group_r, group_dot);
@@ -284,7 +290,7 @@ __device__ __forceinline__ void norm_rope_view(const NormRopeView<scalar_t>& v, 
   }
 }
 
-// blockIdx.z takes the view (q or k). Each view is named, not chosen at run time, so that its fields stay operands in
+// blockIdx.z takes the view (q or k); v0 is q, the view coeffs' query scale applies to, when it has one. Each view is named, not chosen at run time, so that its fields stay operands in
 // the parameter space: a run-time choice between the two puts them in some 40 more registers, and the backward
 // spills. coeff_scratch: null (a token's cos/sin in dynamic shared memory, 2 * pairs of them) or a global row of
 // 2 * pairs per block.
@@ -302,9 +308,11 @@ __global__ void __launch_bounds__(kThreads)
       coeff_scratch != nullptr ? coeff_scratch + block * 2 * pairs : reinterpret_cast<opmath*>(norm_rope_shared);
   opmath* sin_row = cos_row + pairs;
   if (blockIdx.z == 0) {
-    norm_rope_view<kLayout, kBackward>(v0, batch, seq, pairs, chunk, coeffs, cos_row, sin_row, group_r, group_dot);
+    norm_rope_view<kLayout, kBackward>(v0, batch, seq, pairs, chunk, coeffs, coeffs.scales_query(), cos_row, sin_row,
+                                       group_r, group_dot);
   } else {
-    norm_rope_view<kLayout, kBackward>(v1, batch, seq, pairs, chunk, coeffs, cos_row, sin_row, group_r, group_dot);
+    norm_rope_view<kLayout, kBackward>(v1, batch, seq, pairs, chunk, coeffs, false, cos_row, sin_row, group_r,
+                                       group_dot);
   }
 }
 

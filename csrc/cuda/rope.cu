@@ -46,7 +46,9 @@ constexpr int64_t kChunkPairs = 256;
 // attention scale a rounded to the maths type first. For float32 maths a token's angles take the fast
 // reduction when |p| * max_i |w_i| <= kFastAngle (for each of its positions), else float64 sin/cos: the CPU's
 // choice, made per token. Multi-axis (pair_axis not null): a token has n_axes positions side by side, and pair
-// i's angle is the shared pair_angle, the position of axis pair_axis[i] times w_i.
+// i's angle is the shared pair_angle, the position of axis pair_axis[i] times w_i. q_scale (beta != 0, one axis):
+// the first view's (q's) coefficients each times (opmath) portable::query_scale at the token's position, rounded
+// after the attention scale, as the CPU's Coefficients rounds them.
 template <typename opmath>
 struct AngleCoeffs {
   const double* positions;  // per token (shared: per sequence index), n_axes each; null: offset + s
@@ -59,6 +61,7 @@ struct AngleCoeffs {
   int64_t pairs;
   opmath scale;
   opmath sin_scale;
+  QScale q_scale;  // of views[0], q (beta 0: none; the host passes none when q is empty and views[0] is k)
 
   struct Token {
     double position;          // one axis
@@ -67,6 +70,14 @@ struct AngleCoeffs {
   };
 
   __device__ double max_frequency() const { return posenc::cuda::max_frequency(inv_freq, pairs); }
+
+  static constexpr bool kScalable = true;
+  __host__ __device__ bool scales_query() const { return q_scale.beta != 0.0; }
+
+  // The factor of q's coefficients at a token (one axis: the op layer refuses q_scale with pair_axis).
+  __device__ opmath query_factor(const Token& t) const {
+    return static_cast<opmath>(portable::query_scale(t.position, q_scale));
+  }
 
   // Called by every thread of the block.
   __device__ Token token(int64_t b, int64_t s, double local_max) const {
@@ -114,6 +125,11 @@ struct TableCoeffs {
   };
 
   __device__ double max_frequency() const { return 0.0; }
+
+  static constexpr bool kScalable = false;
+  __host__ __device__ bool scales_query() const { return false; }
+
+  __device__ opmath query_factor(const Token&) const { return opmath(1); }
 
   __device__ Token token(int64_t b, int64_t s, double) const { return {(shared ? s : b * seq + s) * rotary_dim}; }
 
@@ -183,9 +199,10 @@ __device__ __forceinline__ void copy_unit(const scalar_t* in, int64_t in_step, s
 }
 
 // One or two views (x; or q and k), rotated token by token. Every thread of a block runs the same token loop:
-// the coefficient fills are separated by barriers. The views are read in place from the parameter space
+// the coefficient fills are separated by barriers. With a query scale (coeffs.scales_query()) a chunk holds half
+// the pairs: each row's second half is the first's times the token's query factor, v0's (q's) coefficients. The views are read in place from the parameter space
 // (__grid_constant__), so choosing one by a run-time condition makes no local copy.
-template <RopeLayout kLayout, int V, typename scalar_t, typename Coeffs>
+template <RopeLayout kLayout, int V, bool kScaled, typename scalar_t, typename Coeffs>
 __global__ void __launch_bounds__(kThreads)
     rotary_kernel(const __grid_constant__ RotaryView<scalar_t> v0, const __grid_constant__ RotaryView<scalar_t> v1,
                   int num_views, int64_t batch, int64_t seq, int64_t pairs, const __grid_constant__ Coeffs coeffs) {
@@ -194,15 +211,24 @@ __global__ void __launch_bounds__(kThreads)
   const double local_max = coeffs.max_frequency();
   const int64_t tokens = batch * seq;
   const int64_t stride = int64_t{gridDim.y} * blockDim.x;
+  // kScaled: chosen on the host, so that a call without a query scale runs the kernel without its registers.
+  constexpr bool scaled = kScaled;
+  constexpr int64_t chunk_pairs = scaled ? kChunkPairs / 2 : kChunkPairs;
   for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
     const int64_t b = token / seq;
     const int64_t s = token - b * seq;
     const auto state = coeffs.token(b, s, local_max);
-    for (int64_t first_pair = 0; first_pair < pairs; first_pair += kChunkPairs) {
-      const int64_t n = pairs - first_pair < kChunkPairs ? pairs - first_pair : kChunkPairs;
+    opmath query = opmath(1);
+    if constexpr (scaled) query = coeffs.query_factor(state);
+    for (int64_t first_pair = 0; first_pair < pairs; first_pair += chunk_pairs) {
+      const int64_t n = pairs - first_pair < chunk_pairs ? pairs - first_pair : chunk_pairs;
       __syncthreads();  // the previous chunk's readers are done
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         coeffs.fill(state, first_pair + i, shared[0][i], shared[1][i], shared[2][i], shared[3][i]);
+        if constexpr (scaled) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) shared[r][chunk_pairs + i] = shared[r][i] * query;
+        }
       }
       __syncthreads();
       const int64_t per_head = n / V;
@@ -213,11 +239,12 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t w = second ? u - units0 : u;
         const int64_t h = w / per_head;
         const int64_t local = (w - h * per_head) * V;
+        const int64_t row = local + (scaled && !second ? chunk_pairs : 0);
         const auto& v = second ? v1 : v0;
         rotate_unit<kLayout, V>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2], v.in_stride[3],
                                 v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2],
-                                v.out_stride[3], first_pair + local, pairs, shared[0] + local, shared[1] + local,
-                                shared[2] + local, shared[3] + local);
+                                v.out_stride[3], first_pair + local, pairs, shared[0] + row, shared[1] + row,
+                                shared[2] + row, shared[3] + row);
       }
     }
     if (v0.in == v0.out) continue;  // in place: the channels past rotary_dim are already there
@@ -264,8 +291,18 @@ void launch_layout(const std::vector<RotaryView<scalar_t>>& views, int64_t batch
   const int64_t wanted = ceil_div(int64_t{multiprocessors()} * 8, tokens);
   const int64_t split = std::clamp<int64_t>(std::min(wanted, ceil_div(units, kThreads)), 1, 65535);
   const dim3 grid(static_cast<unsigned int>(std::min<int64_t>(tokens, 0x7FFFFFFF)), static_cast<unsigned int>(split));
-  rotary_kernel<kLayout, V, scalar_t><<<grid, kThreads, 0, current_stream()>>>(
-      views[0], views.size() > 1 ? views[1] : views[0], static_cast<int>(views.size()), batch, seq, pairs, coeffs);
+  const auto& v1 = views.size() > 1 ? views[1] : views[0];
+  const int n_views = static_cast<int>(views.size());
+  if constexpr (Coeffs::kScalable) {
+    if (coeffs.scales_query()) {
+      rotary_kernel<kLayout, V, true, scalar_t>
+          <<<grid, kThreads, 0, current_stream()>>>(views[0], v1, n_views, batch, seq, pairs, coeffs);
+      POSENC_CUDA_LAUNCH_CHECK();
+      return;
+    }
+  }
+  rotary_kernel<kLayout, V, false, scalar_t>
+      <<<grid, kThreads, 0, current_stream()>>>(views[0], v1, n_views, batch, seq, pairs, coeffs);
   POSENC_CUDA_LAUNCH_CHECK();
 }
 
@@ -341,7 +378,8 @@ struct CudaRope : CudaDevice {
                                        freq.const_data_ptr<double>(),
                                        freq.numel(),
                                        scale,
-                                       r.inverse ? -scale : scale};
+                                       r.inverse ? -scale : scale,
+                                       r.inputs[0].numel() != 0 ? r.q_scale : QScale{}};
       if (r.norms != nullptr) {
         launch_norm_rope(norm_views, r.batch, r.seq, freq.numel(), r.args.layout, r.inverse, coeffs,
                          r.inputs[0].options());

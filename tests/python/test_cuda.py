@@ -260,20 +260,20 @@ def qk_norm_weights(q, k, fmt, k_over_heads, dtype):
 
 
 def run_qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, scale, layout, fmt, offset,
-                     cu_seqlens=None, pair_axis=None):
+                     cu_seqlens=None, pair_axis=None, **q_scale):
     """The forward, the backward (its four gradients, the weights' twice: their bits must not vary between runs)
-    and the in-place form, each on both devices."""
+    and the in-place form, each on both devices; q_scale: the query scale's keywords (q_scale_beta, ...)."""
     args = (positions, inv_freq, eps, norm, scale, layout, fmt, offset, cu_seqlens, pair_axis)
-    run_both(ops.qk_norm_rope, q, k, q_weight, k_weight, *args)
+    run_both(ops.qk_norm_rope, q, k, q_weight, k_weight, *args, **q_scale)
     grad_q, grad_k = torch.randn(q.shape, dtype=q.dtype), torch.randn(k.shape, dtype=k.dtype)
-    expected = run_both(ops.qk_norm_rope_backward, grad_q, grad_k, q, k, q_weight, k_weight, *args)
+    expected = run_both(ops.qk_norm_rope_backward, grad_q, grad_k, q, k, q_weight, k_weight, *args, **q_scale)
     again = ops.qk_norm_rope_backward(*[to_cuda(t) for t in (grad_q, grad_k, q, k, q_weight, k_weight)],
-                                      *[to_cuda(a) for a in args])
+                                      *[to_cuda(a) for a in args], **q_scale)
     same(again, expected)
     q_cpu, k_cpu = q.clone(), k.clone()
-    ops.qk_norm_rope_(q_cpu, k_cpu, q_weight, k_weight, *args)
+    ops.qk_norm_rope_(q_cpu, k_cpu, q_weight, k_weight, *args, **q_scale)
     q_cuda, k_cuda = to_cuda(q), to_cuda(k)
-    ops.qk_norm_rope_(q_cuda, k_cuda, to_cuda(q_weight), to_cuda(k_weight), *[to_cuda(a) for a in args])
+    ops.qk_norm_rope_(q_cuda, k_cuda, to_cuda(q_weight), to_cuda(k_weight), *[to_cuda(a) for a in args], **q_scale)
     same((q_cuda, k_cuda), (q_cpu, k_cpu))
 
 
@@ -304,6 +304,75 @@ def test_qk_norm_rope_forward_backward_and_in_place(dtype, norm, fmt, view):
             else:
                 per_row = torch.randint(0, 10**6, (batch, seq))
                 run_qk_norm_rope(q, k, q_weight, k_weight, per_row, inv_freq, 0.0, norm, 1.0, layout, fmt, 0)
+
+
+# The query scale (q_scale_beta, q_scale_length, q_scale_shift): q's coefficients times s(p), rounded after the
+# attention scale, the CPU's bits. Heads past half a chunk of coefficients (a scaled chunk holds 128 pairs), an empty
+# q (k is then the first view, and unscaled), positions below -shift (scaled by 1).
+
+Q_SCALES = [dict(q_scale_beta=0.1, q_scale_length=8192, q_scale_shift=0),
+            dict(q_scale_beta=0.5, q_scale_length=3, q_scale_shift=-4)]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("view", ["contiguous", "channel_strided"])
+def test_rope_qk_query_scale(dtype, layout, view):
+    torch.manual_seed(0)
+    for q_scale in Q_SCALES:
+        for head_dim in (32, 320):
+            inv_freq, scale = FQ.rope(head_dim)
+            for fmt in ("bshd", "bhsd"):
+                q = rope_input(fmt, dtype, heads=4, head_dim=head_dim, layout_view=view)
+                k = rope_input(fmt, dtype, heads=2, head_dim=head_dim, layout_view=view)
+                batch, seq = q.shape[PERM_B[fmt]], q.shape[PERM_S[fmt]]
+                for positions, offset in [(None, 7), (torch.randint(-10, 10**5, (seq,)), 0),
+                                          (torch.randint(0, 10**6, (batch, seq)), 0)]:
+                    for op in (ops.rope_qk, ops.rope_qk_backward):
+                        out = run_both(op, q, k, positions, inv_freq, 0.75, layout, fmt, offset, **q_scale)
+                    assert torch.equal(out[1], ops.rope_qk_backward(q, k, positions, inv_freq, 0.75, layout, fmt,
+                                                                    offset)[1])  # k unscaled
+            # thd: the positions restart at each sequence of cu_seqlens.
+            q = rope_input("thd", dtype, seq=11, heads=4, head_dim=head_dim, layout_view=view)
+            k = rope_input("thd", dtype, seq=11, heads=2, head_dim=head_dim, layout_view=view)
+            for cu in [torch.tensor([0, 3, 3, 11]), torch.tensor([0, 11], dtype=torch.int32)]:
+                for op in (ops.rope_qk, ops.rope_qk_backward):
+                    run_both(op, q, k, None, inv_freq, scale, layout, "thd", 5, cu, **q_scale)
+                    run_both(op, q, k, torch.arange(11) * 1000, inv_freq, scale, layout, "thd", 0, cu, **q_scale)
+        # An empty q: k alone, unscaled.
+        inv_freq, _ = FQ.rope(32)
+        q, k = torch.randn(2, 5, 0, 32, dtype=dtype), torch.randn(2, 5, 2, 32, dtype=dtype)
+        out = run_both(ops.rope_qk, q, k, None, inv_freq, 1.0, layout, "bshd", 3, **q_scale)
+        same(ops.rope_qk(to_cuda(q), to_cuda(k), None, inv_freq.cuda(), 1.0, layout, "bshd", 3)[1], out[1])
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["llama", "fused"])
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd", "thd"])
+def test_qk_norm_rope_query_scale(dtype, norm, fmt):
+    torch.manual_seed(0)
+    for q_scale in Q_SCALES:
+        for head_dim in (32, 320):
+            q = rope_input(fmt, dtype, heads=4, head_dim=head_dim)
+            k = rope_input(fmt, dtype, heads=2, head_dim=head_dim)
+            q_weight, k_weight = qk_norm_weights(q, k, fmt, False, dtype)
+            inv_freq, scale = FQ.rope(head_dim)
+            for layout in ("neox", "gptj"):
+                if fmt == "thd":
+                    seq = q.shape[0]
+                    for cu in [torch.tensor([0, 2, 2, seq]), torch.tensor([0, seq], dtype=torch.int32)]:
+                        run_qk_norm_rope(q, k, q_weight, k_weight, None, inv_freq, 1e-5, norm, scale, layout, fmt, 4,
+                                         cu, **q_scale)
+                        run_qk_norm_rope(q, k, q_weight, k_weight, torch.arange(seq) * 977, inv_freq, 1e-5, norm, 1.0,
+                                         layout, fmt, 0, cu, **q_scale)
+                    continue
+                batch, seq = q.shape[PERM_B[fmt]], q.shape[PERM_S[fmt]]
+                for positions, offset in [(None, 3), (torch.randint(-10, 10**5, (seq,)), 0),
+                                          (torch.randint(0, 10**6, (batch, seq)), 0)]:
+                    run_qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, 1e-6, norm, 0.75, layout, fmt,
+                                     offset, **q_scale)
 
 
 @cuda_only
