@@ -16,7 +16,9 @@ rounding to the output dtype. From opset 23, ``rope``, ``rope_qk`` and ``qk_norm
 ``RotaryEmbedding``, fed with per-token cos/sin tables (multi-axis calls gather each pair's position with
 ``pair_axis`` first); below it, and for ``rope_cos_sin`` (whose tables may hold any values, while
 ``RotaryEmbedding`` reads half tables and assumes they repeat), the same products and sums are built from
-primitives. ``qk_norm_rope`` normalizes q and k first, with opset 23's ``RMSNormalization`` (below it, and for
+primitives; the query scale of ``rope_qk`` and ``qk_norm_rope`` (``q_scale_*``) multiplies q's tables by
+1 + beta * log(1 + max(floor((p + shift) / length), 0)), computed in float64 from the same positions (the op folds
+it into q's coefficients the same way). ``qk_norm_rope`` normalizes q and k first, with opset 23's ``RMSNormalization`` (below it, and for
 float64 data, from ReduceMean, Sqrt, Reciprocal and Mul), rounding where its ``norm`` convention rounds. T5 buckets
 are read from a table of ``max_distance + 1`` entries computed at export time by posenc's own op, so bucket edges
 match exactly. The ops without a tensor argument (frequencies, ALiBi slopes, position grids) become constants that
@@ -241,15 +243,8 @@ def _rope_tables(x, positions, inv_freq, attention_scale: float, format: str, of
                  pair_axis=None):
     """cos and sin of every token's angles (times attention_scale) in x's maths type: [S, F], [B, S, F] for per-row
     positions, [T, F] for thd."""
-    if format == "thd":
-        length = _size(x, 0)
-        if positions is None and cu_seqlens is not None:
-            pos = _to(_packed_positions(cu_seqlens, length, offset), _DOUBLE)
-        else:
-            pos = _positions(positions, length, offset, _DOUBLE)
-    else:
-        pos = _positions(positions, _size(x, _SEQ_AXIS[format]), offset, _DOUBLE)
-    angles = _angles(pos, inv_freq) if pair_axis is None else _axis_angles(positions, inv_freq, offset, pair_axis)
+    angles = _angles(_token_positions(x, positions, format, offset, cu_seqlens), inv_freq) if pair_axis is None \
+        else _axis_angles(positions, inv_freq, offset, pair_axis)
     maths = _maths_type(x.dtype)
     tables = []
     for table in (op.Cos(angles), op.Sin(angles)):
@@ -297,24 +292,67 @@ def _full_width(table, layout: str):
                       op.Concat(op.Shape(table, start=0, end=-1), op.Constant(value_ints=[-1]), axis=0))
 
 
+def _token_positions(x, positions, format: str, offset: int, cu_seqlens):
+    """Every token's position (positions + offset, offset + arange, or restarting per sequence of a packed batch)
+    in float64: [S], [B, S] for per-row positions, [T] for thd."""
+    if format == "thd":
+        length = _size(x, 0)
+        if positions is None and cu_seqlens is not None:
+            return _to(_packed_positions(cu_seqlens, length, offset), _DOUBLE)
+        return _positions(positions, length, offset, _DOUBLE)
+    return _positions(positions, _size(x, _SEQ_AXIS[format]), offset, _DOUBLE)
+
+
+def _check_q_scale(name: str, beta: float, length: int, rotary_dim: int, head_dim: int, pair_axis) -> None:
+    """The op's checks of the query scale, repeated at export time (they read no tensor values)."""
+    if not torch.isfinite(torch.tensor(float(beta), dtype=torch.float64)):
+        raise ValueError(f"posenc.onnx: {name}: q_scale_beta must be finite, got {beta}")
+    if length < 1:
+        raise ValueError(f"posenc.onnx: {name}: q_scale_length must be >= 1, got {length}")
+    if beta != 0.0 and rotary_dim < head_dim:
+        raise ValueError(f"posenc.onnx: {name}: q_scale_beta needs q's heads fully rotated, but rotary_dim "
+                         f"{rotary_dim} < head_dim {head_dim}")
+    if beta != 0.0 and pair_axis is not None:
+        raise ValueError(f"posenc.onnx: {name}: q_scale_beta takes one position per token; with pair_axis, scale q "
+                         f"apart")
+
+
+def _q_scaled(tables, positions_f64, beta: float, length: int, shift: int):
+    """q's tables: each token's row times s(p) = 1 + beta * log(1 + max(floor((p + shift) / length), 0)), s computed
+    in float64 and multiplied in the tables' maths type, as the op folds it into q's coefficients."""
+    steps = op.Floor(op.Div(op.Add(positions_f64, _double(shift)), _double(length)))
+    steps = op.Max(steps, _double(0.0))  # a position below -shift is scaled by 1
+    factor = op.Add(_double(1.0), op.Mul(_double(beta), op.Log(op.Add(steps, _double(1.0)))))
+    factor = op.Unsqueeze(factor, op.Constant(value_ints=[-1]))  # [..., 1] against the tables' [..., F]
+    return [op.Mul(table, op.CastLike(factor, table)) for table in tables]
+
+
 def _rope(name: str, tensors: Sequence[Any], positions, inv_freq, attention_scale: float, layout: str, format: str,
-          offset: int, cu_seqlens, pair_axis, opset: int, data: Optional[Sequence[Any]] = None):
+          offset: int, cu_seqlens, pair_axis, opset: int, data: Optional[Sequence[Any]] = None,
+          q_scale: Tuple[float, int, int] = (0.0, 1, 0)):
     """The tensors rotated, each rounded once to its dtype; ``data``: the values to rotate in place of the tensors,
-    of their shapes in their maths type (qk_norm_rope's normalized q and k)."""
+    of their shapes in their maths type (qk_norm_rope's normalized q and k). ``q_scale``: (beta, length, shift) of
+    the first tensor's (q's) scale by position."""
     _check_rope(name, layout, format)
     data = [None] * len(tensors) if data is None else data
     rotary_dim = 2 * _static(inv_freq, 0, name, "inv_freq length")
     if pair_axis is not None and positions is None:
         raise ValueError(f"posenc.onnx: {name}: pair_axis needs positions [n_axes, ...]")
+    beta, length, shift = q_scale
+    _check_q_scale(name, beta, length, rotary_dim, _static(tensors[0], -1, name, "head_dim"), pair_axis)
     cos, sin = _rope_tables(tensors[0], positions, inv_freq, attention_scale, format, offset, cu_seqlens, pair_axis)
+    tables = [(cos, sin)] * len(tensors)
+    if beta != 0.0:
+        token_positions = _token_positions(tensors[0], positions, format, offset, cu_seqlens)
+        tables[0] = tuple(_q_scaled([cos, sin], token_positions, beta, length, shift))
     if opset >= OPSET:
-        return tuple(_rotary_embedding(x, cos, sin, rotary_dim, layout, format, name, d)
-                     for x, d in zip(tensors, data))
+        return tuple(_rotary_embedding(x, c, s, rotary_dim, layout, format, name, d)
+                     for x, (c, s), d in zip(tensors, tables, data))
     # Before RotaryEmbedding: the products and sums it computes, in the same maths type.
     per_row = format != "thd" and positions is not None and _rank(positions) == (2 if pair_axis is None else 3)
-    cos, sin = _full_width(cos, layout), _full_width(sin, layout)
-    return tuple(_rotate_by_tables(x, cos, sin, rotary_dim, per_row, layout, format, name, d)
-                 for x, d in zip(tensors, data))
+    return tuple(_rotate_by_tables(x, _full_width(c, layout), _full_width(s, layout), rotary_dim, per_row, layout,
+                                   format, name, d)
+                 for x, (c, s), d in zip(tensors, tables, data))
 
 
 def _rope_for_opset(opset: int):
@@ -324,20 +362,22 @@ def _rope_for_opset(opset: int):
                      pair_axis, opset)[0]
 
     def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox",
-                format: str = "bshd", offset: int = 0, cu_seqlens=None, pair_axis=None):
+                format: str = "bshd", offset: int = 0, cu_seqlens=None, pair_axis=None, q_scale_beta: float = 0.0,
+                q_scale_length: int = 1, q_scale_shift: int = 0):
         return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                     pair_axis, opset)
+                     pair_axis, opset, q_scale=(q_scale_beta, q_scale_length, q_scale_shift))
 
     def qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps: float = 1e-06, norm: str = "llama",
                      attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
-                     cu_seqlens=None, pair_axis=None):
+                     cu_seqlens=None, pair_axis=None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                     q_scale_shift: int = 0):
         _check_rope("qk_norm_rope", layout, format)
         if norm not in _QK_NORMS:
             raise ValueError(f'posenc.onnx: qk_norm_rope: norm must be one of {_QK_NORMS}, got "{norm}"')
         normalized = [_rms_norm(x, weight, eps, norm, format, opset, name)
                       for x, weight, name in ((q, q_weight, "q_weight"), (k, k_weight, "k_weight"))]
         return _rope("qk_norm_rope", [q, k], positions, inv_freq, attention_scale, layout, format, offset,
-                     cu_seqlens, pair_axis, opset, normalized)
+                     cu_seqlens, pair_axis, opset, normalized, (q_scale_beta, q_scale_length, q_scale_shift))
 
     return rope, rope_qk, qk_norm_rope
 

@@ -315,6 +315,52 @@ def qk_norm_rope_in_place_keeps_the_sharding(mesh):
 
 
 @check
+def query_scale_shards_with_the_positions(mesh):
+    # rope_qk / qk_norm_rope with Llama 4's query scale (beta, length, shift) = (0.3, 2, 1): q's scale is read at
+    # each row's own position, so heads, batch and sequence shards (positions sharded alongside) give the unsharded
+    # bits; without positions a sequence shard would count its tokens from 0 and is gathered. The backward ops and
+    # the in-place form too.
+    Partial, Replicate, Shard, distribute_tensor = _dt()
+    inv_freq = posenc.frequencies.rope(16)[0]
+    q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+    q_weight, k_weight = torch.rand(16) + 0.5, torch.rand(16) + 0.5
+    positions = torch.randint(0, 500, (2, 8))
+    scaled = (0.3, 2, 1)
+
+    def rope_qk(q, k, p, f):
+        return PF.rope_qk(q, k, p, f, 0.5, "neox", "bshd", 3, None, None, *scaled)
+
+    def qk_norm(q, k, qw, kw, p, f):
+        return PF.qk_norm_rope(q, k, qw, kw, p, f, 1e-6, "llama", 1.0, "gptj", "bshd", 3, None, None, *scaled)
+
+    assert not torch.allclose(rope_qk(q, k, positions, inv_freq)[0], PF.rope_qk(q, k, positions, inv_freq, 0.5,
+                                                                                   "neox", "bshd", 3)[0])
+    for x_p, p_p in ((Shard(2), Replicate()), (Shard(0), Shard(0)), (Shard(1), Shard(1))):
+        _run_sharded(rope_qk, mesh, [q, k, positions, inv_freq], [x_p, x_p, p_p, Replicate()], grad_wrt=(0, 1),
+                     out_placements=[x_p, x_p])
+        _run_sharded(qk_norm, mesh, [q, k, q_weight, k_weight, positions, inv_freq],
+                     [x_p, x_p, Replicate(), Replicate(), p_p, Replicate()], grad_wrt=(0, 1, 2, 3),
+                     out_placements=[x_p, x_p])
+    _run_sharded(rope_qk, mesh, [q, k, None, inv_freq], [Shard(1), Shard(1), None, Replicate()], grad_wrt=(0, 1),
+                 out_placements=[Replicate(), Replicate()])
+    _run_sharded(lambda g, h, f: PF.rope_qk_backward(g, h, None, f, 1.0, "neox", "bshd", 5, None, None, *scaled),
+                 mesh, [q, k, inv_freq], [Shard(0), Shard(0), Replicate()], out_placements=[Shard(0), Shard(0)])
+    _run_sharded(lambda g, h, q, k, qw, kw, f: PF.qk_norm_rope_backward(g, h, q, k, qw, kw, None, f, 1e-6, "olmo2",
+                                                                        1.0, "neox", "bshd", 0, None, None, *scaled),
+                 mesh, [q, k, q, k, q_weight, k_weight, inv_freq], [Shard(2)] * 4 + [Replicate()] * 3,
+                 out_placements=[Shard(2), Shard(2), Partial(), Partial()], exact=False)
+    expected = qk_norm(q, k, q_weight, k_weight, positions, inv_freq)
+    sharded = [distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k)]
+    replicated = [distribute_tensor(t, mesh, [Replicate()]) for t in (q_weight, k_weight)]
+    PF.qk_norm_rope_(*sharded, *replicated, distribute_tensor(positions, mesh, [Shard(1)]),
+                     distribute_tensor(inv_freq, mesh, [Replicate()]), 1e-6, "llama", 1.0, "gptj", "bshd", 3, None,
+                     None, *scaled)
+    for t, e in zip(sharded, expected):
+        assert t.placements == (Shard(1),)
+        assert_close(t.full_tensor(), e, rtol=0, atol=0)
+
+
+@check
 def position_and_frequency_builders_run_replicated(mesh):
     # Each result depends on the whole input (grids handed to the rows in order, every sequence boundary): a
     # sharded input is gathered and the result replicated.

@@ -205,6 +205,56 @@ def test_rope_multiaxis_gathers_each_pairs_axis():
                        [inputs(3, 9)])
 
 
+# Llama 4's attention temperature (beta, length, shift) = (attn_scale, floor_scale, 1) and Ministral 3's
+# (llama_4_scaling_beta, original_max_position_embeddings, 0): q times 1 + beta * log(1 + floor((p + shift) / length)).
+Q_SCALES = {"llama4": (0.1, 8, 1), "ministral3": (0.25, 16, 0)}
+
+
+def q_scale_calls(q_scale, norm=None):
+    """rope_qk (or qk_norm_rope with norm) with a query scale in every format and position form: positions [B, S]
+    (negative ones among them), [S], none with an offset, and packed sequences restarting per sequence."""
+    inv_freq = posenc.frequencies.rope(16)[0]
+    generator = torch.Generator().manual_seed(2)
+    q_weight, k_weight = torch.randn(16, generator=generator), torch.randn(32, generator=generator)
+    beta, length, shift = q_scale
+
+    def call(q, k, positions, *args, **kwargs):
+        kwargs.update(q_scale_beta=beta, q_scale_length=length, q_scale_shift=shift)
+        if norm is None:
+            return PF.rope_qk(q, k, positions, inv_freq, *args, **kwargs)
+        return PF.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, norm=norm, *args, **kwargs)
+
+    def fn(q, k, positions):
+        return (*call(q, k, positions, attention_scale=0.5),
+                *call(q.transpose(1, 2), k.transpose(1, 2), None, layout="gptj", format="bhsd", offset=37),
+                *call(q.transpose(0, 1), k.transpose(0, 1), positions[0].abs(), format="sbhd"),
+                *call(q[0], k[0], None, format="thd", offset=21, cu_seqlens=torch.tensor([0, 2, q.shape[1]])))
+
+    return fn
+
+
+def q_scale_inputs(b, s):
+    positions = torch.randint(-40, 1 << 20, (b, s))
+    positions[0, :2] = torch.tensor([-1, -30])  # below -shift: scaled by 1
+    return torch.randn(b, s, 4, 16), torch.randn(b, s, 2, 16), positions
+
+
+@pytest.mark.parametrize("opset", [20, 23])
+@pytest.mark.parametrize("model", list(Q_SCALES))
+def test_rope_qk_and_qk_norm_rope_scale_q_by_position(model, opset):
+    """The query scale computed from the positions in the graph, as the cos/sin tables are: k unscaled, q scaled
+    (s(p) from 1 at and below -shift to about 1 + beta * log(2^20 / length)), against the op in float32 at every
+    opset: RotaryEmbedding fed q's scaled tables from opset 23, the primitives below it."""
+    batch, s = torch.export.Dim("batch", min=2, max=64), seq()
+    dims = [{0: batch, 1: s}] * 3
+    for norm in (None, "llama"):
+        fn, inputs = q_scale_calls(Q_SCALES[model], norm), q_scale_inputs(2, 5)
+        scaled, unscaled = fn(*inputs), q_scale_calls((0.0, 1, 0), norm)(*inputs)
+        for i, (a, b) in enumerate(zip(scaled, unscaled)):  # q scaled, k not
+            assert torch.equal(a, b) == (i % 2 == 1)
+        export_and_compare(fn, inputs, dims, [q_scale_inputs(3, 9)], opset=opset)
+
+
 def test_rope_far_positions_keep_float32_accuracy():
     # Angles in float64, as the op forms them: an eager float32 p * inv_freq is off by far more than 1e-5 here.
     inv_freq = posenc.frequencies.rope(64)[0]

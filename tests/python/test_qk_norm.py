@@ -28,8 +28,8 @@ from posenc import functional as PF
 from posenc import frequencies as FQ
 from strategies import (FLOAT_DTYPES, OPS, arrange, assert_rounds_within, buffer_of, call, covered_offsets,
                         frequencies, generator, math_eps, normal, trig_error)
-from test_rope import (BSHD_ORDER, FORMATS, ROPE_FORMATS, from_format, pair_indices, rope_input, rope_mutations,
-                       rope_positions, rotate, to_format)
+from test_rope import (BSHD_ORDER, FORMATS, ROPE_FORMATS, from_format, llama4_attn_scale, ministral3_attn_scale,
+                       pair_indices, q_scale_formula, rope_input, rope_mutations, rope_positions, rotate, to_format)
 
 NORMS = ["llama", "gemma", "olmo2", "fused"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -705,6 +705,144 @@ def test_inplace_refuses_partly_overlapping_q_and_k():
     assert torch.equal(buffer, before)
 
 
+# ---------------------------------------------------------------- query scale (Llama 4, Ministral 3)
+
+@pytest.mark.parametrize("model", ["llama4", "ministral3"])
+def test_q_scale_matches_the_models_formulas(model):
+    """q normalized, rotated, then times the model's own scale (Llama 4's expression, Ministral 3's
+    get_llama_4_attn_scale: test_rope's helpers); k normalized and rotated only, bit for bit."""
+    q, k = randn(2, 4, 40, 16, seed=90), randn(2, 2, 40, 16, seed=91)
+    qw, kw = weight_of(q, "per_head", seed=92), weight_of(k, "per_head", seed=93)
+    positions = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(94))
+    inv_freq = FQ.rope(16)[0]
+    if model == "llama4":
+        beta, length, shift = 0.1, 8, 1
+        scale = llama4_attn_scale(positions, beta, length)[:, None, :, None]
+    else:
+        beta, length, shift = 0.5, 16, 0
+        scale = ministral3_attn_scale(positions, beta, length)
+    assert scale.shape == (2, 1, 40, 1) and scale.max() > 1.2
+    args = (positions, inv_freq, 1e-6, "llama", 1.0, "neox", "bhsd", 0, None, None)
+    out_q, out_k = PF.qk_norm_rope(q, k, qw, kw, *args, beta, length, shift)
+    plain_q, plain_k = PF.qk_norm_rope(q, k, qw, kw, *args)
+    assert_close(out_q, plain_q * scale, atol=1e-6, rtol=1e-6)
+    assert same_bits(out_k, plain_k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_q_scale_against_the_float64_formula(fmt):
+    """float64: the normalized rows rotated (composed) times s(positions + offset) for q, every format and position
+    form (positions [B, S] with negative ones, [S], none with an offset, packed sequences), a weight over all heads
+    for q; k unscaled."""
+    batch = 1 if fmt == "thd" else 2
+    q = randn(batch, 10, 2, 8, dtype=F64, seed=95)
+    k = randn(batch, 10, 1, 8, dtype=F64, seed=96)
+    qw, kw = weight_of(q, "all_heads", F64, 97), weight_of(k, "per_head", F64, 98)
+    inv_freq = FQ.rope(8)[0]
+    beta, length, shift, offset, cu_seqlens = 0.3, 3, 2, 0, None
+    if fmt == "bshd":
+        positions = torch.randint(-10, 5000, (batch, 10), generator=torch.Generator().manual_seed(99))
+        positions[:, 0] = torch.tensor([-9, -3])
+        absolute = positions
+    elif fmt == "bhsd":
+        positions = torch.arange(-6, 14, 2)
+        absolute = positions[None]
+    elif fmt == "sbhd":
+        positions, offset = None, 7
+        absolute = torch.arange(10)[None] + offset
+    else:
+        positions, offset, cu_seqlens = None, 1, torch.tensor([0, 4, 4, 10])
+        absolute = torch.cat([torch.arange(4), torch.arange(6)])[None] + offset
+    out_q, out_k = PF.qk_norm_rope(to_format(q, fmt), to_format(k, fmt), qw, kw, positions, inv_freq, 1e-6,
+                                   "gemma", 0.7, "gptj", fmt, offset, cu_seqlens, None, beta, length, shift)
+    pairs = absolute[..., None].expand(*absolute.shape, 4)
+    scale = q_scale_formula(absolute, beta, length, shift)
+    expected_q = composed(q, qw + 1, pairs, inv_freq, 1e-6, 0.7, "gptj") * scale[..., None, None]
+    assert_close(from_format(out_q, fmt), expected_q, atol=1e-12, rtol=1e-12)
+    expected_k = composed(k, kw + 1, pairs, inv_freq, 1e-6, 0.7, "gptj")
+    assert_close(from_format(out_k, fmt), expected_k, atol=1e-12, rtol=1e-12)
+
+
+def test_q_scale_is_one_at_and_below_minus_shift():
+    q, k = randn(1, 6, 2, 8, seed=100), randn(1, 6, 1, 8, seed=101)
+    w = weight_of(q, "per_head", seed=102)
+    positions = torch.tensor([-1000, -50, -6, -5, -3, 0])  # shift 5, length 4: floor((p + 5) / 4) <= 0 but at 0
+    out_q, _ = PF.qk_norm_rope(q, k, w, w, positions, FQ.rope(8)[0], 1e-6, "llama", 1.0, "neox", "bshd", 0, None,
+                               None, 2.0, 4, 5)
+    plain_q, _ = PF.qk_norm_rope(q, k, w, w, positions, FQ.rope(8)[0])
+    assert same_bits(out_q[:, :5], plain_q[:, :5])
+    assert_close(out_q[:, 5], plain_q[:, 5] * (1 + 2.0 * math.log(2)))
+
+
+@pytest.mark.parametrize("norm", ["llama", "olmo2"])
+def test_q_scale_gradcheck_and_the_backward_op(norm):
+    """float64 gradcheck of q, k and both weights with beta != 0 (positions [B, S] and an offset, bshd; packed
+    sequences, thd); qk_norm_rope_backward with the same arguments gives autograd's bits, and q's gradient (not
+    k's) differs from the unscaled one."""
+    settings = [
+        ("bshd", (torch.tensor([[3, 40, 7], [-4, 11, 900]]), FQ.rope(6)[0], 1e-6, norm, 0.8, "gptj", "bshd", 2, None,
+                  None, 0.4, 4, 1)),
+        ("thd", (None, FQ.rope(6)[0], 1e-6, norm, 1.0, "neox", "thd", 3, torch.tensor([0, 1, 3]), None, 1.5, 2, 0)),
+    ]
+    for fmt, args in settings:
+        batch = 1 if fmt == "thd" else 2
+        q = to_format(f64(batch, 3, 2, 6, seed=103).detach(), fmt).requires_grad_()
+        k = to_format(f64(batch, 3, 1, 6, seed=104).detach(), fmt).requires_grad_()
+        qw, kw = f64(12, seed=105), f64(6, seed=106)
+
+        def fn(q, k, qw, kw):
+            return PF.qk_norm_rope(q, k, qw, kw, *args)
+
+        assert torch.autograd.gradcheck(fn, (q, k, qw, kw))
+        out = fn(q, k, qw, kw)
+        grads = [randn(*o.shape, dtype=F64, seed=107 + i) for i, o in enumerate(out)]
+        got = torch.autograd.grad(out, (q, k, qw, kw), grads)
+        direct = PF.qk_norm_rope_backward(*grads, q.detach(), k.detach(), qw.detach(), kw.detach(), *args)
+        assert all(same_bits(a, b) for a, b in zip(direct, got))
+        unscaled = PF.qk_norm_rope_backward(*grads, q.detach(), k.detach(), qw.detach(), kw.detach(), *args[:10])
+        assert not torch.allclose(direct[0], unscaled[0]) and same_bits(direct[1], unscaled[1])
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_q_scale_inplace_equals_the_functional_op(fmt):
+    batch = 1 if fmt == "thd" else 2
+    q = to_format(randn(batch, 6, 3, 8, dtype=torch.bfloat16, seed=110), fmt)
+    k = to_format(randn(batch, 6, 1, 8, dtype=torch.bfloat16, seed=111), fmt)
+    qw, kw = weight_of(bshd_of(q, fmt), "all_heads", seed=112), weight_of(bshd_of(k, fmt), "per_head", seed=113)
+    positions, cu_seqlens = positions_for(fmt, batch, 6, seed=114)
+    args = (positions, FQ.rope(8)[0], 1e-6, "llama", 1.0, "neox", fmt, 3, cu_seqlens, None, 0.5, 2, 1)
+    expected = PF.qk_norm_rope(q, k, qw, kw, *args)
+    assert not same_bits(expected[0], PF.qk_norm_rope(q, k, qw, kw, *args[:10])[0])
+    a, b = q.clone(), k.clone()
+    PF.qk_norm_rope_(a, b, qw, kw, *args)
+    assert same_bits(a, expected[0]) and same_bits(b, expected[1])
+
+
+QS, KS, WS = randn(2, 4, 3, 8, seed=115), randn(2, 4, 1, 8, seed=116), torch.ones(8)
+
+
+@pytest.mark.parametrize("op_name", ["qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_"])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(q_scale_length=0), "q_scale_length must be >= 1, got 0"),
+    (dict(q_scale_beta=0.1, q_scale_length=-3), "q_scale_length must be >= 1, got -3"),
+    (dict(q_scale_beta=float("nan")), "q_scale_beta must be finite, got nan"),
+    (dict(q_scale_beta=float("-inf")), "q_scale_beta must be finite, got -inf"),
+    (dict(q_scale_beta=0.1, inv_freq=FQ.rope(4)[0]),
+     "q_scale_beta needs q's heads fully rotated, but rotary_dim 4 < head_dim 8"),
+    (dict(q_scale_beta=0.1, positions=torch.zeros(2, 4, dtype=torch.long), inv_freq=FQ.axial(8, 2)[0],
+          pair_axis=FQ.axial(8, 2)[1]), "q_scale_beta takes one position per token; with pair_axis"),
+])
+def test_q_scale_bad_arguments(op_name, kwargs, message):
+    kwargs = dict(kwargs)
+    positions, inv_freq = kwargs.pop("positions", None), kwargs.pop("inv_freq", FQ.rope(8)[0])
+    tensors = (QS, KS, QS.clone(), KS.clone(), WS, WS) if op_name == "qk_norm_rope_backward" else \
+        (QS.clone(), KS.clone(), WS, WS)
+    with pytest.raises(RuntimeError, match=rf"posenc\.{op_name}: {re.escape(message)}"):
+        getattr(PF, op_name)(*tensors, positions, inv_freq, **kwargs)
+    if "q_scale_length" not in kwargs and math.isfinite(kwargs["q_scale_beta"]):  # beta 0: the plain op
+        getattr(PF, op_name)(*tensors, positions, inv_freq, **dict(kwargs, q_scale_beta=0.0))
+
+
 # ---------------------------------------------------------------- opcheck, compile, export, TorchScript
 
 def opcheck_samples():
@@ -1109,7 +1247,7 @@ def test_packed_equals_the_op_on_the_slices_and_leaves_v(fmt, inplace):
     want_q, want_k = PF.qk_norm_rope(heads[..., :3, :], heads[..., 3:4, :], qw, kw, positions, inv_freq, 1e-6,
                                      "gemma", 1.0, "gptj", fmt, 2, cu_seqlens)
     q, k, v = PF.qk_norm_rope_packed(qkv, 3, 1, qw, kw, positions, inv_freq, 1e-6, "gemma", 1.0, "gptj", fmt, 2,
-                                     cu_seqlens, None, inplace)
+                                     cu_seqlens, None, inplace=inplace)
     assert same_bits(q, want_q) and same_bits(k, want_k)
     assert v.data_ptr() == qkv.data_ptr() + 4 * 8 * qkv.element_size() and torch.equal(v, heads[..., 4:, :])
     if inplace:  # q and k are qkv's own memory, rewritten; v's columns untouched

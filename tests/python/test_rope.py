@@ -2,6 +2,7 @@
 reference libraries (Hugging Face transformers, rotary-embedding-torch), RoPE's properties, gradients,
 context parallelism, the module, opcheck, torch.compile, torch.export and the bad inputs (docs/errors.md)."""
 import math
+import re
 
 import pytest
 import torch
@@ -716,6 +717,154 @@ def test_export():
     exported = torch.export.export(model, (x,))
     assert_close(exported.module()(x), model(x))
     assert "posenc.rope_qk" in str(exported.graph)
+
+
+# ---------------------------------------------------------------- query scale (Llama 4, Ministral 3)
+
+def q_scale_formula(positions, beta, length, shift):
+    """float64 s(p) = 1 + beta * log(1 + max(floor((p + shift) / length), 0)), written here."""
+    steps = torch.floor((positions.double() + shift) / length).clamp_min(0)
+    return 1 + beta * torch.log(1 + steps)
+
+
+def llama4_attn_scale(positions, attn_scale, floor_scale):
+    """Llama 4's attention temperature tuning, the expression of transformers/models/llama4/modeling_llama4.py
+    (Llama4TextAttention.forward, attn_temperature_tuning): q times it, i.e. beta=attn_scale, length=floor_scale,
+    shift=1."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def ministral3_attn_scale(positions, beta, max_position_embeddings):
+    """Ministral 3's get_llama_4_attn_scale, imported from transformers ([B, S] positions -> [B, 1, S, 1], bhsd)."""
+    modeling = pytest.importorskip("transformers.models.ministral3.modeling_ministral3")
+    return modeling.get_llama_4_attn_scale(positions, beta, max_position_embeddings)
+
+
+@pytest.mark.parametrize("model", ["llama4", "ministral3"])
+def test_rope_qk_q_scale_matches_the_models_formulas(model):
+    """q rotated then times the model's own scale (bhsd, positions [B, S] spanning several steps of the length, as
+    the models call it); k only rotated, bit for bit."""
+    q, k = torch.randn(2, 4, 40, 16), torch.randn(2, 2, 40, 16)
+    positions = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(3))
+    positions[0, :3] = torch.tensor([0, 6, 7])  # Llama 4 (length 8, shift 1): 7 -> floor(8 / 8) = 1
+    inv_freq = FQ.rope(16)[0]
+    if model == "llama4":
+        beta, length, shift = 0.1, 8, 1
+        scale = llama4_attn_scale(positions, beta, length)[:, None, :, None]
+    else:
+        beta, length, shift = 0.5, 16, 0
+        scale = ministral3_attn_scale(positions, beta, length)
+    assert scale.shape == (2, 1, 40, 1) and scale.max() > 1.2
+    out_q, out_k = PF.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bhsd", 0, None, None, beta, length, shift)
+    rotated_q, rotated_k = PF.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bhsd")
+    assert_close(out_q, rotated_q * scale, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out_k, rotated_k)
+    assert_close(scale, q_scale_formula(positions, beta, length, shift)[:, None, :, None].float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rope_qk_q_scale_against_the_float64_formula(fmt):
+    """float64 q and k, every format: positions [B, S] (bshd), [S] (bhsd), none with an offset (sbhd), packed
+    sequences restarting per sequence (thd); the scale at positions + offset; a shift and negative positions among
+    them (below -shift: 1)."""
+    batch = 1 if fmt == "thd" else 2
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(batch, 12, 3, 8, dtype=F64, generator=g)
+    k = torch.randn(batch, 12, 1, 8, dtype=F64, generator=g)
+    inv_freq = FQ.rope(8)[0]
+    beta, length, shift, offset, cu_seqlens = 0.3, 3, 2, 0, None
+    if fmt == "bshd":
+        positions = torch.randint(-10, 5000, (batch, 12), generator=g)
+        positions[:, 0] = torch.tensor([-9, -3])
+        absolute = positions
+    elif fmt == "bhsd":
+        positions = torch.arange(-6, 18, 2)
+        absolute = positions[None].expand(batch, 12)
+    elif fmt == "sbhd":
+        positions, offset = None, 7
+        absolute = torch.arange(12)[None].expand(batch, 12) + offset
+    else:
+        positions, offset, cu_seqlens = None, 1, torch.tensor([0, 5, 5, 12])
+        absolute = torch.cat([torch.arange(5), torch.arange(7)])[None] + offset
+    out_q, out_k = PF.rope_qk(to_format(q, fmt), to_format(k, fmt), positions, inv_freq, 0.7, "gptj", fmt, offset,
+                              cu_seqlens, None, beta, length, shift)
+    scale = q_scale_formula(absolute, beta, length, shift)[..., None, None]
+    assert_close(from_format(out_q, fmt), reference_rope(q, absolute, inv_freq, "gptj", 0.7) * scale,
+                 atol=1e-12, rtol=1e-12)
+    assert_close(from_format(out_k, fmt), reference_rope(k, absolute, inv_freq, "gptj", 0.7), atol=1e-12, rtol=1e-12)
+
+
+def test_rope_qk_q_scale_is_one_at_and_below_minus_shift():
+    """Positions p + shift < length give floor 0 (scale 1); those below -shift too (the models' log would be of
+    zero or less): q equals the unscaled rotation bit for bit, while a position at length - shift is scaled."""
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 1, 8)
+    inv_freq = FQ.rope(8)[0]
+    positions = torch.tensor([-1000, -50, -6, -5, -3, 0])  # shift 5, length 4: p + 5 in [-995, 5) -> floor <= 0 ...
+    out_q, _ = PF.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bshd", 0, None, None, 2.0, 4, 5)
+    plain_q, _ = PF.rope_qk(q, k, positions, inv_freq)
+    assert torch.equal(out_q[:, :5], plain_q[:, :5])
+    assert_close(out_q[:, 5], plain_q[:, 5] * (1 + 2.0 * math.log(2)))  # 0 + 5 -> floor(5 / 4) = 1
+
+
+def test_rope_qk_q_scale_with_an_empty_q_leaves_k_unscaled():
+    k = torch.randn(1, 6, 2, 8)
+    positions = torch.arange(100, 106)
+    out_q, out_k = PF.rope_qk(torch.randn(1, 6, 0, 8), k, positions, FQ.rope(8)[0], 1.0, "neox", "bshd", 0, None,
+                              None, 0.5, 2, 0)
+    assert out_q.shape == (1, 6, 0, 8) and torch.equal(out_k, PF.rope(k, positions, FQ.rope(8)[0]))
+
+
+def test_rope_qk_q_scale_gradcheck_and_the_backward_op():
+    """float64 gradcheck with beta != 0 (positions [B, S] with an offset; packed sequences); rope_qk_backward with
+    the same arguments gives autograd's gradients."""
+    def f64(*shape):
+        return torch.randn(*shape, dtype=F64, requires_grad=True)
+    inv_freq = FQ.rope(6)[0]
+    positions = torch.tensor([[3, 40, 7], [-4, 11, 900]])
+    q, k, packed_q, packed_k = f64(2, 3, 2, 6), f64(2, 3, 1, 6), f64(5, 2, 6), f64(5, 1, 6)
+    checks = [
+        ((positions, inv_freq, 0.8, "gptj", "bshd", 2, None, None, 0.4, 4, 1), (q, k)),
+        ((None, inv_freq, 1.0, "neox", "thd", 3, torch.tensor([0, 2, 5]), None, 1.5, 2, 0), (packed_q, packed_k)),
+    ]
+    for direct_args, inputs in checks:
+        def fn(a, b):
+            return PF.rope_qk(a, b, *direct_args)
+        assert torch.autograd.gradcheck(fn, inputs)
+        out = fn(*inputs)
+        grads = [torch.randn_like(o) for o in out]
+        got = torch.autograd.grad(out, inputs, grads)
+        direct = PF.rope_qk_backward(*grads, *direct_args)
+        assert all(torch.equal(a, b) for a, b in zip(direct, got))
+        # The scale reaches the gradient: q's differs from the unscaled backward's, k's does not.
+        unscaled = PF.rope_qk_backward(*grads, *direct_args[:8])
+        assert not torch.allclose(direct[0], unscaled[0]) and torch.equal(direct[1], unscaled[1])
+
+
+Q8, K8, INV8 = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 1, 8), FQ.rope(8)[0]
+
+
+@pytest.mark.parametrize("op_name", ["rope_qk", "rope_qk_backward"])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(q_scale_length=0), "q_scale_length must be >= 1, got 0"),
+    (dict(q_scale_beta=0.1, q_scale_length=-3), "q_scale_length must be >= 1, got -3"),
+    (dict(q_scale_beta=float("nan")), "q_scale_beta must be finite, got nan"),
+    (dict(q_scale_beta=float("inf")), "q_scale_beta must be finite, got inf"),
+    (dict(q_scale_beta=0.1, inv_freq=FQ.rope(4)[0]),
+     "q_scale_beta needs q's heads fully rotated, but rotary_dim 4 < head_dim 8"),
+    (dict(q_scale_beta=0.1, positions=torch.zeros(2, 4, dtype=torch.long), inv_freq=FQ.axial(8, 2)[0],
+          pair_axis=FQ.axial(8, 2)[1]), "q_scale_beta takes one position per token; with pair_axis"),
+])
+def test_q_scale_bad_arguments(op_name, kwargs, message):
+    args = dict(positions=None, inv_freq=INV8)
+    args.update(kwargs)
+    fn = getattr(PF, op_name)
+    with pytest.raises(RuntimeError, match=rf"posenc\.{op_name}: {re.escape(message)}"):
+        fn(Q8, K8, args.pop("positions"), args.pop("inv_freq"), **args)
+    # beta 0 with partial rotary or pair_axis is the plain rotation.
+    if "q_scale_beta" in kwargs and "q_scale_length" not in kwargs and math.isfinite(kwargs["q_scale_beta"]):
+        args = dict(positions=None, inv_freq=INV8)
+        args.update(kwargs, q_scale_beta=0.0)
+        fn(Q8, K8, args.pop("positions"), args.pop("inv_freq"), **args)
 
 
 # ---------------------------------------------------------------- bad input
