@@ -28,8 +28,9 @@ from posenc import functional as PF
 from posenc import frequencies as FQ
 from strategies import (FLOAT_DTYPES, OPS, arrange, assert_rounds_within, buffer_of, call, covered_offsets,
                         frequencies, generator, math_eps, normal, trig_error)
-from test_rope import (BSHD_ORDER, FORMATS, ROPE_FORMATS, from_format, llama4_attn_scale, ministral3_attn_scale,
-                       pair_indices, q_scale_formula, rope_input, rope_mutations, rope_positions, rotate, to_format)
+from test_rope import (BSHD_ORDER, FORMATS, Q_SCALE_REFUSALS, ROPE_FORMATS, from_format, llama4_attn_scale,
+                       ministral3_attn_scale, pair_indices, q_scale_formula, rope_input, rope_mutations, rope_positions,
+                       rotate, to_format)
 
 NORMS = ["llama", "gemma", "olmo2", "fused"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -822,16 +823,7 @@ QS, KS, WS = randn(2, 4, 3, 8, seed=115), randn(2, 4, 1, 8, seed=116), torch.one
 
 
 @pytest.mark.parametrize("op_name", ["qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_"])
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(q_scale_length=0), "q_scale_length must be >= 1, got 0"),
-    (dict(q_scale_beta=0.1, q_scale_length=-3), "q_scale_length must be >= 1, got -3"),
-    (dict(q_scale_beta=float("nan")), "q_scale_beta must be finite, got nan"),
-    (dict(q_scale_beta=float("-inf")), "q_scale_beta must be finite, got -inf"),
-    (dict(q_scale_beta=0.1, inv_freq=FQ.rope(4)[0]),
-     "q_scale_beta needs q's heads fully rotated, but rotary_dim 4 < head_dim 8"),
-    (dict(q_scale_beta=0.1, positions=torch.zeros(2, 4, dtype=torch.long), inv_freq=FQ.axial(8, 2)[0],
-          pair_axis=FQ.axial(8, 2)[1]), "q_scale_beta takes one position per token; with pair_axis"),
-])
+@pytest.mark.parametrize("kwargs, message", Q_SCALE_REFUSALS)
 def test_q_scale_bad_arguments(op_name, kwargs, message):
     kwargs = dict(kwargs)
     positions, inv_freq = kwargs.pop("positions", None), kwargs.pop("inv_freq", FQ.rope(8)[0])

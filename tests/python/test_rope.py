@@ -843,17 +843,22 @@ def test_rope_qk_q_scale_gradcheck_and_the_backward_op():
 Q8, K8, INV8 = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 1, 8), FQ.rope(8)[0]
 
 
-@pytest.mark.parametrize("op_name", ["rope_qk", "rope_qk_backward"])
-@pytest.mark.parametrize("kwargs, message", [
+# The query scale's refusals (rope_qk's and the QK-norm ops'), for q [2, 4, 3, 8]: arguments and message.
+Q_SCALE_REFUSALS = [
     (dict(q_scale_length=0), "q_scale_length must be >= 1, got 0"),
     (dict(q_scale_beta=0.1, q_scale_length=-3), "q_scale_length must be >= 1, got -3"),
     (dict(q_scale_beta=float("nan")), "q_scale_beta must be finite, got nan"),
     (dict(q_scale_beta=float("inf")), "q_scale_beta must be finite, got inf"),
+    (dict(q_scale_beta=float("-inf")), "q_scale_beta must be finite, got -inf"),
     (dict(q_scale_beta=0.1, inv_freq=FQ.rope(4)[0]),
      "q_scale_beta needs q's heads fully rotated, but rotary_dim 4 < head_dim 8"),
     (dict(q_scale_beta=0.1, positions=torch.zeros(2, 4, dtype=torch.long), inv_freq=FQ.axial(8, 2)[0],
           pair_axis=FQ.axial(8, 2)[1]), "q_scale_beta takes one position per token; with pair_axis"),
-])
+]
+
+
+@pytest.mark.parametrize("op_name", ["rope_qk", "rope_qk_backward"])
+@pytest.mark.parametrize("kwargs, message", Q_SCALE_REFUSALS)
 def test_q_scale_bad_arguments(op_name, kwargs, message):
     args = dict(positions=None, inv_freq=INV8)
     args.update(kwargs)
