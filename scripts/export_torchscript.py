@@ -100,6 +100,24 @@ class ScaledRopeFixture(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor):
         return self.dynamic(q, k) + self.longrope(q8, k8)
+class QKNormRopeFixture(torch.nn.Module):
+    """QK-norm + RoPE: QKNormRotaryEmbedding(head_dim 8, base 100, "gemma") on bshd q [B,S,4,8] (per-head weight
+    0.1 i - 0.3, i < 8) / k [B,S,2,8] (weight over both heads, 0.05 i - 0.4, i < 16), eps 1e-6, positions [B,S];
+    then rope_qk of the results with the query scale beta 0.1, length 4, shift 1 (Llama 4's form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = posenc.nn.QKNormRotaryEmbedding(8, base=100.0, norm="gemma", k_norm_dim=16)
+        with torch.no_grad():
+            self.qk.q_weight.copy_(torch.arange(8) * 0.1 - 0.3)
+            self.qk.k_weight.copy_(torch.arange(16) * 0.05 - 0.4)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        q, k = self.qk(q, k, positions)
+        return torch.ops.posenc.rope_qk(q, k, positions, self.qk.rotary.inv_freq, 1.0, "neox", "bshd", 0, None, None,
+                                        0.1, 4, 1)
+
+
 class MultiaxisFixture(torch.nn.Module):
     """Multi-axis rotary: M-RoPE of bshd q [B,S,4,8] / k [B,S,2,8] (head_dim 8, sections [2, 1, 1] interleaved,
     base 100) with positions [3, B, S] and offset 1; axial 2-D rotary (head_dim 8, base 10000, gptj) of packed
@@ -126,6 +144,7 @@ FIXTURES = {
     "rope": RopeFixture,
     "scaled_rope": ScaledRopeFixture,
     "multiaxis": MultiaxisFixture,
+    "qk_norm_rope": QKNormRopeFixture,
 }
 
 

@@ -32,4 +32,20 @@ inline at::Tensor reference_rope(const at::Tensor& x, const at::Tensor& position
   return rotate_pairs(x, positions.to(at::kDouble).unsqueeze(-1) * inv_freq.to(at::kDouble), layout, scale);
 }
 
+// bshd x [B, S, H, D] RMS-normalized in groups of weight.size(0) channels (each head, or all heads of a token), times
+// the weight (1 + weight for "gemma"), then rotated by angle = (positions + offset) * inv_freq (positions [S] or
+// [B, S]), times scale; channels past the rotary ones pass through unscaled. In float64, no rounding: the formula
+// every convention computes, and a differentiable one (autograd gives the reference gradients).
+inline at::Tensor reference_qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
+                                  const at::Tensor& inv_freq, const std::string& norm, const std::string& layout,
+                                  double scale = 1.0, double eps = 1e-6, int64_t offset = 0) {
+  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
+  const int64_t group = weight.size(0);
+  const auto rows = x.reshape({B, S, H * D / group, group});
+  const auto w = norm == "gemma" ? weight + 1 : weight;
+  const auto z = (rows * (rows.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt() * w).reshape({B, S, H, D});
+  return rotate_pairs(z, (positions.to(at::kDouble) + offset).unsqueeze(-1) * inv_freq.to(at::kDouble), layout,
+                      scale);
+}
+
 }  // namespace posenc::test

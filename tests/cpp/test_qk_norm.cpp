@@ -17,26 +17,10 @@ namespace {
 
 using posenc::test::expect_error;
 using posenc::test::max_abs_diff;
-using posenc::test::rotate_pairs;
+using posenc::test::reference_qk_norm_rope;
 
 const auto kDouble = torch::TensorOptions().dtype(torch::kDouble);
 const std::vector<std::string> kNorms{"llama", "gemma", "olmo2", "fused"};
-
-// bshd x [B, S, H, D] RMS-normalized in groups of weight.size(0) channels (each head, or all heads of a token), times
-// the weight (1 + weight for "gemma"), then rotated by angle = (positions + offset) * inv_freq (positions [S] or
-// [B, S]), times scale; channels past the rotary ones pass through unscaled. In float64, no rounding: the formula
-// every convention computes, and a differentiable one (autograd gives the reference gradients).
-at::Tensor reference_qk_norm_rope(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& positions,
-                                  const at::Tensor& inv_freq, const std::string& norm, const std::string& layout,
-                                  double scale = 1.0, double eps = 1e-6, int64_t offset = 0) {
-  const int64_t B = x.size(0), S = x.size(1), H = x.size(2), D = x.size(3);
-  const int64_t group = weight.size(0);
-  const auto rows = x.reshape({B, S, H * D / group, group});
-  const auto w = norm == "gemma" ? weight + 1 : weight;
-  const auto z = (rows * (rows.pow(2).mean(-1, /*keepdim=*/true) + eps).rsqrt() * w).reshape({B, S, H, D});
-  return rotate_pairs(z, (positions.to(at::kDouble) + offset).unsqueeze(-1) * inv_freq.to(at::kDouble), layout,
-                      scale);
-}
 
 TEST(QkNormRope, MatchesTheFormulaForEveryConventionPerHeadAndOverHeads) {
   torch::manual_seed(0);

@@ -17,6 +17,7 @@
 using posenc::test::max_abs_diff;
 using posenc::test::reference_frequencies;
 using posenc::test::reference_pe;
+using posenc::test::reference_qk_norm_rope;
 using posenc::test::reference_rope;
 
 namespace {
@@ -203,6 +204,41 @@ TEST(TorchScript, RopeForwardAndBackward) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(TorchScript, QkNormRopeAndQueryScaleForwardAndBackward) {
+  auto module = load_fixture("qk_norm_rope");
+  auto q = torch::randn({2, 5, 4, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto k = torch::randn({2, 5, 2, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  const auto positions = torch::randint(0, 40, {2, 5});
+  const auto outputs = module.forward({q, k, positions}).toTuple()->elements();
+
+  // The norm and rotation, then a second rotation by the same angles with q times 1 + 0.1 log(1 + floor((p + 1) / 4)):
+  // the whole map as a float64 autograd graph, whose gradients are the reference ones.
+  auto inv_freq = torch::empty({4}, torch::kDouble);
+  for (int64_t i = 0; i < 4; ++i) inv_freq[i] = std::pow(100.0, -2.0 * i / 8.0);
+  // The module's weights (float32 parameters: 0.1 i - 0.3 and 0.05 i - 0.4 rounded to float32), in float64.
+  auto q_weight = parameter(module, "qk.q_weight").detach().to(at::kDouble).requires_grad_();
+  auto k_weight = parameter(module, "qk.k_weight").detach().to(at::kDouble).requires_grad_();
+  EXPECT_LT(max_abs_diff(q_weight, torch::arange(8, torch::kDouble) * 0.1 - 0.3), 1e-7);
+  const auto angle = positions.to(at::kDouble).unsqueeze(-1) * inv_freq;
+  const auto factor = 1 + 0.1 * torch::log1p(torch::floor((positions.to(at::kDouble) + 1) / 4));
+  const auto q_norm = reference_qk_norm_rope(q, q_weight, positions, inv_freq, "gemma", "neox");
+  const auto k_norm = reference_qk_norm_rope(k, k_weight, positions, inv_freq, "gemma", "neox");
+  const auto q_ref = posenc::test::rotate_pairs(q_norm, angle, "neox") * factor.unsqueeze(-1).unsqueeze(-1);
+  const auto k_ref = posenc::test::rotate_pairs(k_norm, angle, "neox");
+  EXPECT_LT(max_abs_diff(outputs[0].toTensor(), q_ref), 1e-12);
+  EXPECT_LT(max_abs_diff(outputs[1].toTensor(), k_ref), 1e-12);
+
+  const auto grad_q = torch::randn_like(q_ref);
+  const auto grad_k = torch::randn_like(k_ref);
+  torch::autograd::backward({outputs[0].toTensor(), outputs[1].toTensor()}, {grad_q, grad_k});
+  const auto expected = torch::autograd::grad({q_ref, k_ref}, {q, k, q_weight, k_weight}, {grad_q, grad_k});
+  EXPECT_LT(max_abs_diff(q.grad(), expected[0]), 1e-10);
+  EXPECT_LT(max_abs_diff(k.grad(), expected[1]), 1e-10);
+  // The weights' gradients are float32, like the weights: one rounding of the float64 sums.
+  EXPECT_LT(max_abs_diff(parameter(module, "qk.q_weight").grad(), expected[2]), 1e-5);
+  EXPECT_LT(max_abs_diff(parameter(module, "qk.k_weight").grad(), expected[3]), 1e-5);
 }
 
 // Per-call frequencies inside a scripted module, and C++'s Module::to(dtype): it converts parameters and buffers,
