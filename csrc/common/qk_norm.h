@@ -38,16 +38,19 @@ inline c10::SymInt check_norm_weight(const char* op, const char* arg, const at::
 struct QkNormArgs {
   RopeArgs rope;
   QkNorm convention;
+  QScale q_scale;
 };
 
-// Every check of qk_norm_rope (inputs = {q, k}) and its backward (inputs = {grad_q, grad_k, q, k}).
+// Every check of qk_norm_rope (inputs = {q, k}) and its backward (inputs = {grad_q, grad_k, q, k}), the query scale's
+// included.
 inline QkNormArgs check_qk_norm_rope(const char* op,
                                      std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
                                      const at::Tensor& q_weight, const at::Tensor& k_weight,
                                      const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                                      double eps, std::string_view norm, std::string_view layout,
                                      std::string_view format, const std::optional<at::Tensor>& cu_seqlens,
-                                     const std::optional<at::Tensor>& pair_axis) {
+                                     const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                                     int64_t q_scale_length, int64_t q_scale_shift) {
   const auto convention = parse_qk_norm(op, norm);
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "posenc.", op, ": eps must be finite and >= 0, got ", eps);
   const auto args = check_rope(op, inputs, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
@@ -63,7 +66,9 @@ inline QkNormArgs check_qk_norm_rope(const char* op,
   }
   check_norm_weight(op, "q_weight", q_weight, *q, args.format);
   check_norm_weight(op, "k_weight", k_weight, *k, args.format);
-  return {args, convention};
+  const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, *q, args.format,
+                                     inv_freq.sym_size(0) * 2, pair_axis);
+  return {args, convention, q_scale};
 }
 
 // The ops of the QK-norm + RoPE family on one device, over the rotary family's device (RopeOps' Device: Guard,
@@ -89,15 +94,14 @@ struct QkNormOps {
       int64_t q_scale_length, int64_t q_scale_shift) {
     constexpr const char* op = "qk_norm_rope";
     const auto args = check_qk_norm_rope(op, {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps,
-                                         norm, layout, format, cu_seqlens, pair_axis);
-    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                                       inv_freq.sym_size(0) * 2, pair_axis);
+                                         norm, layout, format, cu_seqlens, pair_axis, q_scale_beta,
+                                         q_scale_length, q_scale_shift);
     auto q_out = Device::empty(q.sizes(), q.options());
     auto k_out = Device::empty(k.sizes(), k.options());
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention),
                                           norm_of(k_weight, k, eps, args.convention)};
     RopeOps<Device>::rotate(op, {q, k}, {q_out, k_out}, args.rope, positions, inv_freq, attention_scale, offset,
-                            cu_seqlens, pair_axis, false, &norms, q_scale);
+                            cu_seqlens, pair_axis, false, &norms, args.q_scale);
     return {q_out, k_out};
   }
 
@@ -111,15 +115,14 @@ struct QkNormOps {
     constexpr const char* op = "qk_norm_rope_backward";
     const auto args =
         check_qk_norm_rope(op, {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}}, q_weight, k_weight,
-                           positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
-    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                                       inv_freq.sym_size(0) * 2, pair_axis);
+                           positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis, q_scale_beta,
+                           q_scale_length, q_scale_shift);
     auto grad_q_in = Device::empty(q.sizes(), q.options());
     auto grad_k_in = Device::empty(k.sizes(), k.options());
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention, q),
                                           norm_of(k_weight, k, eps, args.convention, k)};
     RopeOps<Device>::rotate(op, {grad_q, grad_k}, {grad_q_in, grad_k_in}, args.rope, positions, inv_freq,
-                            attention_scale, offset, cu_seqlens, pair_axis, true, &norms, q_scale);
+                            attention_scale, offset, cu_seqlens, pair_axis, true, &norms, args.q_scale);
     return {grad_q_in, grad_k_in, norms[0].weight_grad.to(q_weight.scalar_type()),
             norms[1].weight_grad.to(k_weight.scalar_type())};
   }
@@ -132,18 +135,17 @@ struct QkNormOps {
                             double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
     constexpr const char* op = "qk_norm_rope_";
     const auto args = check_qk_norm_rope(op, {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps,
-                                         norm, layout, format, cu_seqlens, pair_axis);
+                                         norm, layout, format, cu_seqlens, pair_axis, q_scale_beta,
+                                         q_scale_length, q_scale_shift);
     check_no_internal_overlap(op, "q", q, "normalize and rotate copies with posenc.qk_norm_rope");
     check_no_internal_overlap(op, "k", k, "normalize and rotate copies with posenc.qk_norm_rope");
-    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                                       inv_freq.sym_size(0) * 2, pair_axis);
     // Each token's q rows are stored before its k rows are read: they must not share an element.
     check_no_shared_elements(op, "q", q, "k", k, rope_dim_order(args.rope.format)[2],
                              "normalize and rotate copies with posenc.qk_norm_rope");
     const std::vector<RotationNorm> norms{norm_of(q_weight, q, eps, args.convention),
                                           norm_of(k_weight, k, eps, args.convention)};
     RopeOps<Device>::rotate(op, {q, k}, {q, k}, args.rope, positions, inv_freq, attention_scale, offset, cu_seqlens,
-                            pair_axis, false, &norms, q_scale);
+                            pair_axis, false, &norms, args.q_scale);
   }
 
   static void register_kernels(torch::Library& m) { POSENC_QK_NORM_OPS(POSENC_IMPL_MEMBER, QkNormOps) }

@@ -82,10 +82,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_meta(
     double attention_scale, c10::string_view layout, c10::string_view format, int64_t offset,
     const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
     int64_t q_scale_length, int64_t q_scale_shift) {
-  const auto args = check_qk_norm_rope("qk_norm_rope", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions,
-                                       inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
-  check_q_scale("qk_norm_rope", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                inv_freq.sym_size(0) * 2, pair_axis);
+  check_qk_norm_rope("qk_norm_rope", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
+                     layout, format, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
 }
 
@@ -96,11 +94,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
     c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
     const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length,
     int64_t q_scale_shift) {
-  const auto args =
-      check_qk_norm_rope("qk_norm_rope_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}},
-                         q_weight, k_weight, positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
-  check_q_scale("qk_norm_rope_backward", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                inv_freq.sym_size(0) * 2, pair_axis);
+  check_qk_norm_rope("qk_norm_rope_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}, {"q", &q}, {"k", &k}},
+                     q_weight, k_weight, positions, inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis,
+                     q_scale_beta, q_scale_length, q_scale_shift);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options()),
           at::empty_symint(q_weight.sym_sizes(), q_weight.options()),
           at::empty_symint(k_weight.sym_sizes(), k_weight.options())};
@@ -112,10 +108,8 @@ void qk_norm_rope__meta(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         c10::string_view layout, c10::string_view format, int64_t offset,
                         const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& pair_axis,
                         double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
-  const auto args = check_qk_norm_rope("qk_norm_rope_", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions,
-                                       inv_freq, eps, norm, layout, format, cu_seqlens, pair_axis);
-  check_q_scale("qk_norm_rope_", q_scale_beta, q_scale_length, q_scale_shift, q, args.rope.format,
-                inv_freq.sym_size(0) * 2, pair_axis);
+  check_qk_norm_rope("qk_norm_rope_", {{"q", &q}, {"k", &k}}, q_weight, k_weight, positions, inv_freq, eps, norm,
+                     layout, format, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
 }
 
 }  // namespace
