@@ -66,6 +66,12 @@
     ") -> (Tensor, Tensor, Tensor, Tensor)")                                                                      \
   X(A, qk_norm_rope_, "(Tensor(a!) q, Tensor(b!) k, " POSENC_QK_NORM_ROPE_ARGS ") -> ()")
 
+// Decoding through a KV cache: q rotated in place as rope_qk rotates it; k rotated and v copied into their caches
+// (cache_format "bhsd" [B, H_kv, S_max, D], "bshd" [B, S_max, H_kv, D], or "shd" [S_max, H_kv, D], one pool of slots
+// for every token), token (b, s) at slot cache_positions[b, s] (or [s]; None: its rotary position); k and v unchanged.
+#define POSENC_KV_CACHE_OPS(X, A) \
+  X(A, rope_qk_cache_, "(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor? positions, Tensor inv_freq, Tensor? cache_positions=None, str cache_format=\"bhsd\", float attention_scale=1.0, str layout=\"neox\", str format=\"bshd\", int offset=0, Tensor? cu_seqlens=None, Tensor? pair_axis=None" POSENC_Q_SCALE_ARGS ") -> ()")
+
 // ALiBi. `alibi_mode`, not `mode`, in add_alibi_: torch.compile's auto_functionalized passes a mutable op's arguments
 // as keywords beside its own `mode` parameter, so a mutable op cannot have an argument named mode.
 #define POSENC_ALIBI_OPS(X, A) \
@@ -115,7 +121,7 @@
 // "avx512".
 #define POSENC_ALL_OPS(X, A)                                                                                    \
   X(A, cpu_capability, "() -> str") POSENC_EMBEDDING_OPS(X, A) POSENC_SINUSOIDAL_OPS(X, A)                     \
-      POSENC_LEARNED_OPS(X, A) POSENC_ROPE_OPS(X, A) POSENC_QK_NORM_OPS(X, A) POSENC_ALIBI_OPS(X, A) POSENC_T5_OPS(X, A)                 \
+      POSENC_LEARNED_OPS(X, A) POSENC_ROPE_OPS(X, A) POSENC_QK_NORM_OPS(X, A) POSENC_KV_CACHE_OPS(X, A) POSENC_ALIBI_OPS(X, A) POSENC_T5_OPS(X, A)                 \
           POSENC_MULTIAXIS_OPS(X, A) POSENC_CONFIG_OPS(X, A)
 
 // X macros for the lists: m.impl of each op with the kernel Kernels::op (a family's op layer) or op<suffix>

@@ -21,6 +21,9 @@ the op cannot split). docs/distributed.md has the table; in short, per mesh dime
   weights replicated; over heads only with per-head ``[head_dim]`` weights: ``[heads * head_dim]`` weights (OLMo 2)
   normalize all heads of a token together, so head-sharded q and k are gathered (or moved to another placement of
   the rule). The backward's weight gradients are partial sums (``Partial()``) over sharded rows.
+- Decoding through a KV cache (``rope_qk_cache_``): q, k, v over heads with the caches over theirs, or over batch
+  with the caches' batch rows (positions and cache_positions ``[B, S]`` alongside); a pool (``"shd"``) and the
+  sequence are never split. q and the caches are written in place, so they must arrive in a placement of the rule.
 - Multi-axis rotary (``pair_axis``): the same, with positions ``[n_axes, S]`` shared by the batch and
   ``[n_axes, B, S]`` sharded over their batch dimension (1) alongside; ``pair_axis`` is replicated.
 - ``mrope_positions`` and ``rope_inv_freq_for_length`` run replicated: each result depends on the whole input
@@ -102,6 +105,55 @@ def _qk_norm_rope_rule(a: Dict[str, Any], backward: bool = False) -> List[_Strat
             output = [output, output, weights, weights]
         strategies.append((output, inputs))
     return strategies
+
+
+# Dimensions of batch and heads of each cache format of rope_qk_cache_ ("shd": one pool of slots, no batch).
+_CACHE_DIMS = {"bhsd": (0, 1), "bshd": (0, 2), "shd": (None, 1)}
+
+
+def _rope_qk_cache_rule(a: Dict[str, Any]) -> List[_Strategy]:
+    """rope_qk_cache_: q, k and v sharded over their heads with the caches over theirs (each head is rotated and
+    stored alone; with GQA each rank's q heads need not be its kv heads' group, as nothing mixes heads), or over the
+    batch with the caches' batch rows ([B, S] positions and cache_positions with them). A pool ("shd") holds every
+    batch row's slots, so it is never split by batch; nor is the sequence, whose tokens share one cache row (and
+    their slots are checked against each other).
+
+    q and the caches are written in place, and DTensor checks only the first argument of an in-place op: it would
+    redistribute a cache that arrives in another placement into a copy and write there, silently. So the rule
+    offers only the strategies of the placements the three written tensors arrive in, and refuses (naming the op)
+    a call where they arrive in no placement of the rule."""
+    if a["format"] not in _ROPE_DIMS or a["cache_format"] not in _CACHE_DIMS:
+        return [(Replicate(), {})]  # the replicated call reports the bad format
+    batch, _, head = _ROPE_DIMS[a["format"]]
+    cache_batch, cache_head = _CACHE_DIMS[a["cache_format"]]
+
+    def strategy(x: Placement, cache: Placement, positions: Placement = Replicate(),
+                 cache_positions: Placement = Replicate()) -> _Strategy:
+        return x, {"q": x, "k": x, "v": x, "k_cache": cache, "v_cache": cache, "positions": positions,
+                   "cache_positions": cache_positions}
+
+    strategies = [strategy(Replicate(), Replicate()), strategy(Shard(head), Shard(cache_head))]
+    if batch is not None and cache_batch is not None:
+        axes = 0 if a.get("pair_axis") is None else 1
+        positions, cache_positions = a["positions"], a["cache_positions"]
+        per_row = positions is not None and positions.ndim == 2 + axes
+        slots_per_row = cache_positions is not None and cache_positions.ndim == 2
+        strategies.append(strategy(Shard(batch), Shard(cache_batch), Shard(axes) if per_row else Replicate(),
+                                   Shard(0) if slots_per_row else Replicate()))
+    written = ("q", "k_cache", "v_cache")
+    if not all(isinstance(a[name], DTensorSpec) for name in written):
+        return strategies
+    offered = {tuple(inputs[name] for name in written): (output, inputs) for output, inputs in strategies}
+    arrived = list(zip(*(a[name].placements for name in written)))  # per mesh dimension
+    for dim, placements in enumerate(arrived):
+        if placements not in offered:
+            choices = "; ".join(", ".join(f"{name} {p}" for name, p in zip(written, key)) for key in offered)
+            raise RuntimeError(
+                f"posenc.rope_qk_cache_: q, k_cache and v_cache are written in place, so they must arrive in "
+                f"placements the op keeps, but on mesh dimension {dim} they are "
+                f"{', '.join(f'{name} {p}' for name, p in zip(written, placements))}; the op keeps ({choices}) "
+                f"for cache_format \"{a['cache_format']}\": redistribute them before the call")
+    return [offered[placements] for placements in dict.fromkeys(arrived)]
 
 
 def _rope_cos_sin_rule(a: Dict[str, Any]) -> List[_Strategy]:
@@ -235,6 +287,7 @@ _RULES = {
     "qk_norm_rope": _qk_norm_rope_rule,
     "qk_norm_rope_backward": lambda a: _qk_norm_rope_rule(a, backward=True),
     "qk_norm_rope_": _qk_norm_rope_rule,
+    "rope_qk_cache_": _rope_qk_cache_rule,
     "rope_cos_sin": _rope_cos_sin_rule,
     "rope_cos_sin_backward": _rope_cos_sin_rule,
     "add_alibi": lambda a: _alibi_rule("scores", a),

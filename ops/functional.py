@@ -328,6 +328,27 @@ def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_sc
     return x
 
 
+def rope_qk_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Optional[Tensor],
+                   inv_freq: Tensor, cache_positions: Optional[Tensor] = None, cache_format: str = "bhsd",
+                   attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
+                   cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0,
+                   q_scale_length: int = 1, q_scale_shift: int = 0) -> Tensor:
+    """One decoding step's attention prologue in one pass: q rotated in place as :func:`rope_qk` rotates it, k
+    rotated and v copied into their caches; returns q. k and v are left as they are.
+
+    ``cache_format``: ``"bhsd"`` (Hugging Face's ``StaticCache``, [B, H_kv, S_max, D]), ``"bshd"``
+    ([B, S_max, H_kv, D], flash-attention's ``k_cache``) or ``"shd"`` ([S_max, H_kv, D]: one pool of slots that
+    every token of the call writes into). Token (b, s) goes to slot ``cache_positions[b, s]`` (or ``[s]`` for every
+    batch row; ``[T]`` for ``"thd"``); without ``cache_positions``, to its rotary position (``positions`` plus
+    ``offset``; multi-axis positions need ``cache_positions``). Every slot is checked to lie in [0, S_max), and no two tokens may
+    share a slot of one cache row. The caches have the dtype of k and v, and their heads and head dims.
+    Inference only: a call that autograd would have to record raises an error."""
+    torch.ops.posenc.rope_qk_cache_(q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format,
+                                    attention_scale, layout, format, offset, cu_seqlens, pair_axis, q_scale_beta,
+                                    q_scale_length, q_scale_shift)
+    return q
+
+
 def rope_cos_sin(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", format: str = "bshd") -> Tensor:
     """``x * cos + rotate(x) * sin`` with explicit tables, Hugging Face's ``apply_rotary_pos_emb`` for one tensor.
 
@@ -368,7 +389,7 @@ def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> T
 
 
 __all__ += ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "rope_cos_sin", "rope_cos_sin_backward",
-            "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "qk_norm_rope_packed", "zigzag_positions",
+            "qk_norm_rope", "qk_norm_rope_backward", "qk_norm_rope_", "qk_norm_rope_packed", "rope_qk_cache_", "zigzag_positions",
             "zigzag_positions_varlen"]
 
 

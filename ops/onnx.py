@@ -28,7 +28,7 @@ with sorts and sums. Sequence lengths, batch sizes and positions stay dynamic; h
 fixed at export. The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime
 reports an out-of-range index in its own words.
 
-Backward ops and the in-place ``rope_`` / ``qk_norm_rope_`` / ``add_alibi_`` have no translation (export graphs
+Backward ops and the in-place ``rope_`` / ``qk_norm_rope_`` / ``add_alibi_`` / ``rope_qk_cache_`` have no translation (export graphs
 are functional inference graphs; use ``rope`` / ``qk_norm_rope`` / ``add_alibi``), nor has
 ``zigzag_positions_varlen``, whose output sizes follow its input's values: torch.export cannot trace it.
 """

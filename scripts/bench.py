@@ -479,6 +479,73 @@ def bench_qk_norm_rope(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def bench_rope_qk_cache(repeat: int, quick: bool) -> List[dict]:
+    """A decoding step's prologue with a static KV cache (Llama 3 8B's attention: 32 query heads, 8 KV heads of 128,
+    one new token per sequence, caches [B, 8, 4096, 128] as Hugging Face's StaticCache holds them), batch 1-8:
+    rope_qk_cache_ (q rotated in place, k rotated and v copied into their cache rows, one call) against Hugging Face
+    eager: LlamaRotaryEmbedding's cos/sin for the positions ("HF eager+tables"; "HF eager": tables given, as a model
+    forms them once per step for all its layers), apply_rotary_pos_emb, then StaticCache.update. Each timed call is
+    1000 steps, so its ms are the us of one step. Inputs and cache rows stay in cache from step to step, alike for
+    every contender. The copy bound is q + k + v through out.copy_(x), the bytes the step moves (q read and written,
+    k and v read, their cache rows written). StaticCache.update of transformers 5.24 takes no cache_position: it
+    writes every batch row at one running slot (it advances by one a call; the baseline resets it to 1000 every
+    1000 calls), so Hugging Face's rows all go to one slot, ours to slot 1000 + b (row b's position; both rotate
+    row b at 1000 + b)."""
+    try:
+        import itertools
+        import transformers
+        from transformers.cache_utils import StaticCache
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    except ImportError:
+        print("rope_qk_cache: transformers is not installed (pip install transformers); skipped")
+        return []
+    table = Table("rope_qk_cache_", repeat)
+    q_heads, kv_heads, head_dim, max_len, start, steps = 32, 8, 128, 4096, 1000, 1000
+    config = transformers.LlamaConfig(hidden_size=q_heads * head_dim, num_attention_heads=q_heads,
+                                      num_key_value_heads=kv_heads, num_hidden_layers=1,
+                                      max_position_embeddings=max_len,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    hf_rotary = LlamaRotaryEmbedding(config)
+    inv_freq = posenc.frequencies.rope(head_dim, base=500000.0)[0]
+
+    def many(fn):
+        return lambda: [fn() for _ in range(steps)]
+
+    for batch in ((1, 8) if quick else (1, 2, 4, 8)):
+        positions = (start + torch.arange(batch))[:, None]  # [B, 1]: row b's new token at 1000 + b
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(batch, 1, q_heads, head_dim, dtype=dtype)  # [B, S, H, D]: the projections' view
+            k = torch.randn(batch, 1, kv_heads, head_dim, dtype=dtype)
+            v = torch.randn(batch, 1, kv_heads, head_dim, dtype=dtype)
+            k_cache = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype)
+            v_cache = torch.zeros_like(k_cache)
+            # Hugging Face's q, k, v: [B, H, 1, D] views of the same projections (LlamaAttention's transpose(1, 2))
+            q_view, k_view, v_view = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache = StaticCache(config=config, max_cache_len=max_len)
+            cache.update(k_view, v_view, 0)  # allocates the layer's [B, 8, 4096, 128] caches
+            slot = cache.layers[0].cumulative_length
+            calls = itertools.count()
+            with torch.no_grad():
+                cos, sin = hf_rotary(q_view, positions)
+
+            def hf_step(tables=None):
+                if next(calls) % steps == 0:
+                    slot.fill_(start)
+                cs = hf_rotary(q_view, positions) if tables is None else tables
+                q_rot, k_rot = apply_rotary_pos_emb(q_view, k_view, *cs)
+                return q_rot, cache.update(k_rot, v_view, 0)
+
+            ours = many(lambda: PF.rope_qk_cache_(q, k, v, k_cache, v_cache, positions, inv_freq,
+                                                  cache_format="bhsd"))
+            moved = torch.cat([q.flatten(), k.flatten(), v.flatten()])
+            with torch.no_grad():
+                table.add(f"q [{batch}, 1, {q_heads}, {head_dim}] k,v Hkv {kv_heads} S_max {max_len} x{steps}", dtype,
+                          "decode step", ours,
+                          {"HF eager+tables": many(hf_step), "HF eager": many(lambda: hf_step((cos, sin)))},
+                          moved, copies=steps, fresh=False)
+    return table.rows
+
+
 def bench_mrope(repeat: int, quick: bool) -> List[dict]:
     """M-RoPE (Qwen2-VL) on q and k of a prompt holding an image: Hugging Face's Qwen2VLRotaryEmbedding tables
     (built once per forward for all layers) + apply_rotary_pos_emb, eager and compiled, and the copy bound."""
@@ -896,6 +963,7 @@ CUDA_BENCHMARKS = {
 BENCHMARKS = {
     "rope": bench_rope,
     "qk_norm_rope": bench_qk_norm_rope,
+    "rope_qk_cache": bench_rope_qk_cache,
     "mrope": bench_mrope,
     "axial": bench_axial,
     "sinusoidal": bench_sinusoidal,
@@ -987,7 +1055,8 @@ def check(rows: List[dict]) -> List[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", help="comma-separated: " + ",".join(BENCHMARKS) + " (with --device cuda: "
-                        + ",".join(CUDA_BENCHMARKS) + "); default all")
+                        + ",".join(CUDA_BENCHMARKS) + "); default all. --ops rope_qk_cache: the cached decode "
+                        "step (rope_qk_cache_ against Hugging Face's rotary + StaticCache.update, batch 1-8)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the GPU benchmark (its own shapes and baselines, CUDA-event timing)")
     parser.add_argument("--repeat", type=int, default=10)

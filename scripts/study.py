@@ -18,7 +18,8 @@ causal -inf above the diagonal, as its float attn_mask.
 The text ships with Python (pydoc's topic help and the standard library's top-level modules), read at run
 time; ``--data FILE`` trains on any file instead. Results go to one folder: the table (printed, CSV, JSON),
 a plot, the settings, and the best long-context model exported with TorchScript and torch.export for the
-C++ program in scripts/study_cpp.
+C++ program in scripts/study_cpp, which also decodes greedily with key/value caches (``decode_step``, whose
+attention layers write their caches with posenc's ``rope_qk_cache_``).
 
     python scripts/study.py [--out build/study] [--preset default|quick|large] [--steps N] ...
     torchrun --standalone --nproc_per_node 2 scripts/study.py ...      (DistributedDataParallel over gloo)
@@ -67,7 +68,19 @@ def describe(preset: Dict[str, float]) -> str:
 
 class NoRotation(torch.nn.Module):
     """The rotary slot of an attention layer for encodings that do not rotate q and k; the rotary encoding fills
-    it with posenc.nn.RotaryEmbedding (``rope_qk`` at positions 0..S-1, frequencies from posenc.frequencies)."""
+    it with posenc.nn.RotaryEmbedding (``rope_qk`` at positions 0..S-1, frequencies from posenc.frequencies).
+
+    For cached decoding it has the attributes of RotaryEmbedding that ``Attention.decode`` reads, with zero
+    frequencies: angle 0 (cos 1, sin 0) leaves q and k as they are, bit for bit, so ``rope_qk_cache_`` only
+    writes the caches."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.inv_freq = torch.zeros(head_dim // 2, dtype=torch.float64)
+        self.attention_scale, self.layout, self.length_dependent = 1.0, "neox", False
+
+    def inv_freq_for(self, q: Tensor, positions: Optional[Tensor] = None, offset: int = 0) -> Tensor:
+        return self.inv_freq
 
     def forward(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
         return q, k
@@ -92,6 +105,21 @@ class Attention(torch.nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(batch, length, dim))
 
+    def decode(self, x: Tensor, mask: Optional[Tensor], start: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """``forward`` for the tokens at positions start..start+S-1 of x [B, S, dim]: writes their keys and values
+        into the caches [B, H, S_max, D] (slots start..start+S-1) and attends over slots 0..start+S-1."""
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).unbind(2)
+        end = start + length
+        rotation = self.rotation
+        # q rotated in place; k rotated into its cache and v copied into its own, in one pass.
+        torch.ops.posenc.rope_qk_cache_(q, k, v, k_cache, v_cache, None, rotation.inv_freq_for(q, None, start), None,
+                                        "bhsd", rotation.attention_scale, rotation.layout, "bshd", start)
+        # Without a bias: the prompt at start 0 is square (SDPA's is_causal), and one new token sees every key.
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end],
+                                           attn_mask=mask, is_causal=mask is None and start == 0)
+        return self.out(y.transpose(1, 2).reshape(batch, length, dim))
+
 
 class Block(torch.nn.Module):
     def __init__(self, dim: int, heads: int, rotation: torch.nn.Module):
@@ -105,11 +133,16 @@ class Block(torch.nn.Module):
         x = x + self.attention(self.norm1(x), mask)
         return x + self.mlp(self.norm2(x))
 
+    def decode(self, x: Tensor, mask: Optional[Tensor], start: int, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        x = x + self.attention.decode(self.norm1(x), mask, start, k_cache, v_cache)
+        return x + self.mlp(self.norm2(x))
 
-def causal_mask(length: int, heads: int, device: torch.device) -> Tensor:
-    """``[1, heads, length, length]`` float mask: 0 on and below the diagonal, -inf above it."""
-    mask = torch.full((length, length), float("-inf"), device=device).triu(1)
-    return mask.expand(1, heads, length, length).contiguous()
+
+def causal_mask(length: int, heads: int, device: torch.device, start: int = 0) -> Tensor:
+    """``[1, heads, length - start, length]`` float mask of the queries at positions start..length-1 over the keys
+    at 0..length-1: 0 where the key is not after the query, -inf where it is."""
+    mask = torch.full((length - start, length), float("-inf"), device=device).triu(start + 1)
+    return mask.expand(1, heads, length - start, length).contiguous()
 
 
 class TokenEmbedding(torch.nn.Module):
@@ -119,7 +152,7 @@ class TokenEmbedding(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(VOCAB, dim) * 0.02)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:  # offset: the cache's length, no position here
         return F.embedding(tokens, self.weight)
 
 
@@ -130,8 +163,8 @@ class SinusoidalTokens(torch.nn.Module):
         super().__init__()
         self.embed = posenc.nn.SinusoidalEmbedding(VOCAB, dim)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.embed(tokens)
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        return self.embed(tokens, None, offset)
 
 
 class LearnedTokens(torch.nn.Module):
@@ -141,15 +174,20 @@ class LearnedTokens(torch.nn.Module):
         super().__init__()
         self.embed = posenc.nn.LearnedEmbedding(VOCAB, max_positions, dim)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.embed(tokens)
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        return self.embed(tokens, None, offset)
 
 
 class NoBias(torch.nn.Module):
-    """Encodings without an attention bias: plain causal attention (SDPA's is_causal)."""
+    """Encodings without an attention bias: plain causal attention (SDPA's is_causal).
 
-    def forward(self, length: int, device: torch.device) -> Optional[Tensor]:
-        return None
+    Every bias module's ``forward(length, device, start)`` gives the mask of the queries at positions
+    start..length-1 over the keys at 0..length-1: start 0 for a forward, the cache's length when decoding."""
+
+    def forward(self, length: int, device: torch.device, start: int = 0) -> Optional[Tensor]:
+        if start == 0 or length - start == 1:
+            return None
+        return causal_mask(length, 1, device, start)  # several new tokens after a cache
 
 
 class AlibiBias(torch.nn.Module):
@@ -160,9 +198,9 @@ class AlibiBias(torch.nn.Module):
         self.heads = heads
         self.register_buffer("slopes", posenc.functional.alibi_slopes(heads), persistent=False)
 
-    def forward(self, length: int, device: torch.device) -> Optional[Tensor]:
-        mask = causal_mask(length, self.heads, device)
-        torch.ops.posenc.add_alibi_(mask, self.slopes, "causal", 0)
+    def forward(self, length: int, device: torch.device, start: int = 0) -> Optional[Tensor]:
+        mask = causal_mask(length, self.heads, device, start)
+        torch.ops.posenc.add_alibi_(mask, self.slopes, "causal", 0)  # bottom-right aligned: query i at start + i
         return mask
 
 
@@ -183,13 +221,15 @@ class T5Bias(torch.nn.Module):
         self.heads, self.num_buckets, self.max_distance = heads, num_buckets, max_distance
         self.weight = torch.nn.Parameter(torch.zeros(num_buckets, heads))
 
-    def forward(self, length: int, device: torch.device) -> Optional[Tensor]:
-        bias = torch.ops.posenc.t5_bias(self.weight, length, length, False, self.num_buckets, self.max_distance, 0)
-        return bias + causal_mask(length, self.heads, device)
+    def forward(self, length: int, device: torch.device, start: int = 0) -> Optional[Tensor]:
+        bias = torch.ops.posenc.t5_bias(self.weight, length - start, length, False, self.num_buckets,
+                                        self.max_distance, start)
+        return bias + causal_mask(length, self.heads, device, start)
 
 
 class ByteLM(torch.nn.Module):
-    """A pre-norm causal transformer over bytes: ``forward(tokens [B, S] int64) -> logits [B, S, 256]``."""
+    """A pre-norm causal transformer over bytes: ``forward(tokens [B, S] int64) -> logits [B, S, 256]``, and
+    ``decode_step``, the same logits through key/value caches (TorchScript methods both)."""
 
     def __init__(self, encoding: str, dim: int, layers: int, heads: int, train_len: int,
                  rotary_scaling: Optional[Dict[str, float]] = None):
@@ -216,9 +256,12 @@ class ByteLM(torch.nn.Module):
         def rotation() -> torch.nn.Module:
             if encoding == "rotary":
                 return posenc.nn.RotaryEmbedding(dim // heads, scaling=rotary_scaling)
-            return NoRotation()
+            return NoRotation(dim // heads)
 
         self.blocks = torch.nn.ModuleList([Block(dim, heads, rotation()) for _ in range(layers)])
+        # Dynamic NTK's frequencies depend on the length: at every step every key of every layer would change, so
+        # a cache cannot hold them (Hugging Face's caches keep the stale keys); that model decodes without one.
+        self.cached_decoding = not self.blocks[0].attention.rotation.length_dependent
         self.norm = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, VOCAB, bias=False)
 
@@ -227,6 +270,26 @@ class ByteLM(torch.nn.Module):
         mask = self.bias(tokens.size(1), tokens.device)
         for block in self.blocks:
             x = block(x, mask)
+        return self.head(self.norm(x))
+
+    @torch.jit.export
+    def cache_shape(self) -> List[int]:
+        """[layers, heads, head_dim]: ``decode_step`` takes, per layer, caches of zeros [B, heads, S_max, head_dim]."""
+        attention = self.blocks[0].attention
+        return [len(self.blocks), attention.heads, attention.qkv.in_features // attention.heads]
+
+    @torch.jit.export
+    def decode_step(self, tokens: Tensor, start: int, k_caches: List[Tensor], v_caches: List[Tensor]) -> Tensor:
+        """The logits ``[B, S, 256]`` that ``forward`` gives the tokens at positions start..start+S-1 of a sequence
+        whose first ``start`` positions are in the caches; writes the keys and values of ``tokens [B, S]`` there.
+        Greedy decoding: the prompt at start 0, then one token per call. Inference only (``rope_qk_cache_``)."""
+        if not self.cached_decoding:
+            raise RuntimeError("study: decode_step: rotary frequencies that depend on the length (dynamic NTK) "
+                               "change every cached key at every step")
+        x = self.embed(tokens, start)
+        mask = self.bias(start + tokens.size(1), tokens.device, start)
+        for i, block in enumerate(self.blocks):
+            x = block.decode(x, mask, start, k_caches[i], v_caches[i])
         return self.head(self.norm(x))
 
 
@@ -481,11 +544,39 @@ def generate(model: torch.nn.Module, prompt: bytes, count: int, context: int) ->
     return bytes(tokens[len(prompt):])
 
 
+def fits_cache(prompt: bytes, count: int, context: int) -> bool:
+    """Whether every window of ``generate`` holds the whole text, so that decoding with a cache of every byte
+    gives the same bytes (past ``context``, ``generate`` drops the first bytes and the positions restart)."""
+    return len(prompt) + count - 1 <= context
+
+
+@torch.no_grad()
+def generate_cached(model: torch.nn.Module, prompt: bytes, count: int, context: int) -> bytes:
+    """``generate`` through ``decode_step`` (the eager or the scripted model): the prompt in one call, then one
+    byte per call, each reading the keys and values of the bytes before it from the caches instead of
+    recomputing them. ``ValueError`` where ``generate`` would cut the text to ``context`` bytes; RuntimeError for
+    dynamic NTK (see ``ByteLM.cached_decoding``)."""
+    if not fits_cache(prompt, count, context):
+        raise ValueError(f"study: {len(prompt)} + {count} bytes exceed the context of {context}")
+    layers, heads, head_dim = model.cache_shape()
+    shape = (1, heads, len(prompt) + count, head_dim)
+    k_caches = [torch.zeros(shape) for _ in range(layers)]
+    v_caches = [torch.zeros(shape) for _ in range(layers)]
+    tokens, start, out = torch.tensor([list(prompt)], dtype=torch.long), 0, []
+    for _ in range(count):
+        logits = model.decode_step(tokens, start, k_caches, v_caches)
+        start += tokens.size(1)
+        tokens = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(tokens))
+    return bytes(out)
+
+
 def export(model: ByteLM, name: str, chunks: Tensor, lengths: List[int], args: argparse.Namespace,
            out: Path, procs: Processes) -> Dict[str, object]:
-    """Saves ``model`` with TorchScript (``model.pt``) and torch.export (``model.pt2``, batch and length
-    dynamic), checks both against the eager model at the shortest and longest length, and writes what the C++
-    program needs to repeat the evaluation and the greedy continuation of the prompt."""
+    """Saves ``model`` with TorchScript (``model.pt``, with ``decode_step``) and torch.export (``model.pt2``,
+    batch and length dynamic), checks both against the eager model at the shortest and longest length and the
+    scripted cached decoding against ``generate``, and writes what the C++ program needs to repeat the
+    evaluation and the greedy continuation of the prompt."""
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
     with warnings.catch_warnings():  # TorchScript is deprecated upstream, and still what C++ programs load
@@ -507,6 +598,10 @@ def export(model: ByteLM, name: str, chunks: Tensor, lengths: List[int], args: a
                           "torch.export": evaluate(loaded, chunks, length, procs)}
     prompt = args.prompt.encode()
     continuation = generate(model, prompt, args.generate, longest)
+    # The scripted model's decode_step, as C++ calls it, must continue the prompt with the same bytes.
+    cached = None
+    if model.cached_decoding and fits_cache(prompt, args.generate, longest):
+        cached = generate_cached(reloaded, prompt, args.generate, longest) == continuation
     (out / "heldout.bin").write_bytes(bytes(chunks.to(torch.uint8).flatten().tolist()))
     (out / "prompt.txt").write_bytes(prompt)
     (out / "generated_python.txt").write_bytes(continuation)
@@ -515,7 +610,7 @@ def export(model: ByteLM, name: str, chunks: Tensor, lengths: List[int], args: a
         f"encoding {name}\nchunk {chunks.size(1)}\ncontext {longest}\ngenerate {args.generate}\n"
         + "".join(f"bpb {n} {values[n]['eager']:.10f}\n" for n in check))
     return {"encoding": name, "lengths": check, "bits_per_byte": values, "prompt": args.prompt,
-            "generated": continuation.decode("utf-8", "replace")}
+            "generated": continuation.decode("utf-8", "replace"), "cached_generation_equal": cached}
 
 
 # ---------------------------------------------------------------- main
@@ -639,6 +734,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         if exported is not None:
             say(f"best at {max(lengths)} bytes: {best}; exported to {out / 'export'} (model.pt, model.pt2)")
             say(f"greedy continuation of {args.prompt!r}: {exported['generated']!r}")
+            equal = exported["cached_generation_equal"]
+            verdict = "n/a" if equal is None else "the same bytes" if equal else "DIFFERENT bytes"
+            say(f"cached greedy decoding (decode_step of model.pt): {verdict}")
         say(f"wall time {seconds:.0f} s; outputs in {out}")
     procs.close()
     return {"results": results, "best": best}

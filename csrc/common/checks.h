@@ -146,7 +146,8 @@ inline void check_no_shared_elements(const char* op, const char* a_name, const a
   const auto [a_low, a_high] = range(a);
   const auto [b_low, b_high] = range(b);
   bool disjoint = a_high < b_low || b_high < a_low;
-  const int64_t step = a.stride(dim);
+  // dim -1: no dimension along which a and b may be slices of one view (a cache and what is written into it).
+  const int64_t step = dim >= 0 && dim < a.dim() ? a.stride(dim) : 0;
   const int64_t delta = b.storage_offset() - a.storage_offset();
   if (!disjoint && a.dim() == b.dim() && a.strides() == b.strides() && step != 0 && delta % step == 0) {
     // a and b as slices of one view along dim, from the one that starts first.

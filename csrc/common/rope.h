@@ -209,15 +209,18 @@ inline std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pai
   return out;
 }
 
-// x (and its output, the same tensor in place) as the kernels read it: [batch, seq, heads, head_dim] strides.
+// x (and its output, the same tensor in place) as the kernels read it: [batch, seq, heads, head_dim] strides; the
+// output in a format of its own when it is a cache (rope_qk_cache_).
 template <typename scalar_t>
-RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, RopeFormat format) {
+RotaryView<scalar_t> rotary_view(const at::Tensor& in, const at::Tensor& out, RopeFormat format,
+                                 std::optional<RopeFormat> out_format = std::nullopt) {
   const auto order = rope_dim_order(format);
+  const auto out_order = rope_dim_order(out_format.value_or(format));
   RotaryView<scalar_t> view{in.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), in.size(order[2]),
                             in.size(order[3]), {}, {}};
   for (int i = 0; i < 4; ++i) {
     view.in_stride[i] = order[i] < 0 ? 0 : in.stride(order[i]);
-    view.out_stride[i] = order[i] < 0 ? 0 : out.stride(order[i]);
+    view.out_stride[i] = out_order[i] < 0 ? 0 : out.stride(out_order[i]);
   }
   return view;
 }
@@ -232,6 +235,16 @@ struct RotationNorm {
   QkNorm convention;
   at::Tensor input;
   at::Tensor weight_grad;
+};
+
+// rope_qk_cache_'s caches as the op layer hands them to a device: the rotation's outputs[1] is k's cache, and v is
+// copied into v_cache in the same pass; both caches in `format` (thd: one pool of slots), every token at its slot
+// from cache_positions, else from its rotary position.
+struct CacheWrite {
+  const at::Tensor& v;
+  const at::Tensor& v_cache;
+  RopeFormat format;
+  const std::optional<at::Tensor>& cache_positions;
 };
 
 // A rotation by angles as the op layer hands it to a device: inputs[v] rotated into outputs[v] (the same tensor in
@@ -253,6 +266,7 @@ struct Rotation {
   bool inverse;
   const std::vector<RotationNorm>* norms = nullptr;
   QScale q_scale = {};  // of inputs[0], q
+  const CacheWrite* cache = nullptr;
 };
 
 // The ops of the rotary family on one device: checks, allocation and empty outputs, the same on every device.
@@ -270,13 +284,14 @@ struct RopeOps {
                      const RopeArgs& args, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
                      double attention_scale, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                      const std::optional<at::Tensor>& pair_axis, bool inverse,
-                     const std::vector<RotationNorm>* norms = nullptr, QScale q_scale = {}) {
+                     const std::vector<RotationNorm>* norms = nullptr, QScale q_scale = {},
+                     const CacheWrite* cache = nullptr) {
     const typename Device::Guard guard(inputs[0].device());
     const auto order = rope_dim_order(args.format);
     const int64_t batch = order[0] < 0 ? 1 : inputs[0].size(order[0]);
     const int64_t seq = inputs[0].size(order[1]);
     Device::rotate({op, std::move(inputs), std::move(outputs), args, batch, seq, positions, inv_freq, attention_scale,
-                    offset, cu_seqlens, pair_axis, inverse, norms, q_scale});
+                    offset, cu_seqlens, pair_axis, inverse, norms, q_scale, cache});
   }
 
   static at::Tensor one(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& positions,

@@ -14,6 +14,7 @@
 //
 // qk_norm_rope (a Rotation with norms) takes the same positions and coefficients (AngleCoeffs) into kernels of its
 // own (cuda/qk_norm.cuh): a group's sum of squares must be complete before any of its channels is rotated.
+#include "common/kv_cache.h"
 #include "common/positions.h"
 #include "common/qk_norm.h"
 #include "common/rope.h"
@@ -24,7 +25,9 @@
 #include "portable/rotary.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -202,10 +205,14 @@ __device__ __forceinline__ void copy_unit(const scalar_t* in, int64_t in_step, s
 // the coefficient fills are separated by barriers. With a query scale (coeffs.scales_query()) a chunk holds half
 // the pairs: each row's second half is the first's times the token's query factor, v0's (q's) coefficients. The views are read in place from the parameter space
 // (__grid_constant__), so choosing one by a run-time condition makes no local copy.
-template <RopeLayout kLayout, int V, bool kScaled, typename scalar_t, typename Coeffs>
+// kCache (rope_qk_cache_): v1's token (k's) is stored at its cache slot (portable::output_index, found once per token;
+// none out of range), and `copy` (v, when has_copy) is copied into its cache with the channels past rotary_dim; v0
+// (q) is stored in place. A compile-time choice, so that the other rotary ops run the kernel without its registers.
+template <RopeLayout kLayout, int V, bool kScaled, bool kCache, typename scalar_t, typename Coeffs>
 __global__ void __launch_bounds__(kThreads)
     rotary_kernel(const __grid_constant__ RotaryView<scalar_t> v0, const __grid_constant__ RotaryView<scalar_t> v1,
-                  int num_views, int64_t batch, int64_t seq, int64_t pairs, const __grid_constant__ Coeffs coeffs) {
+                  int num_views, const __grid_constant__ RotaryView<scalar_t> copy, bool has_copy, int64_t batch,
+                  int64_t seq, int64_t pairs, const __grid_constant__ Coeffs coeffs) {
   using opmath = opmath_t<scalar_t>;
   __shared__ alignas(32) opmath shared[4][kChunkPairs];
   const double local_max = coeffs.max_frequency();
@@ -220,6 +227,7 @@ __global__ void __launch_bounds__(kThreads)
     const auto state = coeffs.token(b, s, local_max);
     opmath query = opmath(1);
     if constexpr (scaled) query = coeffs.query_factor(state);
+    const int64_t s1 = kCache ? portable::output_index(v1, b, s) : s;
     for (int64_t first_pair = 0; first_pair < pairs; first_pair += chunk_pairs) {
       const int64_t n = pairs - first_pair < chunk_pairs ? pairs - first_pair : chunk_pairs;
       __syncthreads();  // the previous chunk's readers are done
@@ -241,26 +249,35 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t local = (w - h * per_head) * V;
         const int64_t row = local + (scaled && !second ? chunk_pairs : 0);
         const auto& v = second ? v1 : v0;
+        const int64_t out_s = second ? s1 : s;
+        if (kCache && out_s < 0) continue;
         rotate_unit<kLayout, V>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2], v.in_stride[3],
-                                v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2],
+                                v.out + b * v.out_stride[0] + out_s * v.out_stride[1] + h * v.out_stride[2],
                                 v.out_stride[3], first_pair + local, pairs, shared[0] + row, shared[1] + row,
                                 shared[2] + row, shared[3] + row);
       }
     }
-    if (v0.in == v0.out) continue;  // in place: the channels past rotary_dim are already there
-    const int64_t rest0 = (v0.head_dim - 2 * pairs) / V;
-    const int64_t rest1 = num_views > 1 ? (v1.head_dim - 2 * pairs) / V : 0;
+    // The channels past rotary_dim of a view not rotated in place (in place, they are already there), then v's.
+    if (!kCache && v0.in == v0.out) continue;
+    const int64_t rest0 = v0.in == v0.out ? 0 : (v0.head_dim - 2 * pairs) / V;
+    const int64_t rest1 = num_views > 1 && v1.in != v1.out ? (v1.head_dim - 2 * pairs) / V : 0;
+    const int64_t rest2 = kCache && has_copy ? copy.head_dim / V : 0;
+    const int64_t s2 = kCache && has_copy ? portable::output_index(copy, b, s) : s;
     const int64_t units0 = v0.heads * rest0;
-    const int64_t units = units0 + (num_views > 1 ? v1.heads * rest1 : 0);
+    const int64_t units1 = units0 + (num_views > 1 ? v1.heads * rest1 : 0);
+    const int64_t units = units1 + copy.heads * rest2;
     for (int64_t u = blockIdx.y * int64_t{blockDim.x} + threadIdx.x; u < units; u += stride) {
-      const bool second = u >= units0;
-      const int64_t w = second ? u - units0 : u;
-      const int64_t per_head = second ? rest1 : rest0;
+      const int which = u < units0 ? 0 : u < units1 ? 1 : 2;
+      const int64_t w = u - (which == 0 ? 0 : which == 1 ? units0 : units1);
+      const int64_t per_head = which == 0 ? rest0 : which == 1 ? rest1 : rest2;
       const int64_t h = w / per_head;
-      const int64_t channel = 2 * pairs + (w - h * per_head) * V;
-      const auto& v = second ? v1 : v0;
+      const int64_t channel = (which == 2 ? 0 : 2 * pairs) + (w - h * per_head) * V;
+      const auto& v = which == 0 ? v0 : which == 1 ? v1 : copy;
+      const int64_t out_s = which == 0 ? s : which == 1 ? s1 : s2;
+      if (kCache && out_s < 0) continue;
       copy_unit<V>(v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2], v.in_stride[3],
-                   v.out + b * v.out_stride[0] + s * v.out_stride[1] + h * v.out_stride[2], v.out_stride[3], channel);
+                   v.out + b * v.out_stride[0] + out_s * v.out_stride[1] + h * v.out_stride[2], v.out_stride[3],
+                   channel);
     }
   }
 }
@@ -283,41 +300,51 @@ int vector_width(const std::vector<RotaryView<scalar_t>>& views, int64_t pairs) 
 }
 
 template <RopeLayout kLayout, int V, typename scalar_t, typename Coeffs>
-void launch_layout(const std::vector<RotaryView<scalar_t>>& views, int64_t batch, int64_t seq, int64_t pairs,
-                   const Coeffs& coeffs) {
+void launch_layout(const std::vector<RotaryView<scalar_t>>& views, const RotaryView<scalar_t>* copy, int64_t batch,
+                   int64_t seq, int64_t pairs, const Coeffs& coeffs) {
   const int64_t tokens = batch * seq;
-  int64_t units = 0;  // a token's units in its largest chunk
+  int64_t units = copy != nullptr ? copy->heads * copy->head_dim / V : 0;  // a token's units in its largest chunk
   for (const auto& v : views) units += v.heads * std::max(std::min(pairs, kChunkPairs), v.head_dim - 2 * pairs) / V;
   const int64_t wanted = ceil_div(int64_t{multiprocessors()} * 8, tokens);
   const int64_t split = std::clamp<int64_t>(std::min(wanted, ceil_div(units, kThreads)), 1, 65535);
   const dim3 grid(static_cast<unsigned int>(std::min<int64_t>(tokens, 0x7FFFFFFF)), static_cast<unsigned int>(split));
   const auto& v1 = views.size() > 1 ? views[1] : views[0];
   const int n_views = static_cast<int>(views.size());
+  const auto& copied = copy != nullptr ? *copy : views[0];
+  const auto launch = [&](auto scaled, auto cache) {
+    rotary_kernel<kLayout, V, decltype(scaled)::value, decltype(cache)::value, scalar_t>
+        <<<grid, kThreads, 0, current_stream()>>>(views[0], v1, n_views, copied, copy != nullptr, batch, seq, pairs,
+                                                  coeffs);
+  };
+  // The query scale and the cache slots come from the angle engine's ops only (rope_qk, rope_qk_cache_).
   if constexpr (Coeffs::kScalable) {
+    TORCH_INTERNAL_ASSERT(views[0].slots == nullptr, "posenc: the kernel stores its first view in place");
+    const bool slots = copy != nullptr || (views.size() > 1 && views[1].slots != nullptr);
     if (coeffs.scales_query()) {
-      rotary_kernel<kLayout, V, true, scalar_t>
-          <<<grid, kThreads, 0, current_stream()>>>(views[0], v1, n_views, batch, seq, pairs, coeffs);
-      POSENC_CUDA_LAUNCH_CHECK();
-      return;
+      slots ? launch(std::true_type(), std::true_type()) : launch(std::true_type(), std::false_type());
+    } else {
+      slots ? launch(std::false_type(), std::true_type()) : launch(std::false_type(), std::false_type());
     }
+  } else {
+    launch(std::false_type(), std::false_type());
   }
-  rotary_kernel<kLayout, V, false, scalar_t>
-      <<<grid, kThreads, 0, current_stream()>>>(views[0], v1, n_views, batch, seq, pairs, coeffs);
   POSENC_CUDA_LAUNCH_CHECK();
 }
 
 template <typename scalar_t, typename Coeffs>
 void launch_rotary(const std::vector<RotaryView<scalar_t>>& views, int64_t batch, int64_t seq, int64_t pairs,
-                   RopeLayout layout, const Coeffs& coeffs) {
+                   RopeLayout layout, const Coeffs& coeffs, const RotaryView<scalar_t>* copy = nullptr) {
   if (views.empty() || batch * seq == 0) return;
   constexpr int V = kMaxVec<scalar_t>;
-  const bool vectorized = vector_width(views, pairs) == V;
+  auto all = views;
+  if (copy != nullptr) all.push_back(*copy);
+  const bool vectorized = vector_width(all, pairs) == V;
   if (layout == RopeLayout::Neox) {
-    vectorized ? launch_layout<RopeLayout::Neox, V>(views, batch, seq, pairs, coeffs)
-               : launch_layout<RopeLayout::Neox, 1>(views, batch, seq, pairs, coeffs);
+    vectorized ? launch_layout<RopeLayout::Neox, V>(views, copy, batch, seq, pairs, coeffs)
+               : launch_layout<RopeLayout::Neox, 1>(views, copy, batch, seq, pairs, coeffs);
   } else {
-    vectorized ? launch_layout<RopeLayout::Gptj, V>(views, batch, seq, pairs, coeffs)
-               : launch_layout<RopeLayout::Gptj, 1>(views, batch, seq, pairs, coeffs);
+    vectorized ? launch_layout<RopeLayout::Gptj, V>(views, copy, batch, seq, pairs, coeffs)
+               : launch_layout<RopeLayout::Gptj, 1>(views, copy, batch, seq, pairs, coeffs);
   }
 }
 
@@ -338,6 +365,28 @@ NormRopeView<scalar_t> norm_rope_view(const at::Tensor& in, const at::Tensor& ou
   return view;
 }
 
+// rope_qk_cache_'s slots on the device, [seq] shared by the batch rows or [batch * seq], with whether they are shared:
+// read and checked on the host as the CPU checks them (one read-back of the index tensors), or under graph capture
+// formed on the device unchecked, where the kernel stores no token whose slot is out of range.
+std::pair<at::Tensor, bool> device_slots(const Rotation& r) {
+  const auto& cache_positions = r.cache->cache_positions;
+  const auto device = r.inputs[0].device();
+  if (!capturing()) {
+    const auto host = [](const std::optional<at::Tensor>& t) {
+      return t ? std::optional<at::Tensor>(t->cpu()) : std::nullopt;
+    };
+    const int64_t cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
+    const auto slots = read_cache_slots(r.op, host(cache_positions), host(r.positions), r.offset, host(r.cu_seqlens),
+                                        r.args.shared_positions, r.batch, r.seq, cache_seq,
+                                        r.cache->format == RopeFormat::THD);
+    return {at::tensor(slots.values, at::kLong).to(device), slots.shared};
+  }
+  if (cache_positions) return {cache_positions->to(at::kLong).contiguous(), cache_positions->dim() == 1};
+  if (r.positions) return {r.positions->to(at::kLong).add(r.offset).contiguous(), r.args.shared_positions};
+  TORCH_CHECK(!r.cu_seqlens, "posenc.", r.op, ": under CUDA graph capture, packed sequences need cache_positions");
+  return {at::arange(r.offset, r.offset + r.seq, at::TensorOptions(at::kLong).device(device)), true};
+}
+
 struct CudaRope : CudaDevice {
 
   static void rotate(const Rotation& r) {
@@ -351,6 +400,7 @@ struct CudaRope : CudaDevice {
     auto pos = angle_positions(r.op, r.positions, r.seq, r.offset, r.cu_seqlens);
     // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
     if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
+    const auto [slots, shared_slots] = r.cache != nullptr ? device_slots(r) : std::pair<at::Tensor, bool>();
     bool empty = true;
     for (const auto& t : r.inputs) empty = empty && t.numel() == 0;
     if (empty) return;
@@ -361,13 +411,21 @@ struct CudaRope : CudaDevice {
       std::vector<RotaryView<scalar_t>> views;
       std::vector<NormRopeView<scalar_t>> norm_views;
       for (size_t i = 0; i < r.inputs.size(); ++i) {
-        if (r.inputs[i].numel() == 0) continue;
+        // An empty q stays the first view of a cache write: the kernel stores that one in place.
+        if (r.inputs[i].numel() == 0 && r.cache == nullptr) continue;
         if (r.norms != nullptr) {
           norm_views.push_back(norm_rope_view<scalar_t>(r.inputs[i], r.outputs[i], (*r.norms)[i], r.args.format));
+        } else if (r.cache != nullptr && i == 1) {
+          views.push_back(cache_view<scalar_t>(r.inputs[i], r.args.format, r.outputs[i], r.cache->format,
+                                               slots.const_data_ptr<int64_t>(), shared_slots, r.seq));
         } else {
           views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         }
       }
+      const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
+      const auto v_view = copies ? cache_view<scalar_t>(r.cache->v, r.args.format, r.cache->v_cache, r.cache->format,
+                                                        slots.const_data_ptr<int64_t>(), shared_slots, r.seq)
+                                 : RotaryView<scalar_t>{};
       const auto scale = static_cast<opmath>(r.attention_scale);
       const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
                                        r.offset,
@@ -384,7 +442,7 @@ struct CudaRope : CudaDevice {
         launch_norm_rope(norm_views, r.batch, r.seq, freq.numel(), r.args.layout, r.inverse, coeffs,
                          r.inputs[0].options());
       } else {
-        launch_rotary(views, r.batch, r.seq, freq.numel(), r.args.layout, coeffs);
+        launch_rotary(views, r.batch, r.seq, freq.numel(), r.args.layout, coeffs, copies ? &v_view : nullptr);
       }
     });
   }
@@ -406,6 +464,7 @@ struct CudaRope : CudaDevice {
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
   RopeOps<CudaRope>::register_kernels(m);
   QkNormOps<CudaRope>::register_kernels(m);
+  KvCacheOps<CudaRope>::register_kernels(m);
 }
 
 }  // namespace posenc::cuda

@@ -1,6 +1,7 @@
 // Meta kernels of the rotary family: the CPU kernels' checks and output metadata (fresh, contiguous,
 // the input's dtype), no data read. Value checks of cu_seqlens and pair_axis need data and run on real tensors
 // only.
+#include "common/kv_cache.h"
 #include "common/qk_norm.h"
 #include "common/rope.h"
 #include "families.h"
@@ -112,11 +113,23 @@ void qk_norm_rope__meta(const at::Tensor& q, const at::Tensor& k, const at::Tens
                      layout, format, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
 }
 
+void rope_qk_cache__meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const std::optional<at::Tensor>& positions,
+                         const at::Tensor& inv_freq, const std::optional<at::Tensor>& cache_positions,
+                         c10::string_view cache_format, double attention_scale, c10::string_view layout,
+                         c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
+                         const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length,
+                         int64_t q_scale_shift) {
+  check_rope_qk_cache("rope_qk_cache_", q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format,
+                      layout, format, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
   POSENC_ROPE_OPS(POSENC_IMPL_SUFFIXED, _meta)
   POSENC_QK_NORM_OPS(POSENC_IMPL_SUFFIXED, _meta)
+  POSENC_KV_CACHE_OPS(POSENC_IMPL_SUFFIXED, _meta)
 }
 
 }  // namespace posenc

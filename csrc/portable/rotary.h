@@ -35,6 +35,23 @@ POSENC_INLINE double query_scale(double position, QScale q) {
   return 1.0 + q.beta * libm::log(1.0 + (steps > 0.0 ? steps : 0.0));
 }
 
+// The sequence index of out that token (b, s) is stored at: s, or its cache slot; -1 where the slot lies outside
+// [0, out_seq) (the host checks every slot of a call it can read, so this only guards a call captured into a CUDA
+// graph).
+template <typename scalar_t>
+POSENC_INLINE int64_t output_index(const RotaryView<scalar_t>& v, int64_t b, int64_t s) {
+  if (v.slots == nullptr) return s;
+  const int64_t slot = v.slots[b * v.slot_batch_stride + s];
+  return slot >= 0 && slot < v.out_seq ? slot : -1;
+}
+
+// Token (b, s)'s first output element, or null where it is not stored.
+template <typename scalar_t>
+POSENC_INLINE scalar_t* output_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s) {
+  const int64_t index = output_index(v, b, s);
+  return index < 0 ? nullptr : v.out + b * v.out_stride[0] + index * v.out_stride[1];
+}
+
 template <typename T>
 POSENC_INLINE T rotate_first(T x1, T x2, T c, T s) {
   return x1 * c - x2 * s;
@@ -136,7 +153,8 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
 template <RopeLayout kLayout, typename scalar_t, typename opmath_t>
 void rotate_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs) {
   const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
-  scalar_t* out = v.out + b * v.out_stride[0] + s * v.out_stride[1];
+  scalar_t* out = output_token(v, b, s);
+  if (out == nullptr) return;
   const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
   if (v.in_stride[3] != 1 || v.out_stride[3] != 1) {
     for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
@@ -148,6 +166,21 @@ void rotate_heads(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeff
     rotate_unit_heads<kLayout, 32>(v, in, out, k, pairs);
   } else {
     rotate_unit_heads<kLayout, 0>(v, in, out, k, pairs);
+  }
+}
+
+// Every head of token (b, s) copied as it is (a value written into its cache).
+template <typename scalar_t>
+void copy_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s) {
+  const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
+  scalar_t* out = output_token(v, b, s);
+  if (out == nullptr) return;
+  for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
+    if (v.in_stride[3] == 1 && v.out_stride[3] == 1) {
+      std::copy(in, in + v.head_dim, out);
+    } else {
+      for (int64_t d = 0; d < v.head_dim; ++d) out[d * v.out_stride[3]] = in[d * v.in_stride[3]];
+    }
   }
 }
 

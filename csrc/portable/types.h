@@ -31,7 +31,8 @@ enum class RopeLayout { Neox, Gptj };
 enum class RopeFormat { BSHD, BHSD, SBHD, THD };
 
 // One tensor to rotate: input and output read through their strides as [batch, seq, heads, head_dim]
-// (out == in: in place).
+// (out == in: in place). slots (a KV cache's output): token (b, s) is stored at sequence index
+// slots[b * slot_batch_stride + s] of out instead of s (portable/rotary.h's output_token).
 template <typename scalar_t>
 struct RotaryView {
   const scalar_t* in;
@@ -40,6 +41,9 @@ struct RotaryView {
   int64_t head_dim;
   int64_t in_stride[4];
   int64_t out_stride[4];
+  const int64_t* slots = nullptr;
+  int64_t slot_batch_stride = 0;
+  int64_t out_seq = 0;
 };
 
 // The query scale of rope_qk and qk_norm_rope: q times 1 + beta * log(1 + floor((p + shift) / length)) at position p

@@ -1,18 +1,21 @@
 // The C++ half of the length-generalization study: loads the model that `python scripts/study.py` exported
 // with TorchScript, measures its held-out bits per byte at the lengths Python measured, and continues a
-// prompt greedily.
+// prompt greedily twice: recomputing the whole text at every step (forward), and reading the keys and values of
+// the bytes before from caches that the model's decode_step fills (posenc::rope_qk_cache_), timing both.
 //
 //   posenc_study EXPORT_DIR
 //
 // EXPORT_DIR holds what the study wrote: model.pt, heldout.bin (the evaluation chunks, one byte per token),
 // check.txt (chunk size, context, bytes to generate, and Python's "bpb LENGTH VALUE" lines), prompt.txt and
-// generated_python.txt. Exits non-zero when a value differs from Python's by more than 1e-4 or the generated
+// generated_python.txt. Exits non-zero when a value differs from Python's by more than 1e-4 or a generated
 // text differs from Python's.
 #include <posenc/posenc.h>  // links libposenc, whose op registrations torch::jit::load needs
 
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -21,6 +24,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -101,6 +105,40 @@ std::string generate(torch::jit::Module& model, const std::string& prompt, int64
   return text;
 }
 
+// generate through the model's decode_step: the prompt in one call, then one byte per call, against caches of
+// zeros [1, heads, prompt + count, head_dim] per layer (cache_shape() gives layers, heads, head_dim).
+std::string generate_cached(torch::jit::Module& model, const std::string& prompt, int64_t count) {
+  const auto shape = model.run_method("cache_shape").toIntVector();
+  const int64_t slots = static_cast<int64_t>(prompt.size()) + count;
+  std::vector<torch::Tensor> k_caches, v_caches;
+  for (int64_t layer = 0; layer < shape.at(0); ++layer) {
+    k_caches.push_back(torch::zeros({1, shape.at(1), slots, shape.at(2)}));
+    v_caches.push_back(torch::zeros({1, shape.at(1), slots, shape.at(2)}));
+  }
+  auto tokens = bytes_to_tokens(prompt).unsqueeze(0);
+  int64_t start = 0;
+  std::string text;
+  for (int64_t i = 0; i < count; ++i) {
+    const auto logits = model.run_method("decode_step", tokens, start, k_caches, v_caches).toTensor();
+    start += tokens.size(1);
+    const auto next = logits[0][-1].argmax().item<int64_t>();
+    tokens = torch::full({1, 1}, next, torch::kLong);
+    text.push_back(static_cast<char>(next));
+  }
+  return text;
+}
+
+// Runs `generate(count)` and returns its result and its rate in bytes (tokens) per second, after an untimed run of
+// a few bytes: TorchScript profiles a method's first calls before it optimizes it.
+template <typename Generate>
+std::pair<std::string, double> timed(Generate generate, int64_t count) {
+  generate(std::min<int64_t>(count, 8));
+  const auto begin = std::chrono::steady_clock::now();
+  auto text = generate(count);
+  const std::chrono::duration<double> seconds = std::chrono::steady_clock::now() - begin;
+  return {std::move(text), static_cast<double>(count) / seconds.count()};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -131,12 +169,32 @@ int main(int argc, char** argv) {
   }
 
   const auto prompt = read_file(dir + "/prompt.txt");
-  const auto text = generate(model, prompt, check.generate, check.context);
-  const bool same_text = text == read_file(dir + "/generated_python.txt");
+  const auto python_text = read_file(dir + "/generated_python.txt");
+  const auto [text, rate] = timed([&](int64_t n) { return generate(model, prompt, n, check.context); },
+                                  check.generate);
+  const bool same_text = text == python_text;
   std::cout << "greedy continuation of \"" << prompt << "\" (" << check.generate << " bytes):\n"
             << prompt << text << "\n";
 
+  // The cache keeps every byte, where generate reads the last `context` ones: the two agree while the text fits.
+  // Dynamic NTK (the model's cached_decoding false) changes every cached key at every step.
+  bool same_cached = true;
+  const int threads = at::get_num_threads();
+  std::printf("generation without cache: %.1f tokens/s (batch 1, %d thread%s)\n", rate, threads,
+              threads == 1 ? "" : "s");
+  if (!model.attr("cached_decoding").toBool()) {
+    std::cout << "generation with cache: n/a (rotary frequencies that depend on the length)\n";
+  } else if (static_cast<int64_t>(prompt.size()) + check.generate - 1 > check.context) {
+    std::cout << "generation with cache: n/a (the text is longer than the context of " << check.context << ")\n";
+  } else {
+    const auto [cached, cached_rate] = timed([&](int64_t n) { return generate_cached(model, prompt, n); },
+                                             check.generate);
+    same_cached = cached == text && cached == python_text;
+    std::printf("generation with cache: %.1f tokens/s (%.1fx); cached text %s\n", cached_rate, cached_rate / rate,
+                same_cached ? "equals the uncached text" : "DIFFERS from the uncached text");
+  }
+
   std::cout << (agree ? "bits per byte agree with Python's within 1e-4" : "bits per byte DIFFER from Python's")
             << "; generated text " << (same_text ? "equals Python's" : "DIFFERS from Python's") << '\n';
-  return agree && same_text ? 0 : 1;
+  return agree && same_text && same_cached ? 0 : 1;
 }

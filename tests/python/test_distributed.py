@@ -315,6 +315,51 @@ def qk_norm_rope_in_place_keeps_the_sharding(mesh):
 
 
 @check
+def rope_qk_cache_in_place_over_heads_and_batch(mesh):
+    # q, k, v over heads with the caches over theirs, or over batch with the caches' rows (positions and
+    # cache_positions [B, S] alongside), for each cache format (the pool "shd" over heads only): q and the caches
+    # written where they lie, the unsharded bits. A written cache in a placement the rule lacks is refused.
+    _, Replicate, Shard, distribute_tensor = _dt()
+    inv_freq = posenc.frequencies.rope(12)[0]  # partial rotary: 12 of 16 channels
+    q, k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    positions = torch.tensor([[5, 6, 7], [1, 2, 3]])
+    cache_positions = torch.tensor([[0, 1, 2], [5, 3, 4]])
+    shapes = {"bhsd": (2, 2, 8, 16), "bshd": (2, 8, 2, 16), "shd": (8, 2, 16)}
+    heads = {"bhsd": 1, "bshd": 2, "shd": 1}
+    for cache_format, shape in shapes.items():
+        slots = torch.tensor([[0, 1, 2], [5, 6, 7]]) if cache_format == "shd" else cache_positions
+        placements = [(Shard(2), Shard(heads[cache_format]), Replicate())]
+        if cache_format != "shd":
+            placements.append((Shard(0), Shard(0), Shard(0)))
+        for x_p, cache_p, rows_p in placements:
+            k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+            expected = [q.clone(), k_cache.clone(), v_cache.clone()]
+            PF.rope_qk_cache_(expected[0], k, v, expected[1], expected[2], positions, inv_freq, slots, cache_format,
+                              0.5, "gptj")
+            written = [distribute_tensor(q, mesh, [x_p]), distribute_tensor(k_cache, mesh, [cache_p]),
+                       distribute_tensor(v_cache, mesh, [cache_p])]
+            pointers = [t.to_local().data_ptr() for t in written]
+            PF.rope_qk_cache_(written[0], distribute_tensor(k, mesh, [x_p]), distribute_tensor(v, mesh, [x_p]),
+                              written[1], written[2], distribute_tensor(positions, mesh, [rows_p]),
+                              distribute_tensor(inv_freq, mesh, [Replicate()]),
+                              distribute_tensor(slots, mesh, [rows_p]), cache_format, 0.5, "gptj")
+            for t, pointer, e, p in zip(written, pointers, expected, (x_p, cache_p, cache_p)):
+                assert t.placements == (p,), (cache_format, t.placements, p)
+                assert t.to_local().data_ptr() == pointer  # written where it lies
+                assert_close(t.full_tensor(), e, rtol=0, atol=0)
+    # q over heads but the caches replicated or over batch: DTensor would write into redistributed copies of the
+    # caches (it checks only an in-place op's first argument), so the rule refuses, naming the op; nothing written.
+    for cache_p in (Replicate(), Shard(0)):
+        k_cache = distribute_tensor(torch.zeros(2, 2, 8, 16), mesh, [cache_p])
+        v_cache = distribute_tensor(torch.zeros(2, 2, 8, 16), mesh, [cache_p])
+        with pytest.raises(RuntimeError, match=r"posenc\.rope_qk_cache_: q, k_cache and v_cache are written in place"):
+            PF.rope_qk_cache_(distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)]),
+                              distribute_tensor(v, mesh, [Shard(2)]), k_cache, v_cache, None,
+                              distribute_tensor(inv_freq, mesh, [Replicate()]))
+        assert k_cache.full_tensor().abs().sum() == 0
+
+
+@check
 def query_scale_shards_with_the_positions(mesh):
     # rope_qk / qk_norm_rope with Llama 4's query scale (beta, length, shift) = (0.3, 2, 1): q's scale is read at
     # each row's own position, so heads, batch and sequence shards (positions sharded alongside) give the unsharded

@@ -25,7 +25,8 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1
 
 SINUSOIDAL_OPS = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal"]
-ROPE_OPS = ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "qk_norm_rope", "qk_norm_rope_"]
+ROPE_OPS = ["rope", "rope_backward", "rope_qk", "rope_qk_backward", "rope_", "qk_norm_rope", "qk_norm_rope_",
+            "rope_qk_cache_"]
 POSITION_OPS = SINUSOIDAL_OPS + ROPE_OPS
 LEARNED_OPS = ["learned", "add_learned", "embed_learned"]
 
@@ -70,6 +71,13 @@ def encoding(op, positions, inv_freq, offset=0, dtype=torch.float64, seq_len=Non
         else:
             out = x.clone()
             PF.qk_norm_rope_(out, x.clone(), *args)
+    elif op == "rope_qk_cache_":
+        # Slots from cache_positions (the positions are far beyond any cache); k rotated into its cache as q is.
+        out = x.clone()
+        k_cache, v_cache = (torch.zeros(1, seq, 2, 2 * pairs, dtype=dtype) for _ in range(2))
+        PF.rope_qk_cache_(out, x.expand(1, seq, 2, 2 * pairs), x.expand(1, seq, 2, 2 * pairs), k_cache, v_cache,
+                          positions, inv_freq, torch.arange(seq), "bshd", 1.0, "neox", "bshd", offset)
+        assert torch.equal(k_cache[:, :, 0], out[:, :, 0]) and torch.equal(k_cache[:, :, 1], out[:, :, 0])
     else:
         raise ValueError(op)
     return out[0, :, 0]

@@ -1,9 +1,11 @@
 """The length-generalization study (scripts/study.py) end to end, on its "quick" preset: the output
 files, the table's shape and values, the plot, the exported models (TorchScript and torch.export) against a
-float64 evaluation written here, the C++ program's agreement, and torchrun with two processes against one.
+float64 evaluation written here, cached decoding (decode_step, rope_qk_cache_) against the forward, the C++
+program's agreement, and torchrun with two processes against one.
 
 About 30-40 s: three short runs of the study in subprocesses (one process, two processes, the C++ program).
 """
+import copy
 import csv
 import json
 import math
@@ -57,6 +59,60 @@ def bits_per_byte_float64(model, chunks: torch.Tensor, length: int) -> float:
     return nats / targets.numel() / math.log(2)
 
 
+@pytest.fixture(scope="module")
+def program():
+    return runpy.run_path(str(ROOT / "scripts" / "study.py"))  # a program, not a package module
+
+
+def quick_model(program, encoding: str, layers: int = 2):
+    """A model of the quick preset's sizes (two layers, so that a second layer reads its cache too), untrained
+    but with a random T5 table, so that every bias is there."""
+    preset = program["PRESETS"]["quick"]
+    scaling = program["dynamic_ntk"](preset["train_len"]) if encoding == "rotary+ntk" else None
+    torch.manual_seed(0)
+    model = program["ByteLM"](encoding.split("+")[0], preset["dim"], layers, preset["heads"], preset["train_len"],
+                              scaling)
+    if encoding == "t5":
+        torch.nn.init.normal_(model.bias.weight)
+    return model.eval()
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_decode_step_matches_the_forward(program, encoding):
+    model = quick_model(program, encoding)
+    # The learned table ends at the training length; the others run to 3 times it.
+    length = TRAIN_LEN if encoding == "learned" else 3 * TRAIN_LEN
+    tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
+    if encoding == "rotary+ntk":
+        # Its frequencies follow the length, so every cached key would go stale: it refuses a cache.
+        assert not model.cached_decoding
+        with pytest.raises(RuntimeError, match="depend on the length"), torch.no_grad():
+            model.decode_step(tokens, 0, [], [])
+        return
+    reference = copy.deepcopy(model).double()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the masks too
+    try:
+        with torch.no_grad():
+            expected = reference(tokens)
+    finally:
+        torch.set_default_dtype(default)
+    scripted = torch.jit.script(model)
+    for decoder in (model, scripted):
+        layers, heads, head_dim = decoder.cache_shape()
+        k_caches = [torch.zeros(2, heads, length, head_dim) for _ in range(layers)]
+        v_caches = [torch.zeros(2, heads, length, head_dim) for _ in range(layers)]
+        # A prompt, a few tokens at once after it (a mask inside the new ones), then one token per call.
+        cuts = [0, 5, 8] + list(range(9, length + 1))
+        with torch.no_grad():
+            logits = torch.cat([decoder.decode_step(tokens[:, a:b], a, k_caches, v_caches)
+                                for a, b in zip(cuts, cuts[1:])], 1)
+        torch.testing.assert_close(logits.double(), expected, atol=1e-5, rtol=0)
+    generate, generate_cached = program["generate"], program["generate_cached"]
+    prompt, count = b"def ", length - 3  # the longest text whose every window holds all of it
+    assert generate_cached(scripted, prompt, count, length) == generate(model, prompt, count, length)
+
+
 def test_outputs_and_table(study):
     out, stdout, report = study
     for name in ("table.txt", "results.csv", "results.json", "settings.json", "bpb.png", "export/model.pt",
@@ -98,10 +154,10 @@ def test_outputs_and_table(study):
     assert "pydoc_data.topics" in settings["text"]
 
 
-def test_plot(study):
+def test_plot(study, program):
     import matplotlib.image
 
-    figure = runpy.run_path(str(ROOT / "scripts" / "study.py"))["figure"]  # a program, not a package module
+    figure = program["figure"]
 
     out, _, report = study
     image = matplotlib.image.imread(out / "bpb.png")
@@ -158,6 +214,15 @@ def test_cpp_program_agrees_with_python(study):
     generated = (out / "export" / "generated_python.txt").read_bytes()
     assert len(generated) == 200
     assert "generated text equals Python's" in result.stdout
+    # Greedy decoding with the caches (decode_step) gives the same 200 bytes, and both rates are printed.
+    cacheable = report["best_long_context"] != "rotary+ntk"
+    assert report["export"]["cached_generation_equal"] is (True if cacheable else None)
+    rates = [line.split(": ")[1].split()[:2] for line in result.stdout.splitlines()
+             if line.startswith("generation with")]
+    assert "generation without cache: " in result.stdout and len(rates) == 2
+    if cacheable:
+        assert "cached text equals the uncached text" in result.stdout
+        assert all(float(rate) > 0 and unit == "tokens/s" for rate, unit in rates)
 
 
 def test_two_processes_reach_the_loss_of_one(study, tmp_path):

@@ -285,6 +285,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   const auto scale = static_cast<opmath>(problem.attention_scale);
   int64_t token_work = 0;
   for (int64_t v = 0; v < problem.num_views; ++v) token_work += problem.views[v].heads * problem.views[v].head_dim;
+  if (problem.copy != nullptr) token_work += problem.copy->heads * problem.copy->head_dim;
 
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
   if (!coefficients.table.empty()) {
@@ -300,6 +301,12 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
         }
       });
     }
+    if (problem.copy != nullptr) {
+      const auto& view = *problem.copy;
+      parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) copy_token(view, n / seq, n % seq);
+      });
+    }
     return;
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
@@ -309,6 +316,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
       for (int64_t v = 0; v < problem.num_views; ++v) {
         rotate_token(problem.views[v], n / seq, n % seq, coefficients.of_view(v, token_rows), pairs, problem.layout);
       }
+      if (problem.copy != nullptr) copy_token(*problem.copy, n / seq, n % seq);
     }
   });
 }

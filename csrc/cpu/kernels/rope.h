@@ -10,7 +10,8 @@ namespace posenc::cpu {
 // null): token n has n_axes positions, positions[n * n_axes + a], and pair i takes the one of axis
 // pair_axis[i], every value in [0, n_axes). norms (qk_norm_rope): each view's rows RMS-normalized before the rotation,
 // or with inverse, the gradient of that (the weights' gradients summed in an order no thread count changes). q_scale:
-// view scaled_view's coefficients times its query scale at the token's position (one axis).
+// view scaled_view's coefficients times its query scale at the token's position (one axis). copy: a view whose
+// tokens are copied, not rotated, in the same pass.
 template <typename scalar_t>
 struct RopeProblem {
   const RotaryView<scalar_t>* views;  // x (rope), or q and k (rope_qk); none empty
@@ -31,6 +32,7 @@ struct RopeProblem {
   const RmsNormView<scalar_t, opmath_t<scalar_t>>* norms;  // one per view, or null
   QScale q_scale;        // of view scaled_view (q), whose coefficients it multiplies
   int64_t scaled_view;   // -1: none
+  const RotaryView<scalar_t>* copy = nullptr;  // rope_qk_cache_'s v, copied into its cache token by token
 };
 
 // Rotates token (b, s) by explicit tables cos/sin [rows, rotary_dim] in maths precision (row s when shared,

@@ -82,6 +82,24 @@ inline void rope_(const at::Tensor& x, const std::optional<at::Tensor>& position
   op.call(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
+// One decoding step's attention prologue in one pass: q rotated in place as rope_qk rotates it, k rotated and v
+// copied into their caches (k and v unchanged). cache_format: "bhsd" [B, H_kv, S_max, D] (Hugging Face's
+// StaticCache), "bshd" [B, S_max, H_kv, D] or "shd" [S_max, H_kv, D] (one pool of slots for every token). Token
+// (b, s) goes to slot cache_positions[b, s] (or [s]; [T] for thd), or without it to its rotary position (integer
+// positions plus offset). Slots are checked to lie in [0, S_max), one token per slot of a cache row. Inference only.
+inline void rope_qk_cache_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const std::optional<at::Tensor>& positions,
+                           const at::Tensor& inv_freq, const std::optional<at::Tensor>& cache_positions = std::nullopt,
+                           std::string_view cache_format = "bhsd", double attention_scale = 1.0,
+                           std::string_view layout = "neox", std::string_view format = "bshd", int64_t offset = 0,
+                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                           const std::optional<at::Tensor>& pair_axis = std::nullopt, double q_scale_beta = 0.0,
+                           int64_t q_scale_length = 1, int64_t q_scale_shift = 0) {
+  static const auto op = detail::find_op<decltype(rope_qk_cache_)>("posenc::rope_qk_cache_");
+  op.call(q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format, attention_scale, layout,
+          format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
+}
+
 // Hugging Face's apply_rotary_pos_emb for one tensor: x * cos + rotate(x) * sin with explicit tables
 // [S, r] or [B or 1, S, r] ([T, r] for thd), r <= head_dim; the other channels pass through.
 inline at::Tensor rope_cos_sin(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
