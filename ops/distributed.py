@@ -140,19 +140,28 @@ def _rope_qk_cache_rule(a: Dict[str, Any]) -> List[_Strategy]:
         slots_per_row = cache_positions is not None and cache_positions.ndim == 2
         strategies.append(strategy(Shard(batch), Shard(cache_batch), Shard(axes) if per_row else Replicate(),
                                    Shard(0) if slots_per_row else Replicate()))
-    written = ("q", "k_cache", "v_cache")
+    return _kept_in_place("rope_qk_cache_", ("q", "k_cache", "v_cache"), strategies, a,
+                          f"for cache_format \"{a['cache_format']}\"")
+
+
+def _kept_in_place(op: str, written: Sequence[str], strategies: List[_Strategy], a: Dict[str, Any],
+                   context: str = "") -> List[_Strategy]:
+    """The strategies of an in-place op that writes several tensors, kept to the placements those arrive in.
+    DTensor checks only the first argument of an in-place op: it would redistribute another written tensor that
+    arrives in a placement no strategy keeps into a copy, and write there, silently. So a call whose written tensors
+    arrive in no strategy's placements is refused, naming the op."""
     if not all(isinstance(a[name], DTensorSpec) for name in written):
         return strategies
     offered = {tuple(inputs[name] for name in written): (output, inputs) for output, inputs in strategies}
     arrived = list(zip(*(a[name].placements for name in written)))  # per mesh dimension
     for dim, placements in enumerate(arrived):
         if placements not in offered:
-            choices = "; ".join(", ".join(f"{name} {p}" for name, p in zip(written, key)) for key in offered)
+            choices = "; ".join(", ".join(f"{name} {p!r}" for name, p in zip(written, key)) for key in offered)
             raise RuntimeError(
-                f"posenc.rope_qk_cache_: q, k_cache and v_cache are written in place, so they must arrive in "
-                f"placements the op keeps, but on mesh dimension {dim} they are "
-                f"{', '.join(f'{name} {p}' for name, p in zip(written, placements))}; the op keeps ({choices}) "
-                f"for cache_format \"{a['cache_format']}\": redistribute them before the call")
+                f"posenc.{op}: {', '.join(written[:-1])} and {written[-1]} are written in place, so they must arrive in placements the op "
+                f"keeps, but on mesh dimension {dim} they are "
+                f"{', '.join(f'{name} {p!r}' for name, p in zip(written, placements))}; the op keeps ({choices})"
+                f"{' ' + context if context else ''}: redistribute them before the call")
     return [offered[placements] for placements in dict.fromkeys(arrived)]
 
 
@@ -286,7 +295,7 @@ _RULES = {
     "rope_qk_backward": lambda a: _rope_rule(["grad_q", "grad_k"], a),
     "qk_norm_rope": _qk_norm_rope_rule,
     "qk_norm_rope_backward": lambda a: _qk_norm_rope_rule(a, backward=True),
-    "qk_norm_rope_": _qk_norm_rope_rule,
+    "qk_norm_rope_": lambda a: _kept_in_place("qk_norm_rope_", ("q", "k"), _qk_norm_rope_rule(a), a),
     "rope_qk_cache_": _rope_qk_cache_rule,
     "rope_cos_sin": _rope_cos_sin_rule,
     "rope_cos_sin_backward": _rope_cos_sin_rule,

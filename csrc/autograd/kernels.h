@@ -5,8 +5,10 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/GradMode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -59,9 +61,44 @@ struct BelowAutograd<Result(Args...), op> {
   }
 };
 
+// The Autograd kernel of an in-place op without a backward (decoding's cache writes), with the signature of its C++
+// API function and its name: refused, naming the op, when autograd would have to record it (grad mode on and a tensor
+// argument requiring grad); else the op below autograd, after which every tensor its schema marks as written
+// (Tensor(a!)) gets a new version, as PyTorch's in-place ops give theirs: a tensor saved for a backward is then stale.
+template <typename Signature, Signature* op, const char* kName>
+struct InferenceOnly;
+
+template <typename... Args, void (*op)(Args...), const char* kName>
+struct InferenceOnly<void(Args...), op, kName> {
+  static void kernel(Args... args) {
+    TORCH_CHECK(!at::GradMode::is_enabled() || !(requires_grad(args) || ...), "posenc.", kName,
+                ": a tensor requires grad, but the op has no backward; call it under torch.no_grad() or "
+                "torch.inference_mode()");
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op(args...);
+    }
+    static const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(
+        (std::string("posenc::") + kName).c_str(), "").schema();
+    size_t i = 0;
+    (bump_if_written(schema, i++, args), ...);
+  }
+
+  template <typename T>
+  static void bump_if_written(const c10::FunctionSchema& schema, size_t i, const T& arg) {
+    if constexpr (std::is_same_v<T, at::Tensor>) {
+      if (schema.is_mutable({c10::SchemaArgType::input, i})) torch::autograd::impl::bump_version(arg);
+    }
+  }
+};
+
 // `constexpr auto add_learned_autograd = POSENC_AUTOGRAD(AddLearned);`,
 // `constexpr auto make_positions_autograd = POSENC_BELOW_AUTOGRAD(make_positions);`.
 #define POSENC_AUTOGRAD(Fn) (&::posenc::AutogradKernel<Fn>::kernel)
 #define POSENC_BELOW_AUTOGRAD(op) (&::posenc::BelowAutograd<decltype(::posenc::op), &::posenc::op>::kernel)
+// `constexpr char kRopeQkCache[] = "rope_qk_cache_";`
+// `constexpr auto rope_qk_cache__autograd = POSENC_INFERENCE_ONLY(rope_qk_cache_, kRopeQkCache);`
+#define POSENC_INFERENCE_ONLY(op, name) \
+  (&::posenc::InferenceOnly<decltype(::posenc::op), &::posenc::op, name>::kernel)
 
 }  // namespace posenc

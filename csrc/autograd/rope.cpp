@@ -215,24 +215,9 @@ void rope__autograd(const at::Tensor& x, const std::optional<at::Tensor>& positi
   RopeInplace::apply(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
 }
 
-// Decoding writes caches that no backward could read again: a call autograd would have to record is refused.
-void rope_qk_cache__autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                             const at::Tensor& v_cache, const std::optional<at::Tensor>& positions,
-                             const at::Tensor& inv_freq, const std::optional<at::Tensor>& cache_positions,
-                             c10::string_view cache_format, double attention_scale, c10::string_view layout,
-                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
-                             const std::optional<at::Tensor>& pair_axis, double q_scale_beta, int64_t q_scale_length,
-                             int64_t q_scale_shift) {
-  TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k, v, k_cache, v_cache, inv_freq), "posenc.rope_qk_cache_: ",
-              "a tensor requires grad, but decoding through a cache has no backward; call it under torch.no_grad() "
-              "or torch.inference_mode(), or train with rope_qk");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    rope_qk_cache_(q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format, attention_scale,
-                   layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
-  }
-  for (const auto* t : {&q, &k_cache, &v_cache}) torch::autograd::impl::bump_version(*t);
-}
+// Decoding writes caches that no backward could read again: train with rope_qk.
+constexpr char kRopeQkCache[] = "rope_qk_cache_";
+constexpr auto rope_qk_cache__autograd = POSENC_INFERENCE_ONLY(rope_qk_cache_, kRopeQkCache);
 
 }  // namespace
 

@@ -164,7 +164,7 @@ TEST(KvCache, AutogradIsRefusedOutsideNoGrad) {
   auto k_cache = torch::zeros({1, 1, 4, 8});
   auto v_cache = torch::zeros({1, 1, 4, 8});
   expect_error([&] { posenc::rope_qk_cache_(q, k, v, k_cache, v_cache, std::nullopt, inv_freq); },
-               "posenc.rope_qk_cache_: a tensor requires grad, but decoding through a cache has no backward");
+               "posenc.rope_qk_cache_: a tensor requires grad, but the op has no backward");
   {
     torch::NoGradGuard no_grad;
     posenc::rope_qk_cache_(q, k, v, k_cache, v_cache, std::nullopt, inv_freq);

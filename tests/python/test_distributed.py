@@ -62,6 +62,15 @@ def _run_sharded(op, mesh, inputs, placements, grad_wrt=(), out_placements=None,
     return actual
 
 
+def _qk_norm_inputs(batch, seq, q_weight_size, k_weight_size):
+    """inv_freq for head_dim 16; q [batch, seq, 4, 16] and k [batch, seq, 2, 16] (GQA); weights in [0.5, 1.5) of the
+    given sizes; positions [batch, seq] below 500."""
+    inv_freq = posenc.frequencies.rope(16)[0]
+    q, k = torch.randn(batch, seq, 4, 16), torch.randn(batch, seq, 2, 16)
+    q_weight, k_weight = torch.rand(q_weight_size) + 0.5, torch.rand(k_weight_size) + 0.5
+    return inv_freq, q, k, q_weight, k_weight, torch.randint(0, 500, (batch, seq))
+
+
 # ---------------------------------------------------------------- rotary
 
 @check
@@ -248,10 +257,7 @@ def qk_norm_rope_with_weights_over_all_heads_gathers_a_head_shard(mesh):
     # cannot, so the rule offers no head sharding and DTensor moves q and k to another placement of the rule first
     # (the result stays exact). Batch and sequence shards hold whole tokens and keep their placement.
     _, Replicate, Shard, _ = _dt()
-    inv_freq = posenc.frequencies.rope(16)[0]
-    q, k = torch.randn(4, 6, 4, 16), torch.randn(4, 6, 2, 16)
-    q_weight, k_weight = torch.rand(64) + 0.5, torch.rand(32) + 0.5
-    positions = torch.randint(0, 500, (4, 6))
+    inv_freq, q, k, q_weight, k_weight, positions = _qk_norm_inputs(4, 6, 64, 32)
     for norm in QK_NORMS:
         op = lambda q, k, qw, kw, p, f: PF.qk_norm_rope(q, k, qw, kw, p, f, 1e-6, norm)  # noqa: E731
         q_out, k_out = _run_sharded(op, mesh, [q, k, q_weight, k_weight, positions, inv_freq],
@@ -310,8 +316,15 @@ def qk_norm_rope_in_place_keeps_the_sharding(mesh):
     # Over all heads, a head shard cannot be normalized where it lies, and an in-place op cannot be redistributed.
     sharded = [distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k)]
     replicated = [distribute_tensor(t, mesh, [Replicate()]) for t in (torch.rand(64), torch.rand(32), inv_freq)]
-    with pytest.raises(RuntimeError, match=r"in-place operations that require placement changes are not supported"):
+    with pytest.raises(RuntimeError, match=r"posenc\.qk_norm_rope_: q and k are written in place"):
         PF.qk_norm_rope_(*sharded, replicated[0], replicated[1], None, replicated[2])
+    # Nor can k alone, which DTensor would copy into q's placement and write there, leaving k as it was.
+    mixed = [distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Replicate()])]
+    before = mixed[1].full_tensor().clone()
+    per_head = [distribute_tensor(t, mesh, [Replicate()]) for t in (torch.rand(16), torch.rand(16))]
+    with pytest.raises(RuntimeError, match=r"posenc\.qk_norm_rope_: q and k are written in place.*k Replicate\(\)"):
+        PF.qk_norm_rope_(*mixed, *per_head, None, replicated[2])
+    assert torch.equal(mixed[1].full_tensor(), before)
 
 
 @check
@@ -366,10 +379,7 @@ def query_scale_shards_with_the_positions(mesh):
     # bits; without positions a sequence shard would count its tokens from 0 and is gathered. The backward ops and
     # the in-place form too.
     Partial, Replicate, Shard, distribute_tensor = _dt()
-    inv_freq = posenc.frequencies.rope(16)[0]
-    q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
-    q_weight, k_weight = torch.rand(16) + 0.5, torch.rand(16) + 0.5
-    positions = torch.randint(0, 500, (2, 8))
+    inv_freq, q, k, q_weight, k_weight, positions = _qk_norm_inputs(2, 8, 16, 16)
     scaled = (0.3, 2, 1)
 
     def rope_qk(q, k, p, f):

@@ -557,8 +557,8 @@ def test_a_refused_call_writes_nothing(bad):
 def test_requires_grad_is_refused_under_grad_mode_only(name):
     tensors = dict(q=Q.clone(), k=K.clone(), v=V.clone(), k_cache=caches()[0], v_cache=caches()[1])
     tensors[name].requires_grad_()
-    with pytest.raises(RuntimeError, match=OP + r"a tensor requires grad, but decoding through a cache has no "
-                                                r"backward; call it under torch.no_grad\(\)"):
+    with pytest.raises(RuntimeError, match=OP + r"a tensor requires grad, but the op has no backward; "
+                                                r"call it under torch.no_grad\(\)"):
         PF.rope_qk_cache_(tensors["q"], tensors["k"], tensors["v"], tensors["k_cache"], tensors["v_cache"], None, INV)
     for mode in (torch.no_grad, torch.inference_mode):
         fresh = {n: t.detach().clone().requires_grad_(n == name) for n, t in tensors.items()}
