@@ -8,6 +8,7 @@
 #include <exception>
 #include <functional>
 #include <string>
+#include <type_traits>
 
 namespace posenc::test {
 
@@ -15,14 +16,20 @@ inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
-// call() must throw a c10::Error whose text (what(): the message, then the backtrace) contains `fragment`.
-template <typename Call>
+// call() must throw a c10::Error whose text (what(): the message, then the backtrace) contains `fragment`; or, as
+// expect_error<std::exception>, any exception whose what() does (TorchScript's interpreter rethrows an op's c10::Error
+// as a std::exception, keeping its message).
+template <typename Exception = c10::Error, typename Call>
 void expect_error(Call&& call, const std::string& fragment) {
   try {
     call();
     ADD_FAILURE() << "no error; expected one mentioning: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what_without_backtrace();
+  } catch (const Exception& e) {
+    if constexpr (std::is_base_of_v<c10::Error, Exception>) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what_without_backtrace();
+    } else {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
   }
 }
 

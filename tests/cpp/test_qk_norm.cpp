@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,14 @@ using posenc::test::reference_qk_norm_rope;
 
 const auto kDouble = torch::TensorOptions().dtype(torch::kDouble);
 const std::vector<std::string> kNorms{"llama", "gemma", "olmo2", "fused"};
+
+// After torch::manual_seed(seed), in this order: float32 q and k of the given shapes (normal), then the q and k weights
+// of q_width and k_width elements in [0.5, 1.5).
+std::array<at::Tensor, 4> seeded_qk_and_weights(uint64_t seed, at::IntArrayRef q_shape, at::IntArrayRef k_shape,
+                                                int64_t q_width, int64_t k_width) {
+  torch::manual_seed(seed);
+  return {torch::randn(q_shape), torch::randn(k_shape), torch::rand({q_width}) + 0.5, torch::rand({k_width}) + 0.5};
+}
 
 TEST(QkNormRope, MatchesTheFormulaForEveryConventionPerHeadAndOverHeads) {
   torch::manual_seed(0);
@@ -57,11 +66,7 @@ TEST(QkNormRope, MatchesTheFormulaForEveryConventionPerHeadAndOverHeads) {
 }
 
 TEST(QkNormRope, Float32MatchesTheFormulaWithinItsRounding) {
-  torch::manual_seed(1);
-  const auto q = torch::randn({2, 7, 3, 64});
-  const auto k = torch::randn({2, 7, 1, 64});
-  const auto qw = torch::rand({64}) + 0.5;
-  const auto kw = torch::rand({64}) + 0.5;
+  const auto [q, k, qw, kw] = seeded_qk_and_weights(1, {2, 7, 3, 64}, {2, 7, 1, 64}, 64, 64);
   const auto inv_freq = posenc::frequencies::rope(64, 1e6).inv_freq;
   const auto positions = torch::randint(0, 100000, {7}, torch::kLong);
   for (const auto& norm : kNorms) {
@@ -168,11 +173,7 @@ TEST(QkNormRope, BackwardMatchesAutogradOfTheFormula) {
 }
 
 TEST(QkNormRope, WeightGradientsHaveTheSameBitsForAnyThreadCount) {
-  torch::manual_seed(5);
-  const auto q = torch::randn({4, 256, 4, 64});
-  const auto k = torch::randn({4, 256, 2, 64});
-  const auto qw = torch::rand({64}) + 0.5;
-  const auto kw = torch::rand({128}) + 0.5;
+  const auto [q, k, qw, kw] = seeded_qk_and_weights(5, {4, 256, 4, 64}, {4, 256, 2, 64}, 64, 128);
   const auto grad_q = torch::randn_like(q);
   const auto grad_k = torch::randn_like(k);
   const auto inv_freq = posenc::frequencies::rope(64).inv_freq;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "rope_reference.h"
@@ -19,6 +20,15 @@ namespace {
 using posenc::test::expect_error;
 using posenc::test::reference_rope;
 using posenc::frequencies::RopeScaling;
+
+// A RopeScaling of `rope_type` with `factor` and, where given, the original context; the other keys unset.
+RopeScaling scaling_of(const std::string& rope_type, double factor, std::optional<double> original = std::nullopt) {
+  RopeScaling scaling;
+  scaling.rope_type = rope_type;
+  scaling.factor = factor;
+  scaling.original_max_position_embeddings = original;
+  return scaling;
+}
 
 // LongRoPE over 4 pairs: short factors 1 to 2.5, long factors 3 to 6, switching past `original` positions.
 RopeScaling longrope_scaling(int64_t original, int64_t max_positions) {
@@ -146,14 +156,10 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   const auto plain = torch::pow(10000.0, -i / r);
   EXPECT_TRUE(torch::allclose(rope(r).inv_freq, plain, 1e-14, 0));
 
-  RopeScaling linear;
-  linear.rope_type = "linear";
-  linear.factor = 4.0;
+  const auto linear = scaling_of("linear", 4.0);
   EXPECT_TRUE(torch::allclose(rope(r, 10000.0, linear).inv_freq, plain / 4.0, 1e-14, 0));
 
-  RopeScaling dynamic;
-  dynamic.rope_type = "dynamic";
-  dynamic.factor = 2.0;
+  auto dynamic = scaling_of("dynamic", 2.0);
   dynamic.max_position_embeddings = 1024;
   EXPECT_TRUE(torch::allclose(rope(r, 10000.0, dynamic, 512).inv_freq, plain, 1e-14, 0));
   const double grown = 10000.0 * std::pow(2.0 * 4096 / 1024 - 1.0, 8.0 / 6.0);
@@ -165,10 +171,7 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   EXPECT_TRUE(torch::allclose(rope(r, 10000.0, ntk).inv_freq,
                               torch::pow(10000.0 * std::pow(3.0, 8.0 / 6.0), -i / r), 1e-13, 0));
 
-  RopeScaling yarn;
-  yarn.rope_type = "yarn";
-  yarn.factor = 4.0;
-  yarn.original_max_position_embeddings = 64;
+  auto yarn = scaling_of("yarn", 4.0, 64);
   yarn.mscale = 1.0;
   yarn.mscale_all_dim = 0.5;
   const auto yarn_freqs = rope(r, 10000.0, yarn);
@@ -177,12 +180,9 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   EXPECT_TRUE(torch::allclose(yarn_freqs.inv_freq, plain / 4.0 * ramp + plain * (1 - ramp), 1e-14, 0));
   EXPECT_NEAR(yarn_freqs.attention_scale, (0.1 * std::log(4.0) + 1) / (0.05 * std::log(4.0) + 1), 1e-15);
 
-  RopeScaling llama3;
-  llama3.rope_type = "llama3";
-  llama3.factor = 8.0;
+  auto llama3 = scaling_of("llama3", 8.0, 64);
   llama3.low_freq_factor = 1.0;
   llama3.high_freq_factor = 4.0;
-  llama3.original_max_position_embeddings = 64;
   const auto wavelength = 2 * M_PI / plain;
   const auto smooth = (64.0 / wavelength - 1.0) / 3.0;
   const auto medium = (1 - smooth) * plain / 8.0 + smooth * plain;
@@ -326,19 +326,14 @@ TEST(Frequencies, InvalidScalingValuesAreRefused) {
   llama3.high_freq_factor = 0.5;
   expect_value_error([&] { rope(64, 5e5, llama3); }, "llama3 high_freq_factor 0.5 must exceed low_freq_factor 1.0");
 
-  RopeScaling linear;
-  linear.rope_type = "linear";
-  linear.factor = -2.0;
+  auto linear = scaling_of("linear", -2.0);
   expect_value_error([&] { rope(8, 1e4, linear); }, "linear factor must be positive, got -2.0");
   linear.factor = std::nan("");
   expect_value_error([&] { rope(8, 1e4, linear); }, "linear factor must be finite, got nan");
   expect_value_error([&] { rope(8, -1e4); }, "base must be positive, got -10000.0");
   expect_value_error([&] { rope(8, 1e4, {}, -3); }, "seq_len must be non-negative, got -3");
 
-  RopeScaling yarn;
-  yarn.rope_type = "yarn";
-  yarn.factor = 4.0;
-  yarn.original_max_position_embeddings = 64;
+  auto yarn = scaling_of("yarn", 4.0, 64);
   yarn.beta_fast = 0.0;
   expect_value_error([&] { rope(8, 1e4, yarn); }, "yarn beta_fast must be positive, got 0.0");
 
@@ -358,9 +353,7 @@ TEST(Frequencies, InvalidScalingValuesAreRefused) {
 TEST(Frequencies, ForLengthEqualsRopeBitForBit) {
   using posenc::frequencies::rope;
   using posenc::frequencies::rope_for_length;
-  RopeScaling dynamic;
-  dynamic.rope_type = "dynamic";
-  dynamic.factor = 3.0;
+  auto dynamic = scaling_of("dynamic", 3.0);
   dynamic.max_position_embeddings = 100;
   const auto longrope = longrope_scaling(100, 400);
   for (const auto& scaling : {dynamic, longrope}) {

@@ -61,12 +61,8 @@ TEST(TorchScript, SinusoidalForwardAndBackward) {
   EXPECT_LT(max_abs_diff(x.grad(), torch::full_like(x, 0.5)), 1e-7);
 
   // An out-of-vocabulary token raises inside the scripted module, naming op, argument and value.
-  try {
-    module.forward({torch::tensor({{11}}), x});
-    FAIL() << "expected an error";
-  } catch (const std::exception& e) {  // the interpreter rethrows the op's c10::Error with its message
-    EXPECT_NE(std::string(e.what()).find("posenc.embed_sinusoidal: tokens holds 11"), std::string::npos);
-  }
+  posenc::test::expect_error<std::exception>([&] { module.forward({torch::tensor({{11}}), x}); },
+                                             "posenc.embed_sinusoidal: tokens holds 11");
 }
 
 TEST(TorchScript, LearnedForwardAndBackward) {
@@ -106,14 +102,8 @@ TEST(TorchScript, LearnedForwardAndBackward) {
   EXPECT_TRUE(torch::equal(x.grad(), grad_positioned));
 
   // A cache of 5 puts the last token at position 8 of an 8-row table: an error inside the scripted module.
-  try {
-    module.forward({tokens, mask, x, 5});
-    FAIL() << "expected an error";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("posenc.embed_learned: position 8 is outside [0, L_max) with L_max = 8"),
-              std::string::npos)
-        << e.what();
-  }
+  posenc::test::expect_error<std::exception>([&] { module.forward({tokens, mask, x, 5}); },
+                                             "posenc.embed_learned: position 8 is outside [0, L_max) with L_max = 8");
 }
 
 TEST(TorchScript, AlibiForwardAndBackward) {
@@ -196,14 +186,9 @@ TEST(TorchScript, RopeForwardAndBackward) {
   EXPECT_LT(max_abs_diff(packed.grad(), expected_packed_grad), 2e-6);
 
   // Bad cu_seqlens raise inside the scripted module, naming op, argument and value.
-  try {
-    module.forward({q, k, positions, packed, torch::tensor({0, 3, 6}, torch::kInt)});
-    FAIL() << "expected an error";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("posenc.rope: cu_seqlens must end at the token count T = 7, got 6"),
-              std::string::npos)
-        << e.what();
-  }
+  posenc::test::expect_error<std::exception>(
+      [&] { module.forward({q, k, positions, packed, torch::tensor({0, 3, 6}, torch::kInt)}); },
+      "posenc.rope: cu_seqlens must end at the token count T = 7, got 6");
 }
 
 TEST(TorchScript, QkNormRopeAndQueryScaleForwardAndBackward) {

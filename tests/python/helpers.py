@@ -1,4 +1,5 @@
 """Small helpers shared by the Python tests (conftest.py holds the fixtures; op_registry.py lists the ops)."""
+import pytest
 import torch
 
 _AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -81,3 +82,22 @@ def rotate_pairs(x, angle, layout="neox", scale=1.0):
     out[..., first] = x1 * cos - x2 * sin
     out[..., second] = x2 * cos + x1 * sin
     return out
+
+
+def opcheck_test(samples):
+    """A test that runs torch.library.opcheck on each (op, args, kwargs) of `samples`, with the op's name as its id:
+    a family file assigns it to its `test_opcheck`."""
+    @pytest.mark.parametrize("sample", list(samples), ids=lambda s: s[0].__name__)
+    def test_opcheck(sample):
+        op, args, kwargs = sample
+        torch.library.opcheck(op, args, kwargs)
+
+    return test_opcheck
+
+
+def assert_exports(model, inputs, op):
+    """torch.export.export(model, inputs) gives a module that returns what the model does, and its graph calls
+    posenc's `op`."""
+    exported = torch.export.export(model, inputs)
+    torch.testing.assert_close(exported.module()(*inputs), model(*inputs))
+    assert f"posenc.{op}" in str(exported.graph)

@@ -23,6 +23,14 @@ def generator(draw):
     return torch.Generator().manual_seed(draw(st.integers(0, 2 ** 32 - 1)))
 
 
+def drawing(data, dtypes=None):
+    """What a property starts from: (draw, a torch.Generator seeded by a drawn integer), then a dtype drawn from
+    `dtypes` where given."""
+    draw = data.draw
+    gen = generator(draw)
+    return (draw, gen) if dtypes is None else (draw, gen, draw(st.sampled_from(dtypes)))
+
+
 def normal(gen, shape, dtype, scale=1.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 

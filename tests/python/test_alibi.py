@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import randn, tolerance
+from helpers import assert_exports, opcheck_test, randn, tolerance
 from mutations import not_floating, on_meta, overlapping, set_value, small, unknown_string, wrong_rank
 from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
@@ -330,10 +330,7 @@ def opcheck_samples():
         yield torch.ops.posenc.alibi_backward.default, (torch.randn(2, 4, 3, 5), torch.rand(2, 6), mode, 2), {}
 
 
-@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0].__name__)
-def test_opcheck(sample):
-    op, args, kwargs = sample
-    torch.library.opcheck(op, args, kwargs)
+test_opcheck = opcheck_test(opcheck_samples())
 
 
 class TinyAttention(torch.nn.Module):
@@ -371,9 +368,7 @@ def test_compile_inductor_dynamic_with_inplace():
 def test_export():
     model = TinyAttention(learnable=False)
     x = torch.randn(2, 6, 8)
-    exported = torch.export.export(model, (x,))
-    assert_close(exported.module()(x), model(x))
-    assert "posenc.add_alibi" in str(exported.graph)
+    assert_exports(model, (x,), "add_alibi")
 
 
 # ---------------------------------------------------------------- bad input

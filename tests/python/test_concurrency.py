@@ -59,6 +59,15 @@ def flatten(result):
     return [result]
 
 
+def run_threads(worker):
+    """Runs worker(index) for index 0 .. THREADS - 1, each in its own thread, and waits for all of them."""
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def run_concurrently(calls, expected, context=None, rounds=None):
     """Every thread runs every call ROUNDS times (or rounds[name]), in its own shuffled order, all threads released
     at once.
@@ -79,11 +88,7 @@ def run_concurrently(calls, expected, context=None, rounds=None):
         except Exception as error:  # noqa: BLE001  (reported below, with the thread that raised it)
             problems.append(f"thread {index}: {type(error).__name__}: {error}")
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(worker)
     return problems
 
 
@@ -183,11 +188,7 @@ def test_inplace_ops_on_disjoint_views_of_one_tensor_from_8_threads():
         except Exception as error:  # noqa: BLE001
             errors.append(f"thread {index}: {error}")
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(worker)
     # Each thread applied its work ROUNDS times; serially, apply it ROUNDS - 1 more times to compare.
     for _ in range(ROUNDS - 1):
         for index in range(THREADS):

@@ -96,6 +96,16 @@ def captured_graph(step):
     return graph, captured
 
 
+def replays_follow_new_values(graph, captured, step, x):
+    """New values written into x (an input step() reads): graph.replay() rewrites the captured outputs with the
+    bits step() now gives eagerly."""
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, e in zip(captured, step()):
+        assert torch.equal(a, e)
+
+
 def rope_input(fmt, dtype, batch=2, seq=5, heads=3, head_dim=16, layout_view="contiguous"):
     """x in `fmt` as contiguous data, a transposed view (channel stride 1, other strides permuted), a channel-strided
     view (V = 1 path) or a view one element off 16-byte alignment."""
@@ -460,12 +470,7 @@ def test_qk_norm_rope_under_graph_capture():
         return (*out, *ops.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, None, inv_freq, 1e-6,
                                                  "llama", 1.0, "neox", "bshd", 5))
 
-    graph, captured = captured_graph(step)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, e in zip(captured, step()):
-        assert torch.equal(a, e)
+    replays_follow_new_values(*captured_graph(step), step, q)
 
 
 # ---------------------------------------------------------------- sinusoidal and learned
@@ -708,17 +713,7 @@ def test_ops_run_on_the_current_stream_and_under_graph_capture():
     torch.cuda.current_stream().wait_stream(side)
     for a, e in zip(on_side, eager):
         assert torch.equal(a, e)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):  # warm up on the capture stream
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = step()
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, e in zip(captured, step()):
-        assert torch.equal(a, e)
+    replays_follow_new_values(*captured_graph(step), step, q)
 
 
 @cuda_only

@@ -14,7 +14,7 @@ from mutations import (grow, not_floating, not_index, on_meta, positions_length,
                        wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
-from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawn_tensor, generator,
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawing, drawn_tensor,
                         integers, math_eps, normal, sizes)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -530,9 +530,7 @@ def _build_positions_from_mask(m):
 @property_check("embedding_backward")
 @given(st.data())
 def check_embedding_backward(data):
-    draw = data.draw
-    gen = generator(draw)
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    draw, gen, dtype = drawing(data, FLOAT_DTYPES)
     leading = sizes(draw, draw(st.integers(0, 3)))
     width = draw(st.integers(1, 5))
     grad = drawn_tensor(draw, leading + [width], lambda s: normal(gen, s, dtype))
@@ -577,9 +575,7 @@ def learned_rows(draw, gen, shape, table_rows, shared_ok=True):
 @property_check("learned")
 @given(st.data())
 def check_learned(data):
-    draw = data.draw
-    gen = generator(draw)
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    draw, gen, dtype = drawing(data, FLOAT_DTYPES)
     table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
     weight = drawn_tensor(draw, [table_rows, width], lambda s: normal(gen, s, dtype))
     shape = sizes(draw, draw(st.integers(1, 3)))
@@ -595,9 +591,7 @@ def check_learned(data):
 @property_check("add_learned")
 @given(st.data())
 def check_add_learned(data):
-    draw = data.draw
-    gen = generator(draw)
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    draw, gen, dtype = drawing(data, FLOAT_DTYPES)
     rows_shape = sizes(draw, draw(st.integers(1, 3)))
     table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 5))
     weight = drawn_tensor(draw, [table_rows, width], lambda s: normal(gen, s, dtype))
@@ -613,9 +607,7 @@ def check_add_learned(data):
 @property_check("embed_learned")
 @given(st.data())
 def check_embed_learned(data):
-    draw = data.draw
-    gen = generator(draw)
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    draw, gen, dtype = drawing(data, FLOAT_DTYPES)
     shape = sizes(draw, draw(st.integers(1, 3)))
     vocab, table_rows, width = draw(st.integers(1, 6)), draw(st.integers(1, 6)), draw(st.integers(1, 5))
     token_weight = drawn_tensor(draw, [vocab, width], lambda s: normal(gen, s, dtype))
@@ -636,8 +628,7 @@ def check_embed_learned(data):
 @property_check("make_positions")
 @given(st.data())
 def check_make_positions(data):
-    draw = data.draw
-    gen = generator(draw)
+    draw, gen = drawing(data)
     padding_idx = draw(st.one_of(st.integers(-3, 5), st.integers(INT64_MIN, INT64_MAX - 64)))
     shape = sizes(draw, draw(st.integers(1, 3)))
     dtype = draw(st.sampled_from([torch.long, torch.int]))
@@ -655,8 +646,7 @@ def check_make_positions(data):
 @property_check("positions_from_mask")
 @given(st.data())
 def check_positions_from_mask(data):
-    draw = data.draw
-    gen = generator(draw)
+    draw, gen = drawing(data)
     shape = sizes(draw, draw(st.integers(1, 3)))
     dtype = draw(st.sampled_from([torch.bool, torch.long, torch.int, torch.uint8, torch.float32, torch.float64,
                                   torch.bfloat16]))

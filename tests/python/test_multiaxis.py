@@ -21,7 +21,7 @@ from posenc import frequencies as FQ
 from posenc import functional as PF
 from strategies import INT64_MAX, INT64_MIN, arrange, call, generator, integers
 # The rotary tests' dtypes, formats, tolerances and layout helpers: the multi-axis calls share the op and its layouts.
-from helpers import rotate_pairs
+from helpers import assert_exports, rotate_pairs
 from test_rope import DTYPES, FORMATS, from_format, to_format, tolerance
 
 
@@ -282,6 +282,16 @@ def tiny_text_config(model):
                         rope_scaling={"type": "mrope", "rope_theta": 1000.0, "mrope_section": section})
 
 
+def assert_rotates_like(ours, expected, inputs):
+    """Our rotated (q, k) equal the library's within 1e-5, and so do the gradients of `inputs` for one random
+    output gradient."""
+    for a, b in zip(ours, expected):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    grads = [torch.randn_like(t) for t in expected]
+    assert_close(torch.autograd.grad(ours, inputs, grads), torch.autograd.grad(expected, inputs, grads), atol=1e-5,
+                 rtol=1e-5)
+
+
 @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_multimodal_module_matches_hugging_face(model):
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5
@@ -301,11 +311,7 @@ def test_multimodal_module_matches_hugging_face(model):
     rotary = posenc.nn.MultimodalRotaryEmbedding.from_hf_config(config, format="bhsd")
     assert rotary.interleaved == (model == "qwen3_vl")
     ours = rotary(q, k, positions)
-    for a, b in zip(ours, expected):
-        assert_close(a, b, atol=1e-5, rtol=1e-5)
-    grads = [torch.randn_like(t) for t in expected]
-    assert_close(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(expected, (q, k), grads), atol=1e-5,
-                 rtol=1e-5)
+    assert_rotates_like(ours, expected, (q, k))
 
 
 def test_multimodal_from_full_hf_configs():
@@ -352,11 +358,7 @@ def test_axial_module_matches_diffusers_flux():
     expected = (apply_rotary_emb(q, (cos, sin)), apply_rotary_emb(k, (cos, sin)))
     rotary = posenc.nn.AxialRotaryEmbedding(16, axes_dim=axes_dim, layout="gptj", format="bhsd")
     ours = rotary(q, k, ids.T.long())
-    for a, b in zip(ours, expected):
-        assert_close(a, b, atol=1e-5, rtol=1e-5)
-    grads = [torch.randn_like(t) for t in expected]
-    assert_close(torch.autograd.grad(ours, (q, k), grads), torch.autograd.grad(expected, (q, k), grads), atol=1e-5,
-                 rtol=1e-5)
+    assert_rotates_like(ours, expected, (q, k))
 
 
 def test_axial_2d_matches_a_float64_reference_written_here():
@@ -474,9 +476,7 @@ def test_compile_fullgraph_forward_and_backward(compiled_matches_eager):
 def test_export():
     model = VisionBlock()
     x, positions = torch.randn(2, 12, 16), PF.image_positions(3, 4)
-    exported = torch.export.export(model, (x, positions))
-    assert_close(exported.module()(x, positions), model(x, positions))
-    assert "posenc.rope_qk" in str(exported.graph)
+    assert_exports(model, (x, positions), "rope_qk")
 
 
 # ---------------------------------------------------------------- bad input

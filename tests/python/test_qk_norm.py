@@ -20,7 +20,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from helpers import randn, same_bits
+from helpers import assert_exports, randn, same_bits
 from mutations import (F64, grow, not_floating, on_meta, overlapping, set_value, small, to_dtype, unknown_string,
                        wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
@@ -28,9 +28,8 @@ from posenc import functional as PF
 from posenc import frequencies as FQ
 from strategies import (FLOAT_DTYPES, OPS, arrange, assert_rounds_within, buffer_of, call, covered_offsets,
                         frequencies, generator, math_eps, normal, trig_error)
-from test_rope import (BSHD_ORDER, FORMATS, Q_SCALE_REFUSALS, ROPE_FORMATS, from_format, llama4_attn_scale,
-                       ministral3_attn_scale, pair_indices, q_scale_formula, rope_input, rope_mutations, rope_positions,
-                       rotate, to_format)
+from test_rope import (BSHD_ORDER, FORMATS, Q_SCALE_REFUSALS, ROPE_FORMATS, from_format, model_q_scale, pair_indices,
+                       q_scale_formula, rope_input, rope_mutations, rope_positions, rotate, to_format)
 
 NORMS = ["llama", "gemma", "olmo2", "fused"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -716,13 +715,7 @@ def test_q_scale_matches_the_models_formulas(model):
     qw, kw = weight_of(q, "per_head", seed=92), weight_of(k, "per_head", seed=93)
     positions = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(94))
     inv_freq = FQ.rope(16)[0]
-    if model == "llama4":
-        beta, length, shift = 0.1, 8, 1
-        scale = llama4_attn_scale(positions, beta, length)[:, None, :, None]
-    else:
-        beta, length, shift = 0.5, 16, 0
-        scale = ministral3_attn_scale(positions, beta, length)
-    assert scale.shape == (2, 1, 40, 1) and scale.max() > 1.2
+    beta, length, shift, scale = model_q_scale(model, positions)
     args = (positions, inv_freq, 1e-6, "llama", 1.0, "neox", "bhsd", 0, None, None)
     out_q, out_k = PF.qk_norm_rope(q, k, qw, kw, *args, beta, length, shift)
     plain_q, plain_k = PF.qk_norm_rope(q, k, qw, kw, *args)
@@ -905,9 +898,7 @@ def test_compile_fullgraph_inplace():
 def test_export():
     model = NormRopeAttention()
     x = randn(2, 6, 16, seed=98)
-    exported = torch.export.export(model, (x,))
-    assert "posenc.qk_norm_rope" in str(exported.graph)
-    assert_close(exported.module()(x), model(x))
+    assert_exports(model, (x,), "qk_norm_rope")
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.save` is deprecated:DeprecationWarning")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import randn, rotate_pairs, tolerance
+from helpers import assert_exports, randn, rotate_pairs, tolerance
 from mutations import (F64, grow, not_floating, not_index, on_meta, overlapping, positions_beyond_domain,
                        positions_length, put, small, to_dtype, unknown_string, wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
@@ -714,9 +714,7 @@ def test_compile_inductor_inplace():
 def test_export():
     model = Attention()
     x = torch.randn(2, 6, 16)
-    exported = torch.export.export(model, (x,))
-    assert_close(exported.module()(x), model(x))
-    assert "posenc.rope_qk" in str(exported.graph)
+    assert_exports(model, (x,), "rope_qk")
 
 
 # ---------------------------------------------------------------- query scale (Llama 4, Ministral 3)
@@ -740,6 +738,19 @@ def ministral3_attn_scale(positions, beta, max_position_embeddings):
     return modeling.get_llama_4_attn_scale(positions, beta, max_position_embeddings)
 
 
+def model_q_scale(model, positions):
+    """(beta, length, shift) of Llama 4's (0.1, 8, 1) or Ministral 3's (0.5, 16, 0) query scale, and the scale the
+    model's own expression gives at positions [2, 40], shaped [2, 1, 40, 1] (bhsd) and above 1.2 somewhere."""
+    if model == "llama4":
+        beta, length, shift = 0.1, 8, 1
+        scale = llama4_attn_scale(positions, beta, length)[:, None, :, None]
+    else:
+        beta, length, shift = 0.5, 16, 0
+        scale = ministral3_attn_scale(positions, beta, length)
+    assert scale.shape == (2, 1, 40, 1) and scale.max() > 1.2
+    return beta, length, shift, scale
+
+
 @pytest.mark.parametrize("model", ["llama4", "ministral3"])
 def test_rope_qk_q_scale_matches_the_models_formulas(model):
     """q rotated then times the model's own scale (bhsd, positions [B, S] spanning several steps of the length, as
@@ -748,13 +759,7 @@ def test_rope_qk_q_scale_matches_the_models_formulas(model):
     positions = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(3))
     positions[0, :3] = torch.tensor([0, 6, 7])  # Llama 4 (length 8, shift 1): 7 -> floor(8 / 8) = 1
     inv_freq = FQ.rope(16)[0]
-    if model == "llama4":
-        beta, length, shift = 0.1, 8, 1
-        scale = llama4_attn_scale(positions, beta, length)[:, None, :, None]
-    else:
-        beta, length, shift = 0.5, 16, 0
-        scale = ministral3_attn_scale(positions, beta, length)
-    assert scale.shape == (2, 1, 40, 1) and scale.max() > 1.2
+    beta, length, shift, scale = model_q_scale(model, positions)
     out_q, out_k = PF.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bhsd", 0, None, None, beta, length, shift)
     rotated_q, rotated_k = PF.rope_qk(q, k, positions, inv_freq, 1.0, "neox", "bhsd")
     assert_close(out_q, rotated_q * scale, atol=1e-6, rtol=1e-6)
@@ -959,11 +964,19 @@ def _rope_positions(m):
     return m.ints(100000, 2, 512, seed=40)
 
 
+def _large_rope_args(m, *seeds):
+    """The large sample of a rope op: the bshd tensors made from `seeds` (x; or q with 8 heads then k with 2, GQA),
+    gradients flowing to them, positions [2, 512] and Llama 3's frequencies."""
+    heads = [8, 2][:len(seeds)]
+    tensors = [m.grad(m.floats(2, 512, h, 128, seed=seed)) for h, seed in zip(heads, seeds)]
+    return call_args(*tensors, _rope_positions(m), _rope_frequencies(m))
+
+
 @sample("rope")
 def _build_rope(m):
     """Small: bhsd as a transposed view of bshd data, positions absent, offset 5, gptj, scale 0.9."""
     if m.large:
-        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=41)), _rope_positions(m), _rope_frequencies(m))
+        return _large_rope_args(m, 41)
     x = m.grad(m.floats(2, 8, 3, 134, seed=41).transpose(1, 2))
     return call_args(x, None, _rope_frequencies(m), 0.9, "gptj", "bhsd", 5)
 
@@ -972,7 +985,7 @@ def _build_rope(m):
 def _build_rope_backward(m):
     """Small: sbhd, a channel-strided view (the element-by-element path), positions absent, offset 2."""
     if m.large:
-        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=42)), _rope_positions(m), _rope_frequencies(m))
+        return _large_rope_args(m, 42)
     grad = m.grad(m.floats(8, 2, 3, 268, seed=42)[..., ::2])
     return call_args(grad, None, _rope_frequencies(m), 0.5, "neox", "sbhd", 2)
 
@@ -981,8 +994,7 @@ def _build_rope_backward(m):
 def _build_rope_qk(m):
     """GQA. Small: multi-axis (M-RoPE sections [8, 12, 12], positions [3, B, S]), offset 3."""
     if m.large:
-        q, k = m.floats(2, 512, 8, 128, seed=43), m.floats(2, 512, 2, 128, seed=44)
-        return call_args(m.grad(q), m.grad(k), _rope_positions(m), _rope_frequencies(m))
+        return _large_rope_args(m, 43, 44)
     q, k = m.grad(m.floats(2, 16, 4, 64, seed=43)), m.grad(m.floats(2, 16, 2, 64, seed=44))
     inv_freq, pair_axis = posenc.frequencies.mrope(64, [8, 12, 12])
     return call_args(q, k, m.ints(100000, 3, 2, 16, seed=45), inv_freq, 1.0, "neox", "bshd", 3, None, pair_axis)
@@ -992,8 +1004,7 @@ def _build_rope_qk(m):
 def _build_rope_qk_backward(m):
     """GQA. Small: positions [S] shared by the batch, gptj, scale 0.5, offset 1."""
     if m.large:
-        grad_q, grad_k = m.floats(2, 512, 8, 128, seed=46), m.floats(2, 512, 2, 128, seed=47)
-        return call_args(m.grad(grad_q), m.grad(grad_k), _rope_positions(m), _rope_frequencies(m))
+        return _large_rope_args(m, 46, 47)
     grad_q, grad_k = m.grad(m.floats(2, 8, 4, 134, seed=46)), m.grad(m.floats(2, 8, 2, 134, seed=47))
     return call_args(grad_q, grad_k, m.ints(5000, 8, seed=48), _rope_frequencies(m), 0.5, "gptj", "bshd", 1)
 
@@ -1002,7 +1013,7 @@ def _build_rope_qk_backward(m):
 def _build_rope_(m):
     """Small: thd, packed sequences (cu_seqlens, an empty one among them), positions absent, offset 1."""
     if m.large:
-        return call_args(m.grad(m.floats(2, 512, 8, 128, seed=49)), _rope_positions(m), _rope_frequencies(m))
+        return _large_rope_args(m, 49)
     x = m.grad(m.floats(16, 3, 134, seed=49))
     return call_args(x, None, _rope_frequencies(m), 1.0, "neox", "thd", 1, torch.tensor([0, 5, 5, 16]))
 

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import randn, tolerance
+from helpers import assert_exports, opcheck_test, randn, tolerance
 from mutations import (F64, grow, not_floating, not_index, on_meta, positions_beyond_domain, positions_length, put,
                        set_value, small, unknown_string, wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
-from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawn_tensor, frequencies,
-                        generator, integers, math_eps, normal, positions_and_offset, sizes, trig_error)
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawing, drawn_tensor,
+                        frequencies, integers, math_eps, normal, positions_and_offset, sizes, trig_error)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 LAYOUTS = ["interleaved", "half", "half_cos_first"]
@@ -382,10 +382,7 @@ def opcheck_samples():
     yield torch.ops.posenc.embedding_backward.default, (torch.randn(2, 4, 8), tokens, 10, 2.0, 1), {}
 
 
-@pytest.mark.parametrize("sample", list(opcheck_samples()), ids=lambda s: s[0].__name__)
-def test_opcheck(sample):
-    op, args, kwargs = sample
-    torch.library.opcheck(op, args, kwargs)
+test_opcheck = opcheck_test(opcheck_samples())
 
 
 class TinyEncoder(torch.nn.Module):
@@ -416,9 +413,7 @@ def test_compile_inductor_dynamic():
 def test_export():
     model = TinyEncoder()
     tokens = torch.randint(0, 32, (2, 12))
-    exported = torch.export.export(model, (tokens,))
-    assert_close(exported.module()(tokens), model(tokens))
-    assert "posenc.embed_sinusoidal" in str(exported.graph)
+    assert_exports(model, (tokens,), "embed_sinusoidal")
 
 
 # ---------------------------------------------------------------- bad input
@@ -574,14 +569,17 @@ def check_sinusoidal(data):
     assert_rounds_within(out, encoding(absolute.expand(shape), inv_freq, layout), trig_error(out.dtype))
 
 
+def frequencies_and_width(draw):
+    """inv_freq of 1 to 5 pairs, and a width of twice the pairs, or one more (the last channel left zero)."""
+    pairs = draw(st.integers(1, 5))
+    return frequencies(draw, pairs), 2 * pairs + draw(st.integers(0, 1))
+
+
 @property_check("add_sinusoidal")
 @given(st.data())
 def check_add_sinusoidal(data):
-    draw = data.draw
-    gen = generator(draw)
-    pairs = draw(st.integers(1, 5))
-    inv_freq = frequencies(draw, pairs)
-    width = 2 * pairs + draw(st.integers(0, 1))
+    draw, gen = drawing(data)
+    inv_freq, width = frequencies_and_width(draw)
     dtype = draw(st.sampled_from(FLOAT_DTYPES))
     rows = sizes(draw, draw(st.integers(1, 3)))
     x = drawn_tensor(draw, rows + [width], lambda s: normal(gen, s, dtype))
@@ -599,11 +597,8 @@ def check_add_sinusoidal(data):
 @property_check("embed_sinusoidal")
 @given(st.data())
 def check_embed_sinusoidal(data):
-    draw = data.draw
-    gen = generator(draw)
-    pairs = draw(st.integers(1, 5))
-    inv_freq = frequencies(draw, pairs)
-    width = 2 * pairs + draw(st.integers(0, 1))
+    draw, gen = drawing(data)
+    inv_freq, width = frequencies_and_width(draw)
     vocab = draw(st.integers(1, 6))
     dtype = draw(st.sampled_from(FLOAT_DTYPES))
     weight = drawn_tensor(draw, [vocab, width], lambda s: normal(gen, s, dtype))
