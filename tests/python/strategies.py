@@ -126,8 +126,10 @@ def positions_and_offset(draw, shape, floating_ok, shared_ok=True, required=Fals
         for a in absolute:
             value = a - offset + (draw(st.sampled_from([0.0, 0.25, 0.5])) if abs(a) < 2 ** 40 else 0.0)
             value = float(torch.tensor(value, dtype=dtype))  # representable in the positions' dtype
-            value = max(min(value, LIMIT - offset), -LIMIT - offset)
-            values.append(float(torch.tensor(value, dtype=dtype)))
+            value = torch.tensor(max(min(value, LIMIT - offset), -LIMIT - offset), dtype=dtype)
+            while abs(float(value) + offset) > LIMIT:  # rounded to float32 past the limit: one step back in
+                value = torch.nextafter(value, torch.zeros_like(value))
+            values.append(float(value))
     base = torch.tensor(values, dtype=dtype).reshape(pos_shape)
     positions = drawn_tensor(draw, pos_shape, lambda s: base[tuple(slice(0, n) for n in s)].clone())
     exact = [v + offset for v in (positions.double() if positions.is_floating_point() else positions).flatten()
