@@ -72,8 +72,7 @@ inline RopeFormat check_kv_cache(const char* op, const at::Tensor& k, const at::
 }
 
 struct KvCacheArgs {
-  RopeArgs rope;
-  QScale q_scale;
+  RopeQkArgs rotation;
   RopeFormat cache_format;
 };
 
@@ -86,11 +85,10 @@ inline KvCacheArgs check_rope_qk_cache(const char* op, const at::Tensor& q, cons
                                        std::string_view format, const std::optional<at::Tensor>& cu_seqlens,
                                        const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
                                        int64_t q_scale_length, int64_t q_scale_shift) {
-  const auto args = check_rope(op, {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
-  const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.format,
-                                     inv_freq.sym_size(0) * 2, pair_axis);
-  return {args, q_scale,
-          check_kv_cache(op, k, v, k_cache, v_cache, cache_positions, cache_format, args.format, pair_axis)};
+  const auto rotation = check_rope_qk(op, {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens,
+                                      pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
+  return {rotation, check_kv_cache(op, k, v, k_cache, v_cache, cache_positions, cache_format, rotation.rope.format,
+                                   pair_axis)};
 }
 
 // The slot of every token, on the host: [seq] shared by the batch rows, or [batch * seq]. Each lies in
@@ -168,7 +166,7 @@ struct KvCacheOps {
     check_no_internal_overlap(op, "v_cache", v_cache, advice);
     // Written tensors share no element with each other or with what the call reads (q, k and v may be slices of one
     // projection along the heads).
-    const int64_t heads = rope_dim_order(args.rope.format)[2];
+    const int64_t heads = rope_dim_order(args.rotation.rope.format)[2];
     const int64_t cache_heads = rope_dim_order(args.cache_format)[2];
     check_no_shared_elements(op, "q", q, "k", k, heads, advice);
     check_no_shared_elements(op, "q", q, "v", v, heads, advice);
@@ -178,8 +176,8 @@ struct KvCacheOps {
       check_no_shared_elements(op, "v_cache", v_cache, name, *t, -1, advice);
     }
     const CacheWrite write{v, v_cache, args.cache_format, cache_positions};
-    RopeOps<Device>::rotate(op, {q, k}, {q, k_cache}, args.rope, positions, inv_freq, attention_scale, offset,
-                            cu_seqlens, pair_axis, false, nullptr, args.q_scale, &write);
+    RopeOps<Device>::rotate(op, {q, k}, {q, k_cache}, args.rotation.rope, positions, inv_freq, attention_scale,
+                            offset, cu_seqlens, pair_axis, false, nullptr, args.rotation.q_scale, &write);
   }
 
   static void register_kernels(torch::Library& m) { POSENC_KV_CACHE_OPS(POSENC_IMPL_MEMBER, KvCacheOps) }

@@ -53,7 +53,8 @@ inline QkNormArgs check_qk_norm_rope(const char* op,
                                      int64_t q_scale_length, int64_t q_scale_shift) {
   const auto convention = parse_qk_norm(op, norm);
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "posenc.", op, ": eps must be finite and >= 0, got ", eps);
-  const auto args = check_rope(op, inputs, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+  const auto [args, q_scale] = check_rope_qk(op, inputs, positions, inv_freq, layout, format, cu_seqlens, pair_axis,
+                                              q_scale_beta, q_scale_length, q_scale_shift);
   const auto* q = (inputs.end() - 2)->second;
   const auto* k = (inputs.end() - 1)->second;
   if (inputs.size() == 4) {  // the gradients have the shapes of q and k
@@ -66,8 +67,6 @@ inline QkNormArgs check_qk_norm_rope(const char* op,
   }
   check_norm_weight(op, "q_weight", q_weight, *q, args.format);
   check_norm_weight(op, "k_weight", k_weight, *k, args.format);
-  const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, *q, args.format,
-                                     inv_freq.sym_size(0) * 2, pair_axis);
   return {args, convention, q_scale};
 }
 

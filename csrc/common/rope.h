@@ -170,6 +170,24 @@ inline RopeArgs check_rope(const char* op, std::initializer_list<std::pair<const
   return {pair_layout, rope_format, shared};
 }
 
+struct RopeQkArgs {
+  RopeArgs rope;
+  QScale q_scale;
+};
+
+// check_rope's checks of the ops that take q and k (inputs = {q, k}, or {grad_q, grad_k, ...}) and the query scale's,
+// which applies to the first input.
+inline RopeQkArgs check_rope_qk(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs,
+                                const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
+                                std::string_view layout, std::string_view format,
+                                const std::optional<at::Tensor>& cu_seqlens,
+                                const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
+                                int64_t q_scale_length, int64_t q_scale_shift) {
+  const auto args = check_rope(op, inputs, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
+  return {args, check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, *inputs.begin()->second, args.format,
+                              inv_freq.sym_size(0) * 2, pair_axis)};
+}
+
 // rope_cos_sin: explicit cos/sin tables of width r <= head_dim, [S, r] or [B or 1, S, r] ([T, r] for thd),
 // as Hugging Face builds them (each angle repeated in both channels of its pair).
 inline RopeArgs check_rope_cos_sin(const char* op, const char* arg, const at::Tensor& x, const at::Tensor& cos,
@@ -312,14 +330,13 @@ struct RopeOps {
                                                const std::optional<at::Tensor>& cu_seqlens,
                                                const std::optional<at::Tensor>& pair_axis, bool inverse,
                                                double q_scale_beta, int64_t q_scale_length, int64_t q_scale_shift) {
-    const auto args = check_rope(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
-                                 inv_freq, layout, format, cu_seqlens, pair_axis);
-    const auto q_scale = check_q_scale(op, q_scale_beta, q_scale_length, q_scale_shift, q, args.format,
-                                       inv_freq.sym_size(0) * 2, pair_axis);
+    const auto args = check_rope_qk(op, {{inverse ? "grad_q" : "q", &q}, {inverse ? "grad_k" : "k", &k}}, positions,
+                                    inv_freq, layout, format, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                    q_scale_shift);
     auto q_out = Device::empty(q.sizes(), q.options());
     auto k_out = Device::empty(k.sizes(), k.options());
-    rotate(op, {q, k}, {q_out, k_out}, args, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
-           inverse, nullptr, q_scale);
+    rotate(op, {q, k}, {q_out, k_out}, args.rope, positions, inv_freq, attention_scale, offset, cu_seqlens, pair_axis,
+           inverse, nullptr, args.q_scale);
     return {q_out, k_out};
   }
 

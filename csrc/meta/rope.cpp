@@ -36,10 +36,8 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_meta(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& cu_seqlens,
                                                 const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
                                                 int64_t q_scale_length, int64_t q_scale_shift) {
-  const auto args =
-      check_rope("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis);
-  check_q_scale("rope_qk", q_scale_beta, q_scale_length, q_scale_shift, q, args.format, inv_freq.sym_size(0) * 2,
-                pair_axis);
+  check_rope_qk("rope_qk", {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens, pair_axis,
+                q_scale_beta, q_scale_length, q_scale_shift);
   return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
 }
 
@@ -51,10 +49,8 @@ std::tuple<at::Tensor, at::Tensor> rope_qk_backward_meta(const at::Tensor& grad_
                                                          const std::optional<at::Tensor>& pair_axis,
                                                          double q_scale_beta, int64_t q_scale_length,
                                                          int64_t q_scale_shift) {
-  const auto args = check_rope("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq,
-                               layout, format, cu_seqlens, pair_axis);
-  check_q_scale("rope_qk_backward", q_scale_beta, q_scale_length, q_scale_shift, grad_q, args.format,
-                inv_freq.sym_size(0) * 2, pair_axis);
+  check_rope_qk("rope_qk_backward", {{"grad_q", &grad_q}, {"grad_k", &grad_k}}, positions, inv_freq, layout, format,
+                cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
   return {at::empty_symint(grad_q.sym_sizes(), grad_q.options()),
           at::empty_symint(grad_k.sym_sizes(), grad_k.options())};
 }
