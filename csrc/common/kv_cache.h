@@ -91,17 +91,22 @@ inline KvCacheArgs check_rope_qk_cache(const char* op, const at::Tensor& q, cons
                                    pair_axis)};
 }
 
-// The slot of every token, on the host: [seq] shared by the batch rows, or [batch * seq]. Each lies in
-// [0, cache_seq), and no two tokens of one cache row (a batch row, or every token for a pool) share one.
+// The slot of every token of a cache write (the Rotation's outputs[1] is k's cache), on the host: [seq] shared by
+// the batch rows, or [batch * seq]. Each lies in [0, S_max), and no two tokens of one cache row (a batch row, or
+// every token for a pool) share one. The index tensors are passed apart: the CUDA op reads host copies of them.
 struct CacheSlots {
   std::vector<int64_t> values;
   bool shared;
 };
 
-inline CacheSlots read_cache_slots(const char* op, const std::optional<at::Tensor>& cache_positions,
-                                   const std::optional<at::Tensor>& positions, int64_t offset,
-                                   const std::optional<at::Tensor>& cu_seqlens, bool shared_positions, int64_t batch,
-                                   int64_t seq, int64_t cache_seq, bool pooled) {
+inline CacheSlots read_cache_slots(const Rotation& r, const std::optional<at::Tensor>& cache_positions,
+                                   const std::optional<at::Tensor>& positions,
+                                   const std::optional<at::Tensor>& cu_seqlens) {
+  const char* op = r.op;
+  const int64_t batch = r.batch;
+  const int64_t seq = r.seq;
+  const int64_t cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
+  const bool pooled = r.cache->format == RopeFormat::THD;
   const std::string slots_of = "[0, S_max) with S_max = " + std::to_string(cache_seq) + " (the slots of the caches)";
   CacheSlots slots;
   if (cache_positions) {
@@ -113,9 +118,9 @@ inline CacheSlots read_cache_slots(const char* op, const std::optional<at::Tenso
                   slots.values[n], " at flat index ", n, ", outside ", slots_of);
     }
   } else {
-    slots.shared = shared_positions;
-    const int64_t count = shared_positions ? seq : batch * seq;
-    slots.values = read_positions<int64_t>(op, positions, count, offset, {0, cache_seq - 1, slots_of}, cu_seqlens);
+    slots.shared = r.args.shared_positions;
+    const int64_t count = slots.shared ? seq : batch * seq;
+    slots.values = read_positions<int64_t>(op, positions, count, r.offset, {0, cache_seq - 1, slots_of}, cu_seqlens);
   }
   // Each row's (slot, token) pairs sorted: a repeated slot is a neighbour (no buffer of S_max entries per call).
   const int64_t rows = pooled || slots.shared ? 1 : batch;
@@ -136,14 +141,15 @@ inline CacheSlots read_cache_slots(const char* op, const std::optional<at::Tenso
   return slots;
 }
 
-// The view of a tensor written into its cache: read through its own format, stored through the cache's at the slots.
+// The view of a tensor of a cache write written into its cache: read through the Rotation's format, stored through
+// the cache's at the slots (on the kernel's device).
 template <typename scalar_t>
-RotaryView<scalar_t> cache_view(const at::Tensor& in, RopeFormat format, const at::Tensor& cache,
-                                RopeFormat cache_format, const int64_t* slots, bool shared_slots, int64_t seq) {
-  auto view = rotary_view<scalar_t>(in, cache, format, cache_format);
+RotaryView<scalar_t> cache_view(const Rotation& r, const at::Tensor& in, const at::Tensor& cache, const int64_t* slots,
+                                bool shared_slots) {
+  auto view = rotary_view<scalar_t>(in, cache, r.args.format, r.cache->format);
   view.slots = slots;
-  view.slot_batch_stride = shared_slots ? 0 : seq;
-  view.out_seq = cache.size(rope_dim_order(cache_format)[1]);
+  view.slot_batch_stride = shared_slots ? 0 : r.seq;
+  view.out_seq = cache.size(rope_dim_order(r.cache->format)[1]);
   return view;
 }
 

@@ -42,19 +42,6 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
   return view;
 }
 
-// rope_qk_cache_'s slots, read and checked before any token is stored.
-CacheSlots read_slots(const Rotation& r) {
-  const auto cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
-  return read_cache_slots(r.op, r.cache->cache_positions, r.positions, r.offset, r.cu_seqlens,
-                          r.args.shared_positions, r.batch, r.seq, cache_seq, r.cache->format == RopeFormat::THD);
-}
-
-template <typename scalar_t>
-RotaryView<scalar_t> slot_view(const Rotation& r, const at::Tensor& in, const at::Tensor& cache,
-                               const CacheSlots& slots) {
-  return cache_view<scalar_t>(in, r.args.format, cache, r.cache->format, slots.values.data(), slots.shared, r.seq);
-}
-
 struct CpuRope : CpuDevice {
 
   static void rotate(const Rotation& r) {
@@ -63,7 +50,9 @@ struct CpuRope : CpuDevice {
     const auto axes = r.pair_axis ? read_pair_axis(r.op, *r.pair_axis, n_axes) : std::vector<int32_t>();
     auto pos = read_host_positions<double>(r.op, r.positions, r.seq, r.offset, angle_domain(), r.cu_seqlens);
     if (n_axes > 1) pos.values = tokens_major(pos.values, n_axes);
-    const auto slots = r.cache != nullptr ? read_slots(r) : CacheSlots{};
+    // rope_qk_cache_'s slots, read and checked before any token is stored.
+    const auto slots = r.cache != nullptr ? read_cache_slots(r, r.cache->cache_positions, r.positions, r.cu_seqlens)
+                                          : CacheSlots{};
     bool empty = true;
     for (const auto& t : r.inputs) empty = empty && t.numel() == 0;
     if (empty) return;
@@ -76,12 +65,14 @@ struct CpuRope : CpuDevice {
       for (size_t i = 0; i < r.inputs.size(); ++i) {
         if (r.inputs[i].numel() == 0) continue;
         if (i == 0 && r.q_scale.beta != 0.0) scaled_view = static_cast<int64_t>(views.size());
-        views.push_back(r.cache != nullptr && i == 1 ? slot_view<scalar_t>(r, r.inputs[i], r.outputs[i], slots)
-                                                     : rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
+        views.push_back(r.cache != nullptr && i == 1
+                            ? cache_view<scalar_t>(r, r.inputs[i], r.outputs[i], slots.values.data(), slots.shared)
+                            : rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         if (r.norms != nullptr) norms.push_back(norm_view<scalar_t>((*r.norms)[i], r.args.format));
       }
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
-      const auto v_view = copies ? slot_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots) : RotaryView<scalar_t>{};
+      const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
+                                 : RotaryView<scalar_t>{};
       cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.data(),
                                 pos.first, r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr,
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,

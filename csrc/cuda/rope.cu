@@ -375,10 +375,7 @@ std::pair<at::Tensor, bool> device_slots(const Rotation& r) {
     const auto host = [](const std::optional<at::Tensor>& t) {
       return t ? std::optional<at::Tensor>(t->cpu()) : std::nullopt;
     };
-    const int64_t cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
-    const auto slots = read_cache_slots(r.op, host(cache_positions), host(r.positions), r.offset, host(r.cu_seqlens),
-                                        r.args.shared_positions, r.batch, r.seq, cache_seq,
-                                        r.cache->format == RopeFormat::THD);
+    const auto slots = read_cache_slots(r, host(cache_positions), host(r.positions), host(r.cu_seqlens));
     return {at::tensor(slots.values, at::kLong).to(device), slots.shared};
   }
   if (cache_positions) return {cache_positions->to(at::kLong).contiguous(), cache_positions->dim() == 1};
@@ -416,15 +413,15 @@ struct CudaRope : CudaDevice {
         if (r.norms != nullptr) {
           norm_views.push_back(norm_rope_view<scalar_t>(r.inputs[i], r.outputs[i], (*r.norms)[i], r.args.format));
         } else if (r.cache != nullptr && i == 1) {
-          views.push_back(cache_view<scalar_t>(r.inputs[i], r.args.format, r.outputs[i], r.cache->format,
-                                               slots.const_data_ptr<int64_t>(), shared_slots, r.seq));
+          views.push_back(cache_view<scalar_t>(r, r.inputs[i], r.outputs[i], slots.const_data_ptr<int64_t>(),
+                                               shared_slots));
         } else {
           views.push_back(rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         }
       }
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
-      const auto v_view = copies ? cache_view<scalar_t>(r.cache->v, r.args.format, r.cache->v_cache, r.cache->format,
-                                                        slots.const_data_ptr<int64_t>(), shared_slots, r.seq)
+      const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache,
+                                                        slots.const_data_ptr<int64_t>(), shared_slots)
                                  : RotaryView<scalar_t>{};
       const auto scale = static_cast<opmath>(r.attention_scale);
       const AngleCoeffs<opmath> coeffs{pos.defined() ? pos.const_data_ptr<double>() : nullptr,
