@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace posenc::portable {
 inline namespace POSENC_KERNEL_NAMESPACE {
@@ -36,10 +37,12 @@ POSENC_INLINE T lane_dot(const T* a, const T* b, int64_t n) {
     for (int j = 0; j < kSumLanes; ++j) lane[j] += a[i + j] * b[i + j];
   }
   for (int j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
-  for (int width = kSumLanes / 2; width > 0; width /= 2) {
-    for (int j = 0; j < width; ++j) lane[j] += lane[j + width];
-  }
-  return lane[0];
+  // The tree written out: with a loop over the widths the compilers fold it one scalar at a time through memory.
+  static_assert(kSumLanes == 16, "the fold below is written for 16 lanes");
+  for (int j = 0; j < 8; ++j) lane[j] += lane[j + 8];
+  for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
+  for (int j = 0; j < 2; ++j) lane[j] += lane[j + 2];
+  return lane[0] + lane[1];
 }
 
 // 1 / sqrt(mean(x^2) + eps): both IEEE operations are correctly rounded on every CPU and (without fast maths) the GPU.
@@ -50,9 +53,18 @@ POSENC_INLINE T inverse_rms(T sum_squares, int64_t n, T eps) {
 }
 
 // v rounded to scalar_t and back: the intermediate rounding of the "llama", "gemma" and "olmo2" conventions.
+// bf16 stays in 32-bit lanes (the high half rounded to nearest even, the low half cleared; every NaN to c10's
+// 0x7FC0): the same bits as the round trip, without packing to 16 bits and widening back, which took about half
+// of the "llama" forward's vector instructions.
 template <typename scalar_t, typename T>
 POSENC_INLINE T round_to(T v) {
-  return to_opmath(from_opmath<scalar_t>(v));
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<T, float>) {
+    const uint32_t bits = float_to_bits(v);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    return bits_to_float(v != v ? 0x7FC00000u : rounded);
+  } else {
+    return to_opmath(from_opmath<scalar_t>(v));
+  }
 }
 
 // One channel of the normalized row, z = w * x * r with r the row's inverse_rms, rounded as the convention rounds it
@@ -94,18 +106,18 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 
 #if !defined(__CUDACC__)
 // The backward of one head, first pass: the gradient of the output (grad, read through grad_step) rotated back by the
-// inverse coefficients k into gz; then, with xhat = x * r written over x, gw += gz * xhat and g = gz * w (the
-// gradient of xhat) written to g. The intermediate roundings of the conventions pass the gradient through, as
-// autograd's casts do.
+// inverse coefficients k into gz; then, with xhat = x * r written to xhat (which may be x itself), gw += gz * xhat
+// and g = gz * w (the gradient of xhat) written to g. The intermediate roundings of the conventions pass the
+// gradient through, as autograd's casts do.
 template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename T>
 inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoeffs<T> k, int64_t pairs,
-                                int64_t head_dim, T* x, T r, const T* w, T* gw, T* g) {
+                                int64_t head_dim, const T* x, T* xhat, T r, const T* w, T* gw, T* g) {
   const int64_t gs = kUnit ? 1 : grad_step;
   const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;
   const int64_t second = kLayout == RopeLayout::Neox ? pairs : 1;
   const auto through_norm = [&](int64_t d, T gz) {
-    x[d] = x[d] * r;
-    gw[d] += gz * x[d];
+    xhat[d] = x[d] * r;
+    gw[d] += gz * xhat[d];
     g[d] = gz * w[d];
   };
   POSENC_NO_CARRIED_DEPENDENCY
