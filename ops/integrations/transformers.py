@@ -249,21 +249,35 @@ class RotaryPositions(torch.nn.Module):
         self.config = original.config
         self.modeling = modeling
         self.layout = layout
-        self.rotary = RotaryEmbedding.from_hf_config(original.config)
         # Code written for Hugging Face's module (its tests, scaling checks) reads these.
         self.rope_type = original.rope_type
-        self.attention_scaling = original.attention_scaling
-        original_inv_freq = getattr(original, "original_inv_freq", original.inv_freq)
-        self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
-        self.register_buffer("original_inv_freq", original_inv_freq.detach().clone(), persistent=False)
+        self.layer_types = _layer_types(original)
+        if self.layer_types is None:
+            self.rotary = RotaryEmbedding.from_hf_config(original.config)
+            self.attention_scaling = original.attention_scaling
+            self._keep_frequencies(original, "")
+        else:  # forward(x, position_ids, layer_type), as Gemma 3's module: one rotary embedding per layer type
+            self.rotaries = torch.nn.ModuleDict({t: RotaryEmbedding.from_hf_config(original.config, layer_type=t)
+                                                 for t in self.layer_types})
+            for t in self.layer_types:
+                setattr(self, f"{t}_attention_scaling", getattr(original, f"{t}_attention_scaling"))
+                self._keep_frequencies(original, f"{t}_")
         # A "dynamic" dict with an alpha (HunYuan) is fixed NTK: frequencies.rope then ignores the length, so the
-        # state kept below changes nothing for it.
-        self.dynamic = self.rotary.rope_type == "dynamic"
-        self.original_max_seq_len = int(self.rotary.max_position_embeddings or 0)
+        # state kept below changes nothing for it. (Per layer type, dynamic NTK is refused by recognize_rotary.)
+        self.dynamic = self.layer_types is None and self.rotary.rope_type == "dynamic"
+        length = getattr(original, "original_max_seq_len", None) if self.layer_types is not None else \
+            self.rotary.max_position_embeddings
+        self.original_max_seq_len = int(length or 0)
         # Hugging Face's dynamic state, taken over from the module this one replaces.
         self.max_seq_len_cached = int(getattr(original, "max_seq_len_cached", self.original_max_seq_len))
         self._dynamic_inv_freq: Optional[Tuple[int, Tensor]] = None
         self._hold_wrapper()
+
+    def _keep_frequencies(self, original: torch.nn.Module, prefix: str) -> None:
+        inv_freq = getattr(original, f"{prefix}inv_freq")
+        original_inv_freq = getattr(original, f"{prefix}original_inv_freq", inv_freq)
+        self.register_buffer(f"{prefix}inv_freq", inv_freq.detach().clone(), persistent=False)
+        self.register_buffer(f"{prefix}original_inv_freq", original_inv_freq.detach().clone(), persistent=False)
 
     def _hold_wrapper(self) -> None:
         _hold_rotary_wrapper(self.modeling)
@@ -298,17 +312,29 @@ class RotaryPositions(torch.nn.Module):
                              else self._dynamic_inv_freq[1].to(self.inv_freq))
         return self._dynamic_inv_freq[1].to(self.rotary.inv_freq.device)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tuple[RotaryAngles, RotaryAngles]:
+    def forward(self, x: Tensor, position_ids: Tensor,
+                layer_type: Optional[str] = None) -> Tuple[RotaryAngles, RotaryAngles]:
         if position_ids.dim() != 2:
             raise ValueError(f"{_NAME}: position_ids must be [batch, seq] or [1, seq], got shape "
                              f"{list(position_ids.shape)}")
         # [1, S] is shared by the batch: rope_qk then forms each angle once for all rows.
         positions = position_ids[0] if position_ids.size(0) == 1 else position_ids
-        angles = RotaryAngles(positions, self._inv_freq(x, positions), self.rotary.attention_scale, self.layout)
+        if self.layer_types is None:
+            inv_freq, scale = self._inv_freq(x, positions), self.rotary.attention_scale
+        else:
+            if layer_type not in self.rotaries:
+                raise ValueError(f"{_NAME}: layer_type must be one of {self.layer_types}, got {layer_type!r}")
+            rotary = self.rotaries[layer_type]
+            inv_freq, scale = rotary.inv_freq_for(x, positions), rotary.attention_scale
+        angles = RotaryAngles(positions, inv_freq, scale, self.layout)
         return angles, angles
 
     def extra_repr(self) -> str:
-        text = f"rotary_dim={self.rotary.rotary_dim}, base={self.rotary.base}, scaling={self.rotary.scaling}"
+        def describe(rotary: RotaryEmbedding) -> str:
+            return f"rotary_dim={rotary.rotary_dim}, base={rotary.base}, scaling={rotary.scaling}"
+
+        text = describe(self.rotary) if self.layer_types is None else \
+            "; ".join(f"{t}: {describe(self.rotaries[t])}" for t in self.layer_types)
         return text if self.layout == "neox" else f"{text}, layout=gptj (interleaved pairs)"
 
 
@@ -388,16 +414,19 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
 
 
-def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding) -> str:
-    """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state), returns the
-    tables of posenc's frequencies, [1, S, rotary_dim]: in neox form (each frequency in both halves; returns
-    "neox") or GPT-J form (each frequency twice side by side, as Cohere builds them; returns "gptj")."""
-    inv_freq = module.inv_freq
-    positions = torch.arange(_PROBE_LENGTH, device=inv_freq.device)
-    x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=inv_freq.device)
+def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding,
+                  layer_type: Optional[str] = None) -> str:
+    """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state; with the layer type
+    where its parameters are per layer type), returns the tables of posenc's frequencies, [1, S, rotary_dim]: in
+    neox form (each frequency in both halves; returns "neox") or GPT-J form (each frequency twice side by side, as
+    Cohere builds them; returns "gptj")."""
+    device = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq").device
+    positions = torch.arange(_PROBE_LENGTH, device=device)
+    x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
+    by_type = () if layer_type is None else (layer_type,)
     try:
         with torch.no_grad():
-            tables = copy.deepcopy(module)(x, positions[None])
+            tables = copy.deepcopy(module)(x, positions[None], *by_type)
     except Exception as error:  # noqa: BLE001 - any failure means the contract is not this one
         raise NotRecognized(model_type, "rotary forward", f"{name}(x, position_ids) raised {type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
@@ -410,6 +439,17 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
         category = "multi-axis positions" if cos.dim() != 3 or cos.size(0) != 1 else "cos/sin shape"
         raise NotRecognized(model_type, category, f"{name} returns cos of shape {list(cos.shape)} for position_ids "
                             f"[1, {_PROBE_LENGTH}], expected {list(expected_shape)}")
+    # Position ids with a leading axis, [2, 1, S]: a one-axis module gives a table per row (4-D); one that folds
+    # the axes into [1, S, rotary_dim] takes one position per axis (NeoMME's rows and columns), which [1, S]
+    # position ids only hide (it expands them to every axis).
+    try:
+        with torch.no_grad():
+            folded = copy.deepcopy(module)(x, positions[None, None].expand(2, 1, -1), *by_type)[0]
+    except Exception:  # noqa: BLE001 - refusing axes is the one-axis contract
+        folded = None
+    if isinstance(folded, Tensor) and tuple(folded.shape) == expected_shape:
+        raise NotRecognized(model_type, "multi-axis positions", f"{name} folds position_ids [2, 1, {_PROBE_LENGTH}] "
+                            f"(one row per axis) into one table: positions per axis")
     angles = positions.double()[:, None] * rotary.inv_freq_for(x, positions).to(positions.device)[None, :]
     scale = rotary.attention_scale
     diffs = {}
@@ -418,7 +458,8 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
         diffs[layout] = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
         if diffs[layout] <= _PROBE_ATOL:
             return layout
-    raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({module.rope_type}) "
+    rope_type = module.rope_type if layer_type is None else f"{layer_type}: {module.rope_type[layer_type]}"
+    raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({rope_type}) "
                         f"differ from posenc's frequencies of its config by {diffs['neox']:.2e} (neox halves) and "
                         f"{diffs['gptj']:.2e} (GPT-J pairs)")
 
@@ -469,44 +510,67 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
                         f"{tables} tables: " + "; ".join(f"head dim {d}: {why}" for d, why in failures))
 
 
-def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, RotaryEmbedding, str]:
-    """(modeling file, posenc's rotary embedding, rotation layout "neox" or "gptj") of one rotary module."""
+def _layer_types(module: torch.nn.Module) -> Optional[List[str]]:
+    """The layer types of a rotary module whose parameters are per layer type (``rope_type`` a dict, as Gemma 3's
+    module holds it, with ``<type>_inv_freq`` buffers), else None."""
+    rope_type = getattr(module, "rope_type", None)
+    return list(rope_type) if isinstance(rope_type, dict) else None
+
+
+def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, str]:
+    """(modeling file, rotation layout "neox" or "gptj") of one rotary module, checked for each of its layer types
+    where its rope parameters are per layer type."""
     modeling = type(module).__module__
     function = _original_apply(modeling)
     if function is None:
         raise NotRecognized(model_type, "no apply_rotary_pos_emb", f"{name} is a {type(module).__name__} of "
                             f"{modeling}, which defines no apply_rotary_pos_emb")
-    rope_type = getattr(module, "rope_type", None)
-    if isinstance(rope_type, dict) or getattr(module, "layer_types", None) is not None:
-        raise NotRecognized(model_type, "per-layer-type rope", f"{name} has rope parameters per layer type")
-    if not isinstance(rope_type, str):
-        raise NotRecognized(model_type, "no rope_type", f"{name} ({type(module).__name__}) has no rope_type")
-    if rope_type not in frequencies.ROPE_TYPES:
-        raise NotRecognized(model_type, "rope_type unsupported", f"rope_type {rope_type!r} of {name} is not one of "
-                            f"posenc's {', '.join(frequencies.ROPE_TYPES)}")
+    layer_types = _layer_types(module)
+    if layer_types is None and getattr(module, "layer_types", None) is not None:
+        raise NotRecognized(model_type, "per-layer-type rope", f"{name} has layer types but no rope_type per type")
     params = getattr(getattr(module, "config", None), "rope_parameters", None)
     if getattr(module, "mrope_section", None) is not None or (isinstance(params, dict) and "mrope_section" in params):
         raise NotRecognized(model_type, "multi-axis sections", f"{name} rotates sections of the channels with "
                             f"separate position axes (M-RoPE, position_ids [3, B, S])")
-    inv_freq, config = getattr(module, "inv_freq", None), getattr(module, "config", None)
-    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or config is None:
-        raise NotRecognized(model_type, "no inv_freq", f"{name} ({type(module).__name__}) has no 1-D inv_freq "
-                            f"buffer and config")
+    config = getattr(module, "config", None)
     forward = inspect.signature(type(module).forward)
     arguments = [p for p in list(forward.parameters.values())[1:]
                  if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
-    if len(arguments) < 2 or any(p.default is inspect.Parameter.empty for p in arguments[2:]):
+    expected = ["x", "position_ids"] if layer_types is None else ["x", "position_ids", "layer_type"]
+    if len(arguments) < len(expected) or (layer_types is not None and arguments[2].name != "layer_type") or any(
+            p.default is inspect.Parameter.empty for p in arguments[len(expected):]):
         raise NotRecognized(model_type, "rotary forward", f"{type(module).__name__}.forward{forward} is not "
-                            f"forward(x, position_ids)")
-    try:
-        rotary = RotaryEmbedding.from_hf_config(config)
-    except (ValueError, TypeError, KeyError, RuntimeError) as error:
-        raise NotRecognized(model_type, "rope parameters unsupported", f"{name}: {error}") from None
-    if rotary.rotary_dim != 2 * inv_freq.numel():
-        raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {name} "
-                            f"rotates {2 * inv_freq.numel()} channels")
-    tables = _check_tables(model_type, name, module, rotary)
-    return modeling, rotary, _check_apply(model_type, modeling, function, rotary, tables)
+                            f"forward({', '.join(expected)})")
+    layouts = {}
+    for layer_type in layer_types or [None]:
+        what = name if layer_type is None else f"{name} (layer type {layer_type!r})"
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        rope_type = getattr(module, "rope_type", None) if layer_type is None else module.rope_type[layer_type]
+        if not isinstance(rope_type, str):
+            raise NotRecognized(model_type, "no rope_type", f"{what} ({type(module).__name__}) has no rope_type")
+        if rope_type not in frequencies.ROPE_TYPES:
+            raise NotRecognized(model_type, "rope_type unsupported", f"rope_type {rope_type!r} of {what} is not one "
+                                f"of posenc's {', '.join(frequencies.ROPE_TYPES)}")
+        if layer_type is not None and rope_type == "dynamic":
+            raise NotRecognized(model_type, "per-layer-type rope", f"{what}: dynamic NTK per layer type (its state, "
+                                f"the longest length seen) is not taken over")
+        inv_freq = getattr(module, f"{prefix}inv_freq", None)
+        if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or config is None:
+            raise NotRecognized(model_type, "no inv_freq", f"{what} ({type(module).__name__}) has no 1-D "
+                                f"{prefix}inv_freq buffer and config")
+        try:
+            rotary = RotaryEmbedding.from_hf_config(config, layer_type=layer_type)
+        except (ValueError, TypeError, KeyError, RuntimeError) as error:
+            raise NotRecognized(model_type, "rope parameters unsupported", f"{what}: {error}") from None
+        if rotary.rotary_dim != 2 * inv_freq.numel():
+            raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {what} "
+                                f"rotates {2 * inv_freq.numel()} channels")
+        tables = _check_tables(model_type, name, module, rotary, layer_type)
+        layouts[layer_type] = _check_apply(model_type, modeling, function, rotary, tables)
+    if len(set(layouts.values())) != 1:
+        raise NotRecognized(model_type, "per-layer-type rope", f"{name}: its layer types rotate in different "
+                            f"layouts ({layouts})")
+    return modeling, next(iter(layouts.values()))
 
 
 def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
@@ -542,7 +606,7 @@ def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module
                             f"submodule, and bloom, t5 and gpt2 are the non-rotary types patch knows")
     recognized = []
     for name, module in found:
-        modeling, _, layout = _check_rotary_module(model_type, name, module)
+        modeling, layout = _check_rotary_module(model_type, name, module)
         recognized.append((name, module, modeling, layout))
     return recognized
 
@@ -551,7 +615,7 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
     recognized = _recognize_rotary(model)
     record = Patch(model_type, "rotary")
     for name, original, modeling, layout in recognized:
-        replacement = RotaryPositions(original, modeling, layout).to(device=original.inv_freq.device)
+        replacement = RotaryPositions(original, modeling, layout).to(device=next(original.buffers()).device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
     for modeling in dict.fromkeys(modeling for _, _, modeling, _ in recognized):
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",

@@ -219,6 +219,17 @@ def rotary_models():
     # (YaRN here); GLM builds neox tables and interleaves them in apply_rotary_pos_emb, on half the channels.
     yield "cohere", transformers.CohereConfig(**common, rope_parameters=dict(SCALINGS["yarn"], rope_theta=1e4))
     yield "glm", transformers.GlmConfig(**common, head_dim=16, partial_rotary_factor=0.5)
+    # Rope parameters per layer type (one rotary module, forward(x, position_ids, layer_type)): Gemma 3's sliding
+    # layers at base 1e4, its full ones at 1e6 with linear scaling; OLMo 3's full layers with YaRN.
+    layer_types = ["sliding_attention", "full_attention"]
+    yield "gemma3_text", transformers.Gemma3TextConfig(
+        **common, head_dim=16, layer_types=layer_types, sliding_window=8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    yield "olmo3", transformers.Olmo3Config(
+        **common, layer_types=layer_types, sliding_window=8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+                         "full_attention": dict(SCALINGS["yarn"], rope_theta=5e5)})
 
 
 INTERLEAVED = ("cohere", "glm")
@@ -240,8 +251,44 @@ def test_rotary_model_types_match_hugging_face(model_type, config):
     assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
 
 
+def test_rope_parameters_per_layer_type():
+    """Gemma 3: each layer type rotates with its own frequencies, and the patched module keeps Hugging Face's
+    per-type attributes; a layer type it does not hold is an error naming the ones it does."""
+    config = dict(rotary_models())["gemma3_text"]
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    patched, record = patched_copy(reference)
+    ours, theirs = patched.model.rotary_emb, reference.model.rotary_emb
+    assert ours.layer_types == ["full_attention", "sliding_attention"] and ours.rope_type == theirs.rope_type
+    assert "full_attention: rotary_dim=16, base=1000000.0" in str(record)
+    x, position_ids = torch.zeros(1, 5, 16), torch.arange(5)[None]
+    for layer_type in ours.layer_types:
+        assert torch.equal(getattr(ours, f"{layer_type}_inv_freq"), getattr(theirs, f"{layer_type}_inv_freq"))
+        assert getattr(ours, f"{layer_type}_attention_scaling") == getattr(theirs, f"{layer_type}_attention_scaling")
+        angles, _ = ours(x, position_ids, layer_type)
+        cos, sin = theirs(x, position_ids, layer_type)
+        theta = angles.positions[:, None] * angles.inv_freq  # float64: Hugging Face's float32 tables to 1e-6
+        torch.testing.assert_close(theta.cos().float(), cos[0, :, :8], atol=1e-6, rtol=0)
+        torch.testing.assert_close(theta.sin().float(), sin[0, :, :8], atol=1e-6, rtol=0)
+    slow = ours(x, position_ids, "sliding_attention")[0].inv_freq
+    fast = ours(x, position_ids, "full_attention")[0].inv_freq
+    torch.testing.assert_close(slow[1] / fast[1], torch.tensor(8.0 * 100 ** (2 / 16), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"layer_type must be one of \['full_attention', 'sliding_attention'\], "
+                                         r"got 'chunked_attention'"):
+        ours(x, position_ids, "chunked_attention")
+
+
+def test_dynamic_ntk_per_layer_type_is_refused():
+    config = dict(rotary_models())["gemma3_text"]
+    config.rope_parameters["full_attention"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(PT.NotRecognized, match="per-layer-type rope: model.rotary_emb \\(layer type "
+                                               "'full_attention'\\): dynamic NTK per layer type"):
+        PT.patch(model)
+    assert not PT.is_patched(model) and not PT._ROTARY_WRAPPERS
+
+
 @pytest.mark.parametrize("model_type, category", [("nanochat", "non-standard apply_rotary_pos_emb"),
-                                                   ("gemma3_text", "per-layer-type rope"),
+                                                   ("neomme", "multi-axis positions"),
                                                    ("qwen3_vl_text", "multi-axis sections")])
 def test_models_outside_the_contract_are_refused_unchanged(model_type, category):
     config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
