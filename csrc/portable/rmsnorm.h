@@ -132,11 +132,11 @@ inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoe
 }
 #endif
 
-// The backward's last step over a group of n channels, after rms_rotate_back_row has formed xhat (in x) and the
-// gradient g of xhat: the gradient of x, r * (g - xhat * mean(g * xhat)), in place of g.
+// The backward's last step over n channels of a group, after rms_rotate_back_row has formed xhat and the gradient g
+// of xhat, and with mean_dot = lane_dot(g, xhat) / width over the whole group: the gradient of x,
+// r * (g - xhat * mean_dot), in place of g.
 template <typename T>
-POSENC_INLINE void rms_input_grad(const T* xhat, T* g, int64_t n, T r) {
-  const T mean_dot = lane_dot(g, xhat, n) / static_cast<T>(n);
+POSENC_INLINE void rms_input_grad(const T* xhat, T* g, int64_t n, T r, T mean_dot) {
   POSENC_NO_CARRIED_DEPENDENCY
   for (int64_t i = 0; i < n; ++i) g[i] = r * (g[i] - xhat[i] * mean_dot);
 }

@@ -137,7 +137,7 @@ struct Coefficients {
   }
 };
 
-// Rows of a token's heads, channel step `step`, widened into (or narrowed from) the contiguous row [heads * head_dim].
+// Rows of a token's heads, channel step stride[3], widened into the contiguous row [heads * head_dim].
 template <typename scalar_t, typename opmath>
 void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_t head_dim, opmath* row) {
   for (int64_t h = 0; h < heads; ++h, in += stride[2], row += head_dim) {
@@ -149,13 +149,21 @@ void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_
   }
 }
 
+// The backward's last step, after rotate_back_heads has formed xhat and the gradient g of xhat in the token's rows:
+// the gradient of x, r * (g - xhat * mean(g * xhat)) over each group (a head, or all of them), formed and stored
+// head by head while the head's rows are in L1.
 template <typename scalar_t, typename opmath>
-void store_heads(const opmath* row, scalar_t* out, const int64_t* stride, int64_t heads, int64_t head_dim) {
-  for (int64_t h = 0; h < heads; ++h, out += stride[2], row += head_dim) {
+void store_input_grad(const opmath* xhat, opmath* g, const opmath* inv_rms, int64_t group, scalar_t* out,
+                      const int64_t* stride, int64_t heads, int64_t head_dim) {
+  opmath mean_dot = 0;
+  for (int64_t h = 0; h < heads; ++h, out += stride[2]) {
+    const int64_t first = h * head_dim;
+    if (first % group == 0) mean_dot = lane_dot(g + first, xhat + first, group) / static_cast<opmath>(group);
+    rms_input_grad(xhat + first, g + first, head_dim, inv_rms[first / group], mean_dot);
     if (stride[3] == 1) {
-      narrow(row, out, head_dim);
+      narrow(g + first, out, head_dim);
     } else {
-      for (int64_t d = 0; d < head_dim; ++d) out[d * stride[3]] = from_opmath<scalar_t>(row[d]);
+      for (int64_t d = 0; d < head_dim; ++d) out[d * stride[3]] = from_opmath<scalar_t>(g[first + d]);
     }
   }
 }
@@ -275,11 +283,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           inverse_rms_of_groups(x, H * D, norm, inv_rms);
           opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
           rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, row, weight_grad, grad);
-          for (int64_t g = 0; g * norm.group < H * D; ++g) {
-            const int64_t first = g * norm.group;
-            rms_input_grad(row + first, grad + first, norm.group, inv_rms[g]);
-          }
-          store_heads(grad, out, view.out_stride, H, D);
+          store_input_grad(row, grad, inv_rms, norm.group, out, view.out_stride, H, D);
         }
       }
     });
