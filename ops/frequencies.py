@@ -52,7 +52,7 @@ def sinusoidal(dim: int, base: float = 10000.0, shift: int = 0) -> Tensor:
     return torch.ops.posenc.sinusoidal_inv_freq(dim, float(base), shift)
 
 
-ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "llama3", "longrope", "proportional")
 _ROPE = "posenc.frequencies.rope"
 
 
@@ -126,13 +126,17 @@ def rope(rotary_dim: int, base: float = 10000.0, scaling: Optional[Dict[str, Any
     - ``longrope``: ``short_factor``, ``long_factor`` (rotary_dim // 2 positive values each),
       ``original_max_position_embeddings`` [max_position_embeddings], ``factor`` (as yarn's),
       ``attention_factor`` [sqrt(1 + ln(factor) / ln(original))]; the long factors apply when ``seq_len`` >
-      original_max_position_embeddings.
+      original_max_position_embeddings;
+    - ``proportional`` (Gemma 4): ``partial_rotary_factor`` [1] <= 1, ``factor`` [1]: ``rotary_dim`` is the whole
+      head, whose first int(partial_rotary_factor * rotary_dim // 2) pairs turn at inv_freq_i / factor and the
+      others not at all (frequency 0).
 
     Every number the type reads must be finite and positive; anything else raises ``ValueError`` naming the key
     and the value (``posenc.frequencies.rope: llama3 factor must be positive, got 0.0``). A ``rope_theta`` key
-    replaces ``base``; keys of no use to the type (``partial_rotary_factor``, ...) are ignored. ``seq_len`` is
-    the current sequence length (max position + 1). Computed in float64 by the C++ implementation
-    (``torch.ops.posenc.rope_inv_freq``); the attention scale multiplies cos and sin (pass it to the ops).
+    replaces ``base``; keys of no use to the type (``partial_rotary_factor`` but for proportional, ...) are
+    ignored. ``seq_len`` is the current sequence length (max position + 1). Computed in float64 by the C++
+    implementation (``torch.ops.posenc.rope_inv_freq``); the attention scale multiplies cos and sin (pass it to
+    the ops).
     """
     rope_type, keywords = rope_arguments(scaling)
     if seq_len is not None:

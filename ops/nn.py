@@ -323,6 +323,7 @@ class RotaryEmbedding(_ExactFrequencies):
         self.high_freq_factor: Optional[float] = keywords.get("high_freq_factor")
         self.short_factor: Optional[List[float]] = keywords.get("short_factor")
         self.long_factor: Optional[List[float]] = keywords.get("long_factor")
+        self.partial_rotary_factor: Optional[float] = keywords.get("partial_rotary_factor")
         # The types whose frequencies may depend on the length (the op decides: "dynamic" with an alpha is fixed).
         self.length_dependent = self.rope_type in ("dynamic", "longrope")
         inv_freq, self.attention_scale = frequencies.rope(rotary_dim, base, self.scaling)
@@ -346,8 +347,9 @@ class RotaryEmbedding(_ExactFrequencies):
         Reads head_dim (else hidden_size // num_attention_heads), partial_rotary_factor, rope_theta and
         ``rope_parameters`` (or the older ``rope_scaling``), and fills in max_position_embeddings and, for
         llama3 / yarn / longrope, original_max_position_embeddings as transformers does. ``layer_type`` picks
-        one entry of per-layer-type parameters (e.g. Gemma 3's "full_attention"). Hugging Face's weights expect
-        ``layout="neox"``.
+        one entry of per-layer-type parameters (e.g. Gemma 3's "full_attention"), and with it the layer type's
+        own config where the config holds one per type (``per_layer_config``: Gemma 4's full-attention layers have
+        heads of ``global_head_dim``). Hugging Face's weights expect ``layout="neox"``.
         """
         def get(key: str, default: Any = None) -> Any:
             value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
@@ -356,6 +358,12 @@ class RotaryEmbedding(_ExactFrequencies):
         params = get("rope_parameters") or get("rope_scaling") or {}
         if layer_type is not None:
             params = params[layer_type]
+            per_layer = get("per_layer_config")
+            if per_layer is not None:
+                try:  # transformers' view takes a layer type or index; a dict, the types it holds
+                    config = per_layer[layer_type]
+                except (KeyError, IndexError, TypeError, ValueError):
+                    pass
         elif params and all(isinstance(v, dict) for v in params.values()):
             raise ValueError(f"posenc.nn.RotaryEmbedding.from_hf_config: rope parameters are per layer type "
                              f"({list(params)}); pass layer_type")
@@ -371,6 +379,10 @@ class RotaryEmbedding(_ExactFrequencies):
         if base is None:
             base = get("rope_theta", 10000.0)
         rope_type, _ = frequencies.rope_arguments(params)
+        if rope_type == "proportional":
+            # Gemma 4: the whole head, whose rotated share partial_rotary_factor (of the rope parameters, as
+            # transformers reads it) the frequencies carry.
+            partial = 1.0
         if get("max_position_embeddings") is not None:
             params.setdefault("max_position_embeddings", get("max_position_embeddings"))
         if rope_type in ("llama3", "yarn", "longrope"):
@@ -406,7 +418,8 @@ class RotaryEmbedding(_ExactFrequencies):
             max_position_embeddings=self.max_position_embeddings, attention_factor=self.attention_factor,
             beta_fast=self.beta_fast, beta_slow=self.beta_slow, mscale=self.mscale,
             mscale_all_dim=self.mscale_all_dim, truncate=self.truncate, low_freq_factor=self.low_freq_factor,
-            high_freq_factor=self.high_freq_factor, short_factor=self.short_factor, long_factor=self.long_factor)
+            high_freq_factor=self.high_freq_factor, short_factor=self.short_factor, long_factor=self.long_factor,
+            partial_rotary_factor=self.partial_rotary_factor)
 
     @torch.jit.unused
     def _inv_freq_for_length(self, seq_len: Tensor) -> Tensor:

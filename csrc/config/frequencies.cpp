@@ -73,13 +73,14 @@ struct Plan {
   std::string type;  // "ntk_alpha" and HunYuan's "dynamic" with an alpha are "ntk"
   int64_t rotary_dim = 0;
   double theta = 0.0;
-  double factor = 1.0;   // linear, dynamic, yarn, llama3, longrope; ntk: alpha
+  double factor = 1.0;   // linear, dynamic, yarn, llama3, longrope, proportional; ntk: alpha
   double context = 0.0;  // dynamic: max_position_embeddings; yarn, llama3, longrope: the original length
   double attention_scale = 1.0;
   double beta_fast = 32.0;  // yarn
   double beta_slow = 1.0;
   double low_freq_factor = 1.0;  // llama3
   double high_freq_factor = 4.0;
+  int64_t rotated_pairs = 0;  // proportional: the pairs with a frequency, the others 0
 };
 
 // yarn and longrope: original_max_position_embeddings, else max_position_embeddings.
@@ -171,9 +172,17 @@ Plan plan(int64_t rotary_dim, double base, const RopeScaling& s) {
                         "derive the attention factor sqrt(1 + ln(factor) / ln(original)), got ", repr(p.context));
       p.attention_scale = std::sqrt(1.0 + portable::libm::log(p.factor) / portable::libm::log(p.context));
     }
+  } else if (type == "proportional") {
+    // Gemma 4: the exponents of the whole head (rotary_dim is the head dim), a leading share of its pairs rotated,
+    // int(partial_rotary_factor * rotary_dim // 2) of them as transformers counts, all divided by factor.
+    p.factor = optional(type, "factor", s.factor, 1.0);
+    const double partial = optional(type, "partial_rotary_factor", s.partial_rotary_factor, 1.0);
+    TORCH_CHECK_VALUE(partial <= 1.0, kRope, ": proportional partial_rotary_factor must not exceed 1, got ",
+                      repr(partial));
+    p.rotated_pairs = static_cast<int64_t>(std::floor(partial * static_cast<double>(rotary_dim) / 2.0));
   } else {
     TORCH_CHECK_VALUE(false, kRope, ": unknown rope_type \"", s.rope_type,
-                      "\"; expected default, linear, dynamic, ntk, yarn, llama3 or longrope");
+                      "\"; expected default, linear, dynamic, ntk, yarn, llama3, longrope or proportional");
   }
   return p;
 }
@@ -255,6 +264,10 @@ std::vector<double> inv_freq_of(const Plan& p, const RopeScaling& s, std::option
     // The long factors apply beyond the original context (a NaN length is not beyond it).
     const auto& factors = length && *length > p.context ? s.long_factor : s.short_factor;
     for (const auto i : c10::irange(inv_freq.size())) inv_freq[i] /= factors[i];
+  } else if (type == "proportional") {
+    for (const auto i : c10::irange(inv_freq.size())) {
+      inv_freq[i] = static_cast<int64_t>(i) < p.rotated_pairs ? inv_freq[i] / p.factor : 0.0;
+    }
   }
   return inv_freq;
 }

@@ -5,12 +5,14 @@
 
 - **Rotary**: any model that follows Hugging Face's rotary contract, recognized on the instance and its
   modeling file rather than by model type (:func:`recognize_rotary`): ``*RotaryEmbedding`` submodules with a
-  rope type posenc knows (default, linear, dynamic, YaRN, Llama 3, LongRoPE) whose ``(cos, sin)`` tables, probed
-  on a copy, are the neox (or GPT-J style) tables of posenc's frequencies for its config (full or partial
-  rotary), and a modeling file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q and k, what
-  ``rope_qk`` gives with layout "neox" (halves) or "gptj" (interleaved pairs: Cohere, GLM, ERNIE 4.5, Helium),
-  the layout then used. Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and
-  the reason (multi-axis sections, per-layer-type rope, no rotary module, non-standard apply_rotary_pos_emb, ...).
+  rope type posenc knows (default, linear, dynamic, YaRN, Llama 3, LongRoPE, proportional) whose ``(cos, sin)``
+  tables, probed on a copy, are the neox (or GPT-J style) tables of posenc's frequencies for its config (full or
+  partial rotary), and a modeling file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q
+  and k, what ``rope_qk`` gives with layout "neox" (halves) or "gptj" (interleaved pairs: Cohere, GLM, ERNIE 4.5,
+  Helium), the layout then used; rope parameters per layer type (Gemma 3) give one posenc rotary embedding per
+  type. Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and the reason
+  (multi-axis sections or positions, dynamic NTK per layer type, no rotary module, non-standard
+  apply_rotary_pos_emb, ...).
   ``ROTARY_MODEL_TYPES`` (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, StableLM) are
   the types known to work with gradients and generation tested too (so are Cohere and GLM, interleaved pairs);
   tests/python/test_transformers_coverage.py sweeps every rotary modeling file of the installed transformers.

@@ -250,6 +250,11 @@ LONG = dict(short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position
      "longrope attention_factor must be positive, got -1.0"),
     ((8, 1e4, bad("longrope", **dict(LONG, original_max_position_embeddings=1))),
      "longrope original_max_position_embeddings must exceed 1"),
+    ((8, 1e4, bad("proportional", partial_rotary_factor=0.0)),
+     "proportional partial_rotary_factor must be positive, got 0.0"),
+    ((8, 1e4, bad("proportional", partial_rotary_factor=1.5)),
+     "proportional partial_rotary_factor must not exceed 1, got 1.5"),
+    ((8, 1e4, bad("proportional", factor=-1.0)), "proportional factor must be positive, got -1.0"),
     ((8, 1e4, bad("linear", factor="2")), "factor must be a number, got '2'"),
     ((8, 1e4, bad("longrope", **dict(LONG, short_factor=2.0))), "short_factor must be a list of numbers, got 2.0"),
 ])

@@ -194,6 +194,34 @@ def test_frequencies_match_hugging_face(name, seq_len):
     assert module.attention_scale == pytest.approx(hf_scale, rel=1e-12)
 
 
+@pytest.mark.parametrize("partial, factor, head_dim", [(0.25, 1.0, 256), (0.5, 8.0, 64), (1.0, 1.0, 16),
+                                                      (0.3, 2.0, 64), (0.125, 1.0, 24)])
+def test_proportional_frequencies_match_hugging_face_gemma4(partial, factor, head_dim):
+    """Gemma 4's "proportional" rope (transformers' _compute_proportional_rope_parameters): the whole head's
+    exponents, its first int(partial * head_dim // 2) pairs turning at theta^(-2i / head_dim) / factor, the others
+    not at all; from_hf_config takes the whole head and the rope parameters' partial_rotary_factor."""
+    transformers = pytest.importorskip("transformers")
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    full = {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": partial, "factor": factor}
+    sliding = {"rope_type": "default", "rope_theta": 1e4}
+    config = transformers.Gemma4TextConfig(head_dim=8, global_head_dim=head_dim, hidden_size=64, num_attention_heads=4,
+                                           rope_parameters={"full_attention": full, "sliding_attention": sliding})
+    hf_inv_freq, hf_scale = rope_utils.ROPE_INIT_FUNCTIONS["proportional"](config, "cpu", layer_type="full_attention")
+    rotated = int(partial * head_dim // 2)
+    ours, scale = FQ.rope(head_dim, 1e4, full)
+    expected = torch.cat([1e6 ** (-torch.arange(0, 2 * rotated, 2, dtype=torch.float64) / head_dim) / factor,
+                          torch.zeros(head_dim // 2 - rotated, dtype=torch.float64)])
+    assert_close(ours, expected, rtol=1e-15, atol=0)  # float64 formula written here
+    assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)  # HF's float32
+    assert torch.equal(ours == 0, hf_inv_freq == 0) and scale == hf_scale == 1.0
+    module = posenc.nn.RotaryEmbedding.from_hf_config(config, layer_type="full_attention")
+    assert module.rotary_dim == module.head_dim == head_dim and torch.equal(module.inv_freq, ours)
+    q = torch.randn(1, 5, 2, head_dim, dtype=torch.float64)  # the unrotated pairs come back bit for bit
+    out = module(q, q)[0]
+    tail = torch.cat([torch.arange(rotated, head_dim // 2), torch.arange(rotated, head_dim // 2) + head_dim // 2])
+    assert torch.equal(out[..., tail], q[..., tail])
+
+
 def test_fixed_ntk_matches_hugging_face_hunyuan():
     """Fixed NTK (alpha) lives in transformers' HunYuan models: checkpoints label it "dynamic" with an alpha."""
     hunyuan = pytest.importorskip("transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense")

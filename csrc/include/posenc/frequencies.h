@@ -34,13 +34,14 @@ at::Tensor sinusoidal(int64_t dim, double base = 10000.0, int64_t shift = 0);
   X(A, std::optional<double>, low_freq_factor, std::nullopt, "float?", "None")                                  \
   X(A, std::optional<double>, high_freq_factor, std::nullopt, "float?", "None")                                 \
   X(A, std::vector<double>, short_factor, {}, "float[]?", "None")                                               \
-  X(A, std::vector<double>, long_factor, {}, "float[]?", "None")
+  X(A, std::vector<double>, long_factor, {}, "float[]?", "None")                                                \
+  X(A, std::optional<double>, partial_rotary_factor, std::nullopt, "float?", "None") /* proportional */
 
 // RoPE scaling. An unset field takes its type's default; a set one is used as given, so an invalid value (a zero
 // factor, say) is refused, never replaced by the default. Fields of no use to the type are ignored.
 struct RopeScaling {
-  // "default", "linear", "dynamic" (NTK, runtime), "ntk" (fixed NTK, alpha), "yarn", "llama3", "longrope".
-  // "ntk_alpha", and "dynamic" with alpha set (HunYuan checkpoints), mean "ntk".
+  // "default", "linear", "dynamic" (NTK, runtime), "ntk" (fixed NTK, alpha), "yarn", "llama3", "longrope",
+  // "proportional" (Gemma 4). "ntk_alpha", and "dynamic" with alpha set (HunYuan checkpoints), mean "ntk".
   std::string rope_type = "default";
 #define POSENC_ROPE_SCALING_FIELD(A, type, key, cpp_default, ...) type key = cpp_default;
   POSENC_ROPE_SCALING_KEYS(POSENC_ROPE_SCALING_FIELD, )
