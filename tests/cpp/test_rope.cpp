@@ -195,6 +195,15 @@ TEST(Frequencies, EveryScalingTypeMatchesItsFormula) {
   EXPECT_TRUE(torch::allclose(short_freqs.inv_freq, plain / torch::tensor({1.0, 1.5, 2.0, 2.5}, kDouble), 1e-14, 0));
   EXPECT_TRUE(torch::allclose(long_freqs.inv_freq, plain / torch::tensor({3.0, 4.0, 5.0, 6.0}, kDouble), 1e-14, 0));
   EXPECT_NEAR(long_freqs.attention_scale, std::sqrt(1 + std::log(4.0) / std::log(100.0)), 1e-15);
+
+  // Gemma 4's proportional: int(0.6 * 8 // 2) = 2 of the 4 pairs turn, at the whole head's exponents / factor.
+  RopeScaling proportional;
+  proportional.rope_type = "proportional";
+  proportional.partial_rotary_factor = 0.6;
+  proportional.factor = 2.0;
+  const auto rotated = torch::tensor({1.0, 1.0, 0.0, 0.0}, kDouble);
+  EXPECT_TRUE(torch::allclose(rope(r, 10000.0, proportional).inv_freq, plain / 2.0 * rotated, 1e-14, 0));
+  EXPECT_TRUE(torch::equal(rope(r, 10000.0, proportional).inv_freq.slice(0, 2), torch::zeros({2}, kDouble)));
 }
 
 TEST(RotaryEmbedding, ForwardMatchesRopeQkAndFrequenciesSurviveBFloat16) {
