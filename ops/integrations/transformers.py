@@ -193,6 +193,13 @@ def _class_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> Dict[s
 
 # ---------------------------------------------------------------- rotary
 
+def _format_of(unsqueeze_dim: int) -> str:
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"{_NAME}: q and k must be [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] "
+                         f"(unsqueeze_dim=2), got unsqueeze_dim={unsqueeze_dim}")
+    return "bhsd" if unsqueeze_dim == 1 else "bshd"
+
+
 class RotaryAngles:
     """What a patched model passes to its layers in place of Hugging Face's cos/sin tables (``position_embeddings``
     holds it twice, as ``(cos, sin)``): the positions and float64 frequencies of this forward pass.
@@ -211,12 +218,14 @@ class RotaryAngles:
         self.layout = layout
 
     def rotate(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
-        if unsqueeze_dim not in (1, 2):
-            raise ValueError(f"{_NAME}: q and k must be [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] "
-                             f"(unsqueeze_dim=2), got unsqueeze_dim={unsqueeze_dim}")
-        layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
         return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, self.layout,
-                                        layout)
+                                        _format_of(unsqueeze_dim))
+
+    def rotate_one(self, x: Tensor, unsqueeze_dim: int = 1) -> Tensor:
+        """One ``rope`` call, for modeling files whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one
+        tensor at a time (Gemma 4)."""
+        return torch.ops.posenc.rope(x, self.positions, self.inv_freq, self.attention_scale, self.layout,
+                                     _format_of(unsqueeze_dim))
 
     def __repr__(self) -> str:
         return (f"RotaryAngles(positions {list(self.positions.shape)}, {self.inv_freq.numel()} frequencies, "
@@ -351,16 +360,27 @@ def _original_apply(modeling: str) -> Optional[Callable]:
     return function if callable(function) else None
 
 
+def _rotated_tensors(signature: inspect.Signature) -> int:
+    """How many tensors an ``apply_rotary_pos_emb`` rotates: 2 for ``(q, k, cos, sin, ...)``, 1 for Gemma 4's
+    ``(x, cos, sin, ...)`` (its required positional parameters less the two tables); 0 for anything else."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = list(signature.parameters.values())
+    required = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if parameters[:len(required)] != required or len(required) not in (3, 4):
+        return 0
+    return len(required) - 2
+
+
 def _unsqueeze_dim_reader(signature: inspect.Signature) -> Callable[..., int]:
     """How the wrapper reads ``unsqueeze_dim`` from a call's arguments, as the original function binds them
     (some versions take ``position_ids`` before it)."""
     parameter = signature.parameters.get("unsqueeze_dim")
     default = 1 if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
-    def read(q, k, cos, sin, *args, **kwargs) -> int:
-        if not args and not kwargs:
+    def read(*args, **kwargs) -> int:
+        if len(args) == _rotated_tensors(signature) + 2 and not kwargs:
             return default
-        return signature.bind(q, k, cos, sin, *args, **kwargs).arguments.get("unsqueeze_dim", default)
+        return signature.bind(*args, **kwargs).arguments.get("unsqueeze_dim", default)
 
     return read
 
@@ -369,13 +389,21 @@ def _hold_rotary_wrapper(modeling: str) -> None:
     if modeling not in _ROTARY_WRAPPERS:
         module = importlib.import_module(modeling)
         original = module.apply_rotary_pos_emb
-        unsqueeze_dim_of = _unsqueeze_dim_reader(inspect.signature(original))
+        signature = inspect.signature(original)
+        unsqueeze_dim_of = _unsqueeze_dim_reader(signature)
 
-        @functools.wraps(original)
-        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-            if isinstance(cos, RotaryAngles):
-                return cos.rotate(q, k, unsqueeze_dim_of(q, k, cos, sin, *args, **kwargs))
-            return original(q, k, cos, sin, *args, **kwargs)
+        if _rotated_tensors(signature) == 1:
+            @functools.wraps(original)
+            def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+                if isinstance(cos, RotaryAngles):
+                    return cos.rotate_one(x, unsqueeze_dim_of(x, cos, sin, *args, **kwargs))
+                return original(x, cos, sin, *args, **kwargs)
+        else:
+            @functools.wraps(original)
+            def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+                if isinstance(cos, RotaryAngles):
+                    return cos.rotate(q, k, unsqueeze_dim_of(q, k, cos, sin, *args, **kwargs))
+                return original(q, k, cos, sin, *args, **kwargs)
 
         module.apply_rotary_pos_emb = apply_rotary_pos_emb
         _ROTARY_WRAPPERS[modeling] = [original, 0]
@@ -472,14 +500,14 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
     q and k [B, H, S, D] (and [B, S, H, D] where it takes unsqueeze_dim) what RotaryAngles.rotate gives in one
     of rope_qk's layouts: the neox rotation (halves) or the GPT-J one (interleaved pairs 2i, 2i + 1) of the first
     rotary_dim channels. Returns that layout. D is the head dim, or rotary_dim for files whose layers pass only
-    the rotated channels."""
+    the rotated channels. A file whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one tensor (Gemma 4) is
+    probed on q alone, against RotaryAngles.rotate_one (one ``rope`` call)."""
     signature = inspect.signature(function)
-    parameters = list(signature.parameters.values())
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if len(parameters) < 4 or any(p.kind not in positional for p in parameters[:4]) or any(
-            p.default is inspect.Parameter.empty and p.kind in positional for p in parameters[4:]):
+    tensors = _rotated_tensors(signature)
+    if tensors == 0:
         raise NotRecognized(model_type, "apply_rotary_pos_emb signature",
-                            f"{modeling}.apply_rotary_pos_emb{signature} is not (q, k, cos, sin, ...)")
+                            f"{modeling}.apply_rotary_pos_emb{signature} is not (q, k, cos, sin, ...) or "
+                            f"(x, cos, sin, ...)")
     generator = torch.Generator().manual_seed(0)
     positions = torch.arange(_PROBE_LENGTH)
     inv_freq = rotary.inv_freq_for(torch.zeros(1, _PROBE_LENGTH, 1), positions).cpu()
@@ -495,11 +523,12 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
             for unsqueeze_dim in layouts:
                 qq, kk = (q, k) if unsqueeze_dim == 1 else (q.transpose(1, 2), k.transpose(1, 2))
                 extra = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": 2}
-                theirs = function(qq, kk, cos, sin, **extra)
+                theirs = function(qq, kk, cos, sin, **extra) if tensors == 2 else (function(qq, cos, sin, **extra),)
                 for layout, found in diffs.items():
                     angles = RotaryAngles(positions, inv_freq, rotary.attention_scale, layout)
-                    ours = angles.rotate(qq, kk, unsqueeze_dim)
-                    found.append(max(_max_diff(theirs[0], ours[0]), _max_diff(theirs[1], ours[1])))
+                    ours = angles.rotate(qq, kk, unsqueeze_dim) if tensors == 2 else \
+                        (angles.rotate_one(qq, unsqueeze_dim),)
+                    found.append(max(_max_diff(a, b) for a, b in zip(theirs, ours)))
         except Exception as error:  # noqa: BLE001
             failures.append((head_dim, f"raised {type(error).__name__}"))
             continue
@@ -620,8 +649,10 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
         replacement = RotaryPositions(original, modeling, layout).to(device=next(original.buffers()).device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
     for modeling in dict.fromkeys(modeling for _, _, modeling, _ in recognized):
+        one = _rotated_tensors(inspect.signature(_original_apply(modeling))) == 1
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
-                                     "posenc: RotaryAngles -> rope_qk, cos/sin tables -> the original"))
+                                     f"posenc: RotaryAngles -> {'rope (one tensor a call)' if one else 'rope_qk'}, "
+                                     f"cos/sin tables -> the original"))
     return record
 
 

@@ -277,6 +277,32 @@ def test_rope_parameters_per_layer_type():
         ours(x, position_ids, "chunked_attention")
 
 
+def test_gemma4_proportional_rope_one_tensor_at_a_time():
+    """Gemma 4 (its unified text model): full-attention layers with heads of global_head_dim and "proportional"
+    rope (a quarter of the pairs turning), sliding ones with the default rope; its apply_rotary_pos_emb(x, cos, sin)
+    rotates one tensor a call, which the patch sends to one posenc.rope call."""
+    layer_types = ["sliding_attention", "full_attention"]
+    config = transformers.AutoConfig.for_model(
+        "gemma4_unified_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ_LIMIT, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, head_dim=16, global_head_dim=32, layer_types=layer_types, sliding_window=8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                            "partial_rotary_factor": 0.25}})
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    patched, record = patched_copy(reference)
+    assert "rope (one tensor a call)" in str(record) and "full_attention: rotary_dim=32" in str(record)
+    rotary = patched.model.rotary_emb.rotaries["full_attention"]
+    assert int((rotary.inv_freq != 0).sum()) == 4 and rotary.inv_freq.numel() == 16
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    prompt = tokens[:, :12]
+    assert_same_model_outputs(reference, patched, dict(input_ids=tokens), dict(input_ids=tokens, labels=tokens),
+                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
+    counts = ops_of(lambda: patched(input_ids=tokens))
+    assert counts["posenc.rope.default"] >= 2 and counts["posenc.rope_qk.default"] == 0
+    assert counts["aten.cos.default"] == 0
+
+
 def test_dynamic_ntk_per_layer_type_is_refused():
     config = dict(rotary_models())["gemma3_text"]
     config.rope_parameters["full_attention"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}
