@@ -31,7 +31,7 @@ from transformers.models.auto import configuration_auto, modeling_auto  # noqa: 
 VOCAB = 128
 ATOL = 1e-5
 MAX_PARAMETERS = 6_000_000  # a "tiny" config that still builds more than this is skipped, with the count
-PATCHED_FLOOR = 85  # measured: 91 patched (8 of them interleaved pairs, 11 with rope parameters per layer type),
+PATCHED_FLOOR = 85  # measured: 92 patched (8 of them interleaved pairs, 12 with rope parameters per layer type),
 # equal, rope_qk doing the rotation, with transformers 5.24.0
 TIME_LIMIT_S = 100.0  # the whole sweep, imports of ~190 modeling files included: measured 18-27 s on 2 cores
 
@@ -40,7 +40,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             eos_token_id=2, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1,
             tie_word_embeddings=False, rotary_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            kv_lora_rank=16, q_lora_rank=32)
+            kv_lora_rank=16, q_lora_rank=32, vocab_size_per_layer_input=VOCAB)  # Gemma 4's per-layer embeddings
 
 
 @dataclass
