@@ -376,9 +376,10 @@ def _unsqueeze_dim_reader(signature: inspect.Signature) -> Callable[..., int]:
     (some versions take ``position_ids`` before it)."""
     parameter = signature.parameters.get("unsqueeze_dim")
     default = 1 if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+    required = _rotated_tensors(signature) + 2  # the tensors and the two tables: read once, not per call
 
     def read(*args, **kwargs) -> int:
-        if len(args) == _rotated_tensors(signature) + 2 and not kwargs:
+        if len(args) == required and not kwargs:
             return default
         return signature.bind(*args, **kwargs).arguments.get("unsqueeze_dim", default)
 
