@@ -18,9 +18,11 @@
 #define POSENC_EMBEDDING_OPS(X, A) \
   X(A, embedding_backward, "(Tensor grad, Tensor indices, SymInt num_rows, float scale=1.0, int? padding_idx=None) -> Tensor")
 
+// Multi-axis (images, video): pair_axis [pairs] as in rotary, positions [n_axes, ...], pair i encoding the position of
+// axis pair_axis[i]. num_prefix_tokens: the first tokens along S (cls, registers) get no encoding, x * x_scale exactly.
 #define POSENC_SINUSOIDAL_OPS(X, A) \
-  X(A, sinusoidal, "(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0) -> Tensor") \
-  X(A, add_sinusoidal, "(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0) -> Tensor") \
+  X(A, sinusoidal, "(Tensor positions, Tensor inv_freq, str layout=\"interleaved\", ScalarType? dtype=None, int offset=0, Tensor? pair_axis=None) -> Tensor") \
+  X(A, add_sinusoidal, "(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0, Tensor? pair_axis=None, int num_prefix_tokens=0) -> Tensor") \
   X(A, embed_sinusoidal, "(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor")
 
 // Learned absolute.
@@ -102,6 +104,12 @@
 //   multiaxis_inv_freq, axial_inv_freq, mrope_inv_freq: float64 inv_freq [pairs] with int64 pair_axis [pairs], the
 //     axis driving each pair.
 //   image_positions [2, H * W] (row, column), video_positions [3, F * H * W] (time, row, column).
+//   grid_positions: float32 [n_axes, prod(grid)], axis a at index i: (i + (crop_from[a] - grid[a]) // 2) / scale[a]
+//     / interpolation_scale, each division in float32 (diffusers' coordinates, SD3's centre crop).
+//   patch_center_positions: float32 [2, num_prefix_tokens + H * W], DINOv3's (row, column) patch centres in [-1, 1]
+//     (zeros for the prefix tokens), with its training augmentations drawn from `generator`.
+//   grid_sinusoidal_inv_freq: the frequencies, pair axes and layout of a multi-axis sincos convention ("mae",
+//     "timm", "timm_interleaved", "cogvideox").
 //   alibi_slopes: dtype None is float32 (an optional: AOTInductor cannot replay a ScalarType argument's default).
 #define POSENC_CONFIG_OPS(X, A) \
   X(A, sinusoidal_inv_freq, "(int dim, float base=10000.0, int shift=0, Device? device=None) -> Tensor") \
@@ -114,6 +122,9 @@
   X(A, mrope_pair_axis, "(int[] mrope_section, bool interleaved=False, Device? device=None) -> Tensor") \
   X(A, mrope_inv_freq, "(int rotary_dim, int[] mrope_section, float base=10000.0, bool interleaved=False) -> (Tensor inv_freq, Tensor pair_axis)") \
   X(A, image_positions, "(int height, int width, Device? device=None) -> Tensor") \
+  X(A, grid_positions, "(int[] grid, int[]? crop_from=None, float[]? scale=None, float interpolation_scale=1.0, Device? device=None) -> Tensor") \
+  X(A, patch_center_positions, "(int height, int width, int num_prefix_tokens=0, float? shift=None, float? jitter=None, float? rescale=None, Generator? generator=None, Device? device=None) -> Tensor") \
+  X(A, grid_sinusoidal_inv_freq, "(int dim, str convention=\"mae\", float base=10000.0) -> (Tensor inv_freq, Tensor pair_axis, str layout)") \
   X(A, video_positions, "(int frames, int height, int width, float time_interval=1.0, Device? device=None) -> Tensor") \
   X(A, alibi_slopes, "(int num_heads, ScalarType? dtype=None, Device? device=None) -> Tensor")
 

@@ -220,12 +220,15 @@ def _per_token_rule(data: str, lead: int, a: Dict[str, Any], tables: Sequence[st
     dims, dim ``lead`` the sequence. ``tables`` ([rows, D] tables whose channels follow the output's) may be
     sharded over channels with the data, when the op's channels are independent (learned rows)."""
     positions = a["positions"]
+    # Multi-axis positions (pair_axis) carry a leading axis dimension, never sharded.
+    axes = 1 if a.get("pair_axis") is not None else 0
     strategies = [(Replicate(), {data: Replicate()})]
     for dim in range(lead):
         # Positions [S] are shared by the batch; positions with the data's leading shape go with their rows.
-        shared = positions is None or positions.ndim == 1
-        strategies.append((Shard(dim), {data: Shard(dim), "positions": Replicate() if shared else Shard(dim)}))
-    if positions is not None:
+        shared = positions is None or positions.ndim == 1 + axes
+        strategies.append((Shard(dim), {data: Shard(dim), "positions": Replicate() if shared else Shard(dim + axes)}))
+    # Prefix tokens sit at the start of every sequence only: the sequence is not split then.
+    if positions is not None and not a.get("num_prefix_tokens"):
         strategies.append((Shard(lead), {data: Shard(lead), "positions": Shard(positions.ndim - 1)}))
     if tables:
         channels = lead + 1
@@ -238,6 +241,15 @@ def _elementwise_rule(data: str, a: Dict[str, Any], skip_last: bool = False) -> 
     """Ops computed per element (or per row of the last dimension: ``skip_last``)."""
     dims = a[data].ndim - (1 if skip_last else 0)
     return [(Replicate(), {data: Replicate()})] + [(Shard(d), {data: Shard(d)}) for d in range(dims)]
+
+
+def _sinusoidal_rule(a: Dict[str, Any]) -> List[_Strategy]:
+    """sinusoidal: positions [...] -> [..., 2F], or with pair_axis positions [n_axes, ...] -> [..., 2F] (the axis
+    dimension never sharded)."""
+    if a.get("pair_axis") is None:
+        return _elementwise_rule("positions", a)
+    dims = a["positions"].ndim - 1
+    return [(Replicate(), {"positions": Replicate()})] + [(Shard(d), {"positions": Shard(d + 1)}) for d in range(dims)]
 
 
 def _learned_rule(a: Dict[str, Any]) -> List[_Strategy]:
@@ -276,7 +288,7 @@ def _t5_rule(data: str) -> List[_Strategy]:
 
 
 _RULES = {
-    "sinusoidal": lambda a: _elementwise_rule("positions", a),
+    "sinusoidal": lambda a: _sinusoidal_rule(a),
     "add_sinusoidal": lambda a: _per_token_rule("x", a["x"].ndim - 2, a),
     "embed_sinusoidal": lambda a: _per_token_rule("tokens", a["tokens"].ndim - 1, a),
     "embedding_backward": _embedding_backward_rule,

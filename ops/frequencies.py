@@ -28,7 +28,7 @@ def _fake_constants(*args, op, **kwargs):
 
 # The ops that return several values and take no tensor: torch.compile evaluates the functions below while
 # tracing (_constant_under_compile), torch.export traces the ops through these fakes.
-for _name in ("rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq", "mrope_inv_freq"):
+for _name in ("rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq", "mrope_inv_freq", "grid_sinusoidal_inv_freq"):
     _op = getattr(torch.ops.posenc, _name).default
     torch.library.register_fake(f"posenc::{_name}")(functools.partial(_fake_constants, op=_op))
 
@@ -197,3 +197,28 @@ def mrope(rotary_dim: int, mrope_section: Sequence[int], base: float = 10000.0,
 
 
 __all__ += ["multiaxis", "axial", "mrope_pair_axis", "mrope"]
+
+
+GRID_CONVENTIONS = ("mae", "timm", "timm_interleaved", "cogvideox")
+
+
+@_constant_under_compile
+def grid_sinusoidal(dim: int, convention: str = "mae", base: float = 10000.0) -> Tuple[Tensor, Tensor, str]:
+    """A multi-axis sincos table's convention: ``(inv_freq float64 [dim // 2], pair_axis int64 [dim // 2], layout)``
+    for :func:`posenc.functional.add_sinusoidal` / :func:`posenc.functional.sinusoidal` with ``pair_axis``. Each
+    axis block of n pairs has the frequencies ``1 / base ** (k / n)``, k < n. Positions are (row, column) for the
+    2-D conventions and (time, row, column) for the 3-D one (:func:`posenc.functional.grid_positions`).
+
+    - ``"mae"``: MAE, DiT, diffusers' 2-D table (PixArt, SD3): dim/4 pairs on the column, then dim/4 on the row,
+      ``"half_per_axis"``: [sin col, cos col, sin row, cos row].
+    - ``"timm"``: timm's ``build_sincos2d_pos_embed``: row, then column, ``"half"``: [sin row, sin col, cos row,
+      cos col].
+    - ``"timm_interleaved"``: the same with ``interleave_sin_cos=True``: [sin row, cos row, sin col, cos col].
+    - ``"cogvideox"``: diffusers' 3-D table: dim/8 pairs on time, 3 dim/16 on the column, 3 dim/16 on the row,
+      ``"half_per_axis"``.
+    """
+    inv_freq, pair_axis, layout = torch.ops.posenc.grid_sinusoidal_inv_freq(dim, convention, float(base))
+    return inv_freq, pair_axis, layout
+
+
+__all__ += ["grid_sinusoidal", "GRID_CONVENTIONS"]

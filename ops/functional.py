@@ -1,5 +1,5 @@
 """Typed wrappers of torch.ops.posenc.*: same arguments, same order, same defaults as the schemas."""
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -8,25 +8,32 @@ __all__ = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backwa
 
 
 def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved",
-               dtype: Optional[torch.dtype] = None, offset: int = 0) -> Tensor:
+               dtype: Optional[torch.dtype] = None, offset: int = 0, pair_axis: Optional[Tensor] = None) -> Tensor:
     """The encoding of ``positions + offset``: shape ``positions.shape + [2F]``, F = len(inv_freq).
 
     ``layout="interleaved"`` gives [sin t0, cos t0, sin t1, cos t1, ...]; ``"half"`` gives
     [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)]; ``"half_cos_first"`` gives [cos .. || sin ..] (diffusers'
-    ``flip_sin_to_cos``). Positions may be integer or floating (diffusion
-    timesteps); ``dtype`` defaults to that of floating positions, else float32. Not differentiable.
+    ``flip_sin_to_cos``); ``"half_per_axis"`` gives "half" within each run of pairs on one axis. Positions may be
+    integer or floating (diffusion timesteps, scaled grids); ``dtype`` defaults to that of floating positions,
+    else float32. With ``pair_axis`` [F] (images, video: :func:`posenc.frequencies.grid_sinusoidal`), positions
+    are ``[n_axes, ...]``, pair i encoding the position of axis ``pair_axis[i]``, and the output is
+    ``positions.shape[1:] + [2F]``. Not differentiable.
     """
-    return torch.ops.posenc.sinusoidal(positions, inv_freq, layout, dtype, offset)
+    return torch.ops.posenc.sinusoidal(positions, inv_freq, layout, dtype, offset, pair_axis)
 
 
 def add_sinusoidal(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, x_scale: float = 1.0,
-                   layout: str = "interleaved", offset: int = 0) -> Tensor:
+                   layout: str = "interleaved", offset: int = 0, pair_axis: Optional[Tensor] = None,
+                   num_prefix_tokens: int = 0) -> Tensor:
     """``x * x_scale + PE`` for x ``[..., S, D]``, D = 2F or 2F + 1 (the last channel then gets no encoding).
 
-    ``positions``: None (``offset + arange(S)``), ``[S]`` or x's leading shape; ``offset`` is added to
-    explicit positions too. Differentiable w.r.t. x.
+    ``positions``: None (``offset + arange(S')``), ``[S']`` or x's leading shape with S' last; ``offset`` is added
+    to explicit positions too. S' = S - num_prefix_tokens: the first ``num_prefix_tokens`` tokens (cls,
+    registers) get no encoding (``x * x_scale`` exactly). With ``pair_axis``, positions ``[n_axes, S']`` or
+    ``[n_axes, ..., S']`` (the patch grid: :func:`grid_positions`). Differentiable w.r.t. x.
     """
-    return torch.ops.posenc.add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset)
+    return torch.ops.posenc.add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset, pair_axis,
+                                           num_prefix_tokens)
 
 
 def embed_sinusoidal(tokens: Tensor, token_weight: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
@@ -433,4 +440,35 @@ def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None
                                             split_video_frames)
 
 
-__all__ += ["image_positions", "video_positions", "mrope_positions"]
+def grid_positions(grid: List[int], crop_from: Optional[List[int]] = None, scale: Optional[List[float]] = None,
+                   interpolation_scale: float = 1.0, device: Optional[torch.device] = None) -> Tensor:
+    """Real coordinates of a grid's tokens in row-major order, float32 ``[len(grid), prod(grid)]``: axis a at index
+    i is ``(i + start_a) / scale[a] / interpolation_scale``, each division rounded to float32, with start_a =
+    ``(crop_from[a] - grid[a]) // 2`` (a centre crop of a larger grid). These are diffusers' coordinates bit for bit:
+    its 2-D table is ``grid_positions([h, w], scale=[h / base_size, w / base_size], interpolation_scale=s)``, SD3's
+    cropped one ``crop_from=[M, M], scale=[M / base_size] * 2``, CogVideoX's 3-D one
+    ``grid_positions([t, h, w], scale=[temporal_scale, spatial_scale, spatial_scale])``.
+    """
+    return torch.ops.posenc.grid_positions(grid, crop_from, scale, float(interpolation_scale), device)
+
+
+def patch_center_positions(height: int, width: int, num_prefix_tokens: int = 0, shift: Optional[float] = None,
+                           jitter: Optional[float] = None, rescale: Optional[float] = None,
+                           generator: Optional[torch.Generator] = None,
+                           device: Optional[torch.device] = None) -> Tensor:
+    """DINOv3's patch coordinates, float32 ``[2, num_prefix_tokens + height * width]``: (row, column) of each patch
+    centre in [-1, 1], ``(i + 0.5) / n * 2 - 1`` in float32 as transformers computes it, and zeros for the prefix
+    tokens (cls, registers), which a rotation by them leaves as they are. Pass them to :func:`rope_qk` with the
+    frequencies of :func:`posenc.frequencies.axial` times 2 pi (DINOv3 rotates by 2 pi * coordinate * inv_freq).
+
+    Training augmentations, drawn from ``generator`` (a CPU generator; the default one when None) in
+    transformers' order: ``shift`` adds one uniform value in [-shift, shift] per axis, ``jitter`` multiplies each
+    axis by exp(uniform in [-log jitter, log jitter]), ``rescale`` both axes by one exp(uniform in
+    [-log rescale, log rescale]). With the same seed, the same coordinates as transformers'
+    ``augment_patches_center_coordinates`` on the CPU.
+    """
+    return torch.ops.posenc.patch_center_positions(height, width, num_prefix_tokens, shift, jitter, rescale, generator,
+                                                   device)
+
+
+__all__ += ["image_positions", "video_positions", "grid_positions", "patch_center_positions", "mrope_positions"]

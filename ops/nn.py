@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import frequencies
 
-__all__ = ["SinusoidalPositionalEncoding", "SinusoidalEmbedding"]
+__all__ = ["SinusoidalPositionalEncoding", "SinusoidalGridEncoding", "SinusoidalEmbedding"]
 
 
 class _ExactFrequencies(torch.nn.Module):
@@ -61,6 +61,81 @@ class SinusoidalPositionalEncoding(_ExactFrequencies):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}, shift={self.shift}, layout={self.layout!r}, x_scale={self.x_scale}"
+
+
+class SinusoidalGridEncoding(_ExactFrequencies):
+    """``x * x_scale + PE`` for the patch tokens of an image or a video: the fixed 2-D / 3-D sincos tables of MAE,
+    DiT, PixArt, SD3, CogVideoX and timm, added in one pass.
+
+    ``forward(x, grid)`` with x ``[B, num_prefix_tokens + prod(grid), dim]`` and ``grid`` ``[h, w]`` (2-D
+    conventions) or ``[t, h, w]`` (``"cogvideox"``); the prefix tokens (cls, registers) get no encoding. The channel
+    order is the convention's (:func:`posenc.frequencies.grid_sinusoidal`). The coordinates are diffusers'
+    (:func:`posenc.functional.grid_positions`): index / (grid / base_size) / interpolation_scale on each spatial axis
+    when ``base_size`` is set (PixArt, SD3), index / interpolation_scale otherwise; ``interpolation_scale`` may be
+    one value per axis, or for video (temporal, spatial) as diffusers' CogVideoX takes them. ``max_size``: the table is that of a
+    ``max_size`` square grid, centre-cropped to ``grid`` (SD3's ``pos_embed_max_size``).
+    """
+
+    def __init__(self, dim: int, convention: str = "mae", base: float = 10000.0, num_prefix_tokens: int = 0,
+                 base_size: Optional[int] = None, interpolation_scale: Any = 1.0, max_size: Optional[int] = None,
+                 x_scale: float = 1.0):
+        super().__init__()
+        op = "posenc.nn.SinusoidalGridEncoding"
+        self.dim, self.convention, self.base = dim, convention, float(base)
+        inv_freq, pair_axis, layout = frequencies.grid_sinusoidal(dim, convention, self.base)  # checks them
+        self.n_axes = 3 if convention == "cogvideox" else 2
+        scales = [float(interpolation_scale)] if isinstance(interpolation_scale, (int, float)) else \
+            [float(v) for v in interpolation_scale]
+        if self.n_axes == 3 and len(scales) == 2:  # diffusers' (temporal, spatial)
+            scales = [scales[0], scales[1], scales[1]]
+        if len(scales) not in (1, self.n_axes):
+            raise ValueError(f"{op}: interpolation_scale has {len(scales)} values; give one, one per axis "
+                             f"({self.n_axes}){' or (temporal, spatial)' if self.n_axes == 3 else ''}")
+        if len(scales) > 1 and base_size is not None:
+            raise ValueError(f"{op}: base_size takes one interpolation_scale, got {scales}")
+        if num_prefix_tokens < 0:
+            raise ValueError(f"{op}: num_prefix_tokens must not be negative, got {num_prefix_tokens}")
+        self.interpolation_scale: List[float] = scales
+        self.base_size: Optional[int] = base_size
+        self.max_size: Optional[int] = max_size
+        self.num_prefix_tokens, self.x_scale, self.layout = num_prefix_tokens, float(x_scale), layout
+        self.inv_freq, self.pair_axis = inv_freq, pair_axis
+
+    def _make_frequencies(self) -> Dict[str, Tensor]:
+        inv_freq, pair_axis, _ = frequencies.grid_sinusoidal(self.dim, self.convention, self.base)
+        return {"inv_freq": inv_freq, "pair_axis": pair_axis}
+
+    def positions(self, grid: List[int]) -> Tensor:
+        """The coordinates ``[n_axes, prod(grid)]`` (float32) of the grid's tokens."""
+        spatial = len(grid) - 2  # the first spatial axis
+        crop_from: Optional[List[int]] = None
+        if self.max_size is not None:
+            crop_from = [grid[a] if a < spatial else self.max_size for a in range(len(grid))]
+        base_size = self.base_size
+        if base_size is not None:
+            # diffusers: index / (size / base_size) / interpolation_scale, size that of the grid the table is made for
+            sizes = grid if crop_from is None else crop_from
+            scale = [1.0 if a < spatial else sizes[a] / base_size for a in range(len(grid))]
+            return torch.ops.posenc.grid_positions(grid, crop_from, scale, self.interpolation_scale[0], None)
+        if len(self.interpolation_scale) > 1:
+            return torch.ops.posenc.grid_positions(grid, crop_from, self.interpolation_scale, 1.0, None)
+        return torch.ops.posenc.grid_positions(grid, crop_from, None, self.interpolation_scale[0], None)
+
+    def forward(self, x: Tensor, grid: List[int]) -> Tensor:
+        if len(grid) != self.n_axes:
+            raise ValueError(f"posenc.nn.SinusoidalGridEncoding: grid {grid} needs {self.n_axes} axes for convention "
+                             f"{self.convention}")
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
+            self.pair_axis = self.pair_axis.to(x.device)
+        positions = self.positions(grid).to(x.device)
+        return torch.ops.posenc.add_sinusoidal(x, positions, self.inv_freq, self.x_scale, self.layout, 0,
+                                               self.pair_axis, self.num_prefix_tokens)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, convention={self.convention!r}, base={self.base}, "
+                f"num_prefix_tokens={self.num_prefix_tokens}, base_size={self.base_size}, "
+                f"interpolation_scale={self.interpolation_scale}, max_size={self.max_size}")
 
 
 class SinusoidalEmbedding(_ExactFrequencies):

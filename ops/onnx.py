@@ -113,50 +113,94 @@ def _rank(x) -> int:
 
 # ---------------------------------------------------------------- sinusoidal
 
-def _encoding(angles, layout: str, op_name: str):
-    """The sinusoidal encoding [..., 2F] of float64 angles [..., F] in one of the three layouts."""
+def _half_per_axis_order(pair_axis, pairs: int):
+    """The channel order of "half_per_axis" as Gather indices [2F] into Concat(sin, cos): pair i of the run
+    [first, end) of pairs on one axis puts its sine at channel first + i and its cosine at end + i. Built from
+    pair_axis over a [F, F] table (a graph constant where pair_axis is one: ONNX Runtime folds it)."""
+    axis = _to(pair_axis, _INT64)
+    index = _arange(op.Constant(value_int=pairs))
+    differs = op.Not(op.Equal(_last_dim(axis, 1, pairs), _last_dim(axis, 0, pairs - 1)))
+    true = op.Constant(value=ir.tensor([True]))
+    starts, ends = op.Concat(true, differs, axis=0), op.Concat(differs, true, axis=0)
+    rows, cols = op.Unsqueeze(index, op.Constant(value_ints=[1])), op.Unsqueeze(index, op.Constant(value_ints=[0]))
+    # first(i) = the largest run start j <= i; end(i) = 1 + the smallest run end j >= i
+    first = op.ReduceMax(op.Where(op.And(op.LessOrEqual(cols, rows), starts), cols, op.Constant(value_int=0)),
+                         op.Constant(value_ints=[1]), keepdims=0)
+    one = op.Constant(value_int=1)
+    end = op.ReduceMin(op.Where(op.And(op.GreaterOrEqual(cols, rows), ends), op.Add(cols, one),
+                                op.Constant(value_int=pairs)), op.Constant(value_ints=[1]), keepdims=0)
+    target = op.Concat(op.Add(first, index), op.Add(end, index), axis=0)  # the channel of Concat(sin, cos)[k]
+    channels = _arange(op.Constant(value_int=2 * pairs))
+    return op.ScatterElements(channels, target, channels, axis=0)  # its inverse: the source of each channel
+
+
+def _encoding(angles, layout: str, op_name: str, pair_axis=None, pairs: int = 0):
+    """The sinusoidal encoding [..., 2F] of float64 angles [..., F] in one of the four layouts."""
     sin, cos = op.Sin(angles), op.Cos(angles)
     if layout == "interleaved":  # sin t0, cos t0, sin t1, ...
         pairs = op.Concat(op.Unsqueeze(sin, op.Constant(value_ints=[-1])),
                           op.Unsqueeze(cos, op.Constant(value_ints=[-1])), axis=-1)
         shape = op.Concat(op.Shape(angles, start=0, end=-1), op.Constant(value_ints=[-1]), axis=0)
         return op.Reshape(pairs, shape)
-    if layout == "half":
+    if layout == "half" or (layout == "half_per_axis" and pair_axis is None):
         return op.Concat(sin, cos, axis=-1)
     if layout == "half_cos_first":
         return op.Concat(cos, sin, axis=-1)
-    raise ValueError(f'posenc.onnx: {op_name}: layout must be "interleaved", "half" or "half_cos_first", '
-                     f'got "{layout}"')
+    if layout == "half_per_axis":
+        return op.Gather(op.Concat(sin, cos, axis=-1), _half_per_axis_order(pair_axis, pairs), axis=-1)
+    raise ValueError(f'posenc.onnx: {op_name}: layout must be "interleaved", "half", "half_cos_first" or '
+                     f'"half_per_axis", got "{layout}"')
 
 
-def _add_encoding(x, width: int, positions, inv_freq, scale: float, layout: str, offset: int, op_name: str):
-    """x * scale + PE for x [..., S, D], D = width = 2F or 2F + 1 (the odd channel gets no encoding)."""
+def _sinusoidal_angles(positions, length, inv_freq, offset: int, pair_axis):
+    """float64 angles [..., F]: one axis, or each pair by the position of its axis (positions [n_axes, ...])."""
+    if pair_axis is None:
+        return _angles(_positions(positions, length, offset, _DOUBLE), inv_freq)
+    if positions is None:
+        raise ValueError("posenc.onnx: add_sinusoidal: pair_axis needs positions [n_axes, ...]")
+    return _axis_angles(positions, inv_freq, offset, pair_axis)
+
+
+def _add_encoding(x, width: int, positions, inv_freq, scale: float, layout: str, offset: int, op_name: str,
+                  pair_axis=None, num_prefix_tokens: int = 0):
+    """x * scale + PE for x [..., S, D], D = width = 2F or 2F + 1 (the odd channel gets no encoding); the first
+    num_prefix_tokens tokens get -0.0, which leaves them as they are."""
     frequencies = _static(inv_freq, 0, op_name, "inv_freq length")
-    pos = _positions(positions, _size(x, -2), offset, _DOUBLE)
+    length = _size(x, -2)
+    if num_prefix_tokens:
+        length = op.Sub(length, op.Constant(value_int=num_prefix_tokens))
+    angles = _sinusoidal_angles(positions, length, inv_freq, offset, pair_axis)
     maths = _maths_type(x.dtype)
-    pe = _to(_encoding(_angles(pos, inv_freq), layout, op_name), maths)
-    if width == 2 * frequencies + 1:
-        rank = 2 if positions is None else _rank(positions) + 1  # [S, 2F] or positions' shape + [2F]
+    pe = _to(_encoding(angles, layout, op_name, pair_axis, frequencies), maths)
+    # [S, 2F] or positions' shape (less its axis dimension) + [2F]
+    rank = 2 if positions is None else _rank(positions) + (0 if pair_axis is not None else 1)
+    if width == 2 * frequencies + 1 or num_prefix_tokens:
         pads = [0] * (2 * rank)
-        pads[-1] = 1
-        pe = op.Pad(pe, op.Constant(value_ints=pads))
+        pads[-1] = 1 if width == 2 * frequencies + 1 else 0
+        pads[rank - 2] = num_prefix_tokens
+        pe = op.Pad(pe, op.Constant(value_ints=pads), op.CastLike(_double(-0.0), pe))
     data = _to(x, maths)
     if scale != 1.0:
         data = op.Mul(data, op.CastLike(_double(scale), data))
     return _to(op.Add(data, pe), x.dtype)
 
 
-def sinusoidal(positions, inv_freq, layout: str = "interleaved", dtype: Optional[int] = None, offset: int = 0):
+def sinusoidal(positions, inv_freq, layout: str = "interleaved", dtype: Optional[int] = None, offset: int = 0,
+               pair_axis=None):
     if dtype is None:
         dtype = positions.dtype if positions.dtype in (_FLOAT, _DOUBLE, ir.DataType.FLOAT16,
                                                        ir.DataType.BFLOAT16) else _FLOAT
-    pe = _encoding(_angles(_positions(positions, None, offset, _DOUBLE), inv_freq), layout, "sinusoidal")
+    frequencies = _static(inv_freq, 0, "sinusoidal", "inv_freq length")
+    angles = _sinusoidal_angles(positions, None, inv_freq, offset, pair_axis)
+    pe = _encoding(angles, layout, "sinusoidal", pair_axis, frequencies)
     return _to(_to(pe, _maths_type(dtype)), dtype)
 
 
-def add_sinusoidal(x, positions, inv_freq, x_scale: float = 1.0, layout: str = "interleaved", offset: int = 0):
+def add_sinusoidal(x, positions, inv_freq, x_scale: float = 1.0, layout: str = "interleaved", offset: int = 0,
+                   pair_axis=None, num_prefix_tokens: int = 0):
     width = _static(x, -1, "add_sinusoidal", "channel count")
-    return _add_encoding(x, width, positions, inv_freq, x_scale, layout, offset, "add_sinusoidal")
+    return _add_encoding(x, width, positions, inv_freq, x_scale, layout, offset, "add_sinusoidal", pair_axis,
+                         num_prefix_tokens)
 
 
 def embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale: float = 1.0,
@@ -732,7 +776,8 @@ _TRANSLATIONS: Dict[str, Callable] = {
     "rope_inv_freq_for_length": rope_inv_freq_for_length, "mrope_positions": mrope_positions,
     **{name: _constant_translation(name) for name in (
         "alibi_slopes", "sinusoidal_inv_freq", "rope_inv_freq", "multiaxis_inv_freq", "axial_inv_freq",
-        "mrope_inv_freq", "mrope_pair_axis", "image_positions", "video_positions", "zigzag_positions")},
+        "mrope_inv_freq", "mrope_pair_axis", "image_positions", "video_positions", "zigzag_positions",
+        "grid_positions", "grid_sinusoidal_inv_freq", "patch_center_positions")},
 }
 
 

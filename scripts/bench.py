@@ -164,6 +164,38 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     return table.rows + fused.rows
 
 
+def bench_sincos_grid(repeat: int, quick: bool) -> List[dict]:
+    """The fixed 2-D / 3-D sincos tables of diffusion transformers added to their patch tokens: PixArt-alpha at
+    1024 px (64 x 64 patches of 1152 channels, batch 2 for guidance; diffusers rebuilds the table in float64 when the
+    size differs from its buffer's) and CogVideoX-2b (13 x 30 x 45 patches of 1920 channels), against diffusers'
+    eager table + add and the add of a cached table."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed, get_3d_sincos_pos_embed
+    table = Table("add_sinusoidal grid", repeat)
+    side, dim, batch = (32, 1152, 2) if quick else (64, 1152, 2)
+    frames, height, width, video_dim = (4, 16, 16, 1920) if quick else (13, 30, 45, 1920)
+    cases = [(f"x [{batch}, {side * side}, {dim}] PixArt 2-D", batch, dim,
+              posenc.nn.SinusoidalGridEncoding(dim, "mae", base_size=side, interpolation_scale=2.0), [side, side],
+              lambda: get_2d_sincos_pos_embed(dim, (side, side), base_size=side, interpolation_scale=2.0)),
+             (f"x [1, {frames * height * width}, {video_dim}] CogVideoX 3-D", 1, video_dim,
+              posenc.nn.SinusoidalGridEncoding(video_dim, "cogvideox", interpolation_scale=[1.0, 1.875, 1.875]),
+              [frames, height, width],
+              lambda: get_3d_sincos_pos_embed(video_dim, (width, height), frames, 1.875, 1.0).flatten(0, 1))]
+    for shape, rows, channels, module, grid, diffusers_table in cases:
+        cached = diffusers_table().float()
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, cached.shape[0], channels, dtype=dtype)
+            # diffusers adds its float32 table to the latent and casts back (PatchEmbed.forward)
+            eager = lambda: (x + diffusers_table().float()).to(dtype)  # noqa: E731
+            table.add(shape, dtype, "fwd", lambda: module(x, grid),
+                      {"diffusers table+add": eager, "cached table add": lambda: (x + cached).to(dtype)}, x)
+            xg = x.clone().requires_grad_()
+            grad = torch.randn_like(x)
+            table.add(shape, dtype, "fwd+bwd", fwd_grads(lambda: module(xg, grid), [xg], [grad]),
+                      {"diffusers table+add": fwd_grads(lambda: (xg + diffusers_table().float()).to(dtype), [xg], [grad]),
+                       "cached table add": fwd_grads(lambda: (xg + cached).to(dtype), [xg], [grad])}, x, copies=2)
+    return table.rows
+
+
 def bench_embedding_backward(repeat: int, quick: bool) -> List[dict]:
     table = Table("embedding_backward", repeat)
     batch, seq, dim, vocab = (2, 512, 1024, 32000) if quick else (8, 2048, 1024, 32000)
@@ -967,6 +999,7 @@ BENCHMARKS = {
     "mrope": bench_mrope,
     "axial": bench_axial,
     "sinusoidal": bench_sinusoidal,
+    "sincos_grid": bench_sincos_grid,
     "embedding": bench_embedding_backward,
     "learned": bench_learned,
     "alibi": bench_alibi,

@@ -1,5 +1,6 @@
 #include <posenc/multiaxis.h>
 #include <posenc/rope.h>
+#include <posenc/sinusoidal.h>
 
 #include "common/rope.h"
 
@@ -71,6 +72,58 @@ std::tuple<at::Tensor, at::Tensor> AxialRotaryEmbeddingImpl::forward(const at::T
     pair_axis_ = pair_axis_.to(q.device());
   }
   return rope_qk(q, k, positions, inv_freq_, 1.0, layout_, format_, offset, cu_seqlens, pair_axis_);
+}
+
+SinusoidalGridEncodingImpl::SinusoidalGridEncodingImpl(int64_t dim, std::string convention, double base,
+                                                       int64_t num_prefix_tokens, std::optional<int64_t> base_size,
+                                                       std::vector<double> interpolation_scale,
+                                                       std::optional<int64_t> max_size, double x_scale)
+    : n_axes_(convention == "cogvideox" ? 3 : 2), num_prefix_tokens_(num_prefix_tokens), base_size_(base_size),
+      interpolation_scale_(std::move(interpolation_scale)), max_size_(max_size), x_scale_(x_scale) {
+  constexpr const char* op = "posenc.nn.SinusoidalGridEncoding";
+  auto freqs = frequencies::grid_sinusoidal(dim, convention, base);  // checks them
+  if (n_axes_ == 3 && interpolation_scale_.size() == 2) {  // diffusers' (temporal, spatial)
+    interpolation_scale_.push_back(interpolation_scale_[1]);
+  }
+  const auto scales = static_cast<int64_t>(interpolation_scale_.size());
+  TORCH_CHECK_VALUE(scales == 1 || scales == n_axes_, op, ": interpolation_scale has ", scales,
+                    " values; give one, one per axis (", n_axes_, ")", n_axes_ == 3 ? " or (temporal, spatial)" : "");
+  TORCH_CHECK_VALUE(scales == 1 || !base_size_, op, ": base_size takes one interpolation_scale, got ",
+                    c10::ArrayRef<double>(interpolation_scale_));
+  TORCH_CHECK_VALUE(num_prefix_tokens >= 0, op, ": num_prefix_tokens must not be negative, got ", num_prefix_tokens);
+  inv_freq_ = std::move(freqs.inv_freq);
+  pair_axis_ = std::move(freqs.pair_axis);
+  layout_ = std::move(freqs.layout);
+}
+
+at::Tensor SinusoidalGridEncodingImpl::positions(const std::vector<int64_t>& grid) const {
+  const auto axes = static_cast<int64_t>(grid.size());
+  const int64_t spatial = axes - 2;  // the first spatial axis
+  std::optional<std::vector<int64_t>> crop_from;
+  if (max_size_) {
+    crop_from = grid;
+    for (int64_t a = spatial; a < axes; ++a) (*crop_from)[a] = *max_size_;
+  }
+  if (base_size_) {
+    // diffusers: index / (size / base_size) / interpolation_scale, size that of the grid the table is made for
+    const auto& sizes = crop_from ? *crop_from : grid;
+    std::vector<double> scale(axes, 1.0);
+    for (int64_t a = spatial; a < axes; ++a) scale[a] = static_cast<double>(sizes[a]) / static_cast<double>(*base_size_);
+    return grid_positions(grid, crop_from, scale, interpolation_scale_[0]);
+  }
+  if (interpolation_scale_.size() > 1) return grid_positions(grid, crop_from, interpolation_scale_, 1.0);
+  return grid_positions(grid, crop_from, std::nullopt, interpolation_scale_[0]);
+}
+
+at::Tensor SinusoidalGridEncodingImpl::forward(const at::Tensor& x, const std::vector<int64_t>& grid) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(grid.size()) == n_axes_, "posenc.nn.SinusoidalGridEncoding: grid ",
+                    c10::IntArrayRef(grid), " needs ", n_axes_, " axes");
+  if (inv_freq_.device() != x.device()) {
+    inv_freq_ = inv_freq_.to(x.device());
+    pair_axis_ = pair_axis_.to(x.device());
+  }
+  return add_sinusoidal(x, positions(grid).to(x.device()), inv_freq_, x_scale_, layout_, 0, pair_axis_,
+                        num_prefix_tokens_);
 }
 
 }  // namespace nn

@@ -25,10 +25,11 @@ void check_not_differentiable(const char* op, const std::optional<at::Tensor>& p
 
 // Positions and frequencies are constants of the encoding: the table has no parameters to train.
 at::Tensor sinusoidal_autograd(const at::Tensor& positions, const at::Tensor& inv_freq, c10::string_view layout,
-                               std::optional<at::ScalarType> dtype, int64_t offset) {
+                               std::optional<at::ScalarType> dtype, int64_t offset,
+                               const std::optional<at::Tensor>& pair_axis) {
   check_not_differentiable("sinusoidal", positions, inv_freq);
   at::AutoDispatchBelowADInplaceOrView guard;
-  return sinusoidal(positions, inv_freq, layout, dtype, offset);
+  return sinusoidal(positions, inv_freq, layout, dtype, offset, pair_axis);
 }
 
 // d(x * x_scale + PE)/dx = x_scale: nothing but the scale is saved.
@@ -36,17 +37,19 @@ struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
   static constexpr const char* kOp = "posenc::add_sinusoidal";
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& positions,
-                            const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset) {
+                            const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset,
+                            const std::optional<at::Tensor>& pair_axis, int64_t num_prefix_tokens) {
     check_not_differentiable("add_sinusoidal", positions, inv_freq);
     ctx->saved_data["x_scale"] = x_scale;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset);
+    return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset, pair_axis, num_prefix_tokens);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const double x_scale = ctx->saved_data["x_scale"].toDouble();
     // x_scale = 1 (an encoding added to x as it is): the gradient passes through, no copy.
-    return {x_scale == 1.0 ? grad_outputs[0] : grad_outputs[0].mul(x_scale), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto grad_x = x_scale == 1.0 ? grad_outputs[0] : grad_outputs[0].mul(x_scale);
+    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 constexpr auto add_sinusoidal_autograd = POSENC_AUTOGRAD(AddSinusoidal);

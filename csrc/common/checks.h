@@ -64,7 +64,9 @@ inline SinusoidalLayout parse_sinusoidal_layout(const char* op, std::string_view
   if (layout == "interleaved") return SinusoidalLayout::Interleaved;
   if (layout == "half") return SinusoidalLayout::Half;
   if (layout == "half_cos_first") return SinusoidalLayout::HalfCosFirst;
-  TORCH_CHECK(false, "posenc.", op, ": layout must be \"interleaved\", \"half\" or \"half_cos_first\", got \"",
+  if (layout == "half_per_axis") return SinusoidalLayout::HalfPerAxis;
+  TORCH_CHECK(false, "posenc.", op,
+              ": layout must be \"interleaved\", \"half\", \"half_cos_first\" or \"half_per_axis\", got \"",
               layout, "\"");
 }
 

@@ -87,8 +87,12 @@ inline KvCacheArgs check_rope_qk_cache(const char* op, const at::Tensor& q, cons
                                        int64_t q_scale_length, int64_t q_scale_shift) {
   const auto rotation = check_rope_qk(op, {{"q", &q}, {"k", &k}}, positions, inv_freq, layout, format, cu_seqlens,
                                       pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
-  return {rotation, check_kv_cache(op, k, v, k_cache, v_cache, cache_positions, cache_format, rotation.rope.format,
-                                   pair_axis)};
+  const auto cache = check_kv_cache(op, k, v, k_cache, v_cache, cache_positions, cache_format, rotation.rope.format,
+                                    pair_axis);
+  TORCH_CHECK(cache_positions || !positions || !at::isFloatingType(positions->scalar_type()), "posenc.", op,
+              ": positions are ", positions->scalar_type(),
+              " coordinates, not cache slots; pass cache_positions to place the tokens in the cache");
+  return {rotation, cache};
 }
 
 // The slot of every token of a cache write (the Rotation's outputs[1] is k's cache), on the host: [seq] shared by

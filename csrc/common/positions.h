@@ -22,10 +22,19 @@ struct PositionDomain {
   int64_t lo;
   int64_t hi;
   std::string description;
+  bool finite = false;  // floating positions: NaN and infinities refused too (else they give NaN angles)
 };
 
 inline PositionDomain angle_domain() {
   return {-kMaxExactPosition, kMaxExactPosition, "[-2^53, 2^53], the integers float64 holds exactly"};
+}
+
+// Rotary positions: a NaN or infinite one would make q and k NaN without a word, so they are refused.
+inline PositionDomain rotary_domain() {
+  auto domain = angle_domain();
+  domain.description += " (floating positions: finite)";
+  domain.finite = true;
+  return domain;
 }
 
 inline PositionDomain table_domain(int64_t rows, const char* table) {
@@ -79,9 +88,8 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
       out.resize(values.numel());
       for (int64_t n = 0; n < values.numel(); ++n) {
         const double result = p[n] + static_cast<double>(offset);
-        if (std::abs(result) > static_cast<double>(kMaxExactPosition) && std::isfinite(result)) {
-          fail(n, c10::str(p[n]), c10::str(result));
-        }
+        const bool outside = !(std::abs(result) <= static_cast<double>(kMaxExactPosition));
+        if (outside && (domain.finite || std::isfinite(result))) fail(n, c10::str(p[n]), c10::str(result));
         out[n] = result;
       }
       return out;
@@ -145,6 +153,31 @@ inline void check_cu_seqlens_values(const char* op, const std::optional<at::Tens
   }
   TORCH_CHECK(bounds[n - 1] == tokens, "posenc.", op, ": cu_seqlens must end at the token count T = ", tokens,
               ", got ", bounds[n - 1]);
+}
+
+// The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it;
+// pair_axis on the host (the CUDA ops read a copy of it).
+inline std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
+  const auto values = pair_axis.to(at::kLong).contiguous();
+  const int64_t* axis = values.const_data_ptr<int64_t>();
+  std::vector<int32_t> out(values.numel());
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
+                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
+    out[i] = static_cast<int32_t>(axis[i]);
+  }
+  return out;
+}
+
+// Multi-axis positions as read, axis by axis ([n_axes, tokens]), reordered token by token ([tokens, n_axes]), so
+// that the angle engine finds a token's positions side by side.
+inline std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n_axes) {
+  const int64_t tokens = static_cast<int64_t>(positions.size()) / n_axes;
+  std::vector<double> out(positions.size());
+  for (int64_t a = 0; a < n_axes; ++a) {
+    for (int64_t n = 0; n < tokens; ++n) out[n * n_axes + a] = positions[a * tokens + n];
+  }
+  return out;
 }
 
 // inv_freq as contiguous float64 (the tensor's own data when it already is: no copy), and max |inv_freq|,

@@ -73,13 +73,20 @@ inline void check_cu_seqlens(const char* op, const std::optional<at::Tensor>& cu
               ": cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu_seqlens->sym_sizes());
 }
 
+// Rotary positions are integers (token indices) or real coordinates (image patch centres, DINOv3): int64, int32,
+// float32 or float64, read exactly; half-precision positions would round most coordinates.
+inline void check_rotary_positions_dtype(const char* op, const at::Tensor& positions) {
+  const auto dtype = positions.scalar_type();
+  TORCH_CHECK(dtype == at::kLong || dtype == at::kInt || dtype == at::kFloat || dtype == at::kDouble, "posenc.", op,
+              ": positions must be an int64, int32, float32 or float64 tensor, got ", dtype);
+}
+
 // Positions: None (offset + arange, restarting per sequence with cu_seqlens), [S] (or [T]) shared by the
 // batch, or [B, S]. Returns whether they are shared by every batch row.
 inline bool check_rope_positions(const char* op, const std::optional<at::Tensor>& positions, RopeFormat format,
                                  const std::array<c10::SymInt, 4>& sizes, const at::Tensor& x) {
   if (!positions) return true;
-  TORCH_CHECK(positions->scalar_type() == at::kLong || positions->scalar_type() == at::kInt, "posenc.", op,
-              ": positions must be an int64 (or int32) tensor, got ", positions->scalar_type());
+  check_rotary_positions_dtype(op, *positions);
   check_same_device(op, "positions", *positions, x);
   const auto shape = positions->sym_sizes();
   if (shape.size() == 1 && shape[0] == sizes[1]) return true;
@@ -102,8 +109,7 @@ inline bool check_rope_axes(const char* op, const std::optional<at::Tensor>& pos
   TORCH_CHECK(positions.has_value(), "posenc.", op,
               ": pair_axis needs positions with a leading axis dimension, [n_axes, seq]",
               format == RopeFormat::THD ? "" : " or [n_axes, batch, seq]", "; got none");
-  TORCH_CHECK(positions->scalar_type() == at::kLong || positions->scalar_type() == at::kInt, "posenc.", op,
-              ": positions must be an int64 (or int32) tensor, got ", positions->scalar_type());
+  check_rotary_positions_dtype(op, *positions);
   check_same_device(op, "positions", *positions, x);
   const auto shape = positions->sym_sizes();
   const bool has_axes = !shape.empty() && shape[0] >= 1;
@@ -211,20 +217,6 @@ inline RopeArgs check_rope_cos_sin(const char* op, const char* arg, const at::Te
   TORCH_CHECK(batch_ok && cos.sym_size(-2) == sizes[1], "posenc.", op, ": cos has shape ", cos.sym_sizes(),
               " which does not match ", arg, " of shape ", x.sym_sizes(), " in format \"", format, "\"");
   return {pair_layout, rope_format, cos.dim() == 2 || cos.sym_size(0) == 1};
-}
-
-// The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it;
-// pair_axis on the host (the CUDA ops read a copy of it).
-inline std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pair_axis, int64_t n_axes) {
-  const auto values = pair_axis.to(at::kLong).contiguous();
-  const int64_t* axis = values.const_data_ptr<int64_t>();
-  std::vector<int32_t> out(values.numel());
-  for (int64_t i = 0; i < values.numel(); ++i) {
-    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
-                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
-    out[i] = static_cast<int32_t>(axis[i]);
-  }
-  return out;
 }
 
 // x (and its output, the same tensor in place) as the kernels read it: [batch, seq, heads, head_dim] strides; the

@@ -92,6 +92,34 @@ at::Tensor video_positions_composite(int64_t frames, int64_t height, int64_t wid
   return video_positions(frames, height, width, time_interval, at::TensorOptions().dtype(at::kLong).device(device));
 }
 
+at::Tensor grid_positions_composite(c10::IntArrayRef grid, at::OptionalIntArrayRef crop_from,
+                                    std::optional<c10::ArrayRef<double>> scale, double interpolation_scale,
+                                    std::optional<at::Device> device) {
+  return on_device(
+      [&] {
+        return grid_positions(grid.vec(), crop_from ? std::optional(crop_from->vec()) : std::nullopt,
+                              scale ? std::optional(scale->vec()) : std::nullopt, interpolation_scale);
+      },
+      device);
+}
+
+// Drawn on the CPU from `generator` (the default CPU generator without one), then moved.
+at::Tensor patch_center_positions_composite(int64_t height, int64_t width, int64_t num_prefix_tokens,
+                                            std::optional<double> shift, std::optional<double> jitter,
+                                            std::optional<double> rescale, std::optional<at::Generator> generator,
+                                            std::optional<at::Device> device) {
+  return on_device(
+      [&] { return patch_center_positions(height, width, num_prefix_tokens, shift, jitter, rescale, generator); },
+      device);
+}
+
+std::tuple<at::Tensor, at::Tensor, std::string> grid_sinusoidal_inv_freq_composite(int64_t dim,
+                                                                                    c10::string_view convention,
+                                                                                    double base) {
+  auto grid = frequencies::grid_sinusoidal(dim, convention, base);
+  return {std::move(grid.inv_freq), std::move(grid.pair_axis), std::move(grid.layout)};
+}
+
 constexpr auto rope_inv_freq_for_length_composite = &rope_inv_freq_for_length_kernel<false>;
 // The output size depends on cu_seqlens' values: no Meta kernel can know it.
 constexpr auto zigzag_positions_varlen_composite = &zigzag_positions_varlen;

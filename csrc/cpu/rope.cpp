@@ -17,17 +17,6 @@
 namespace posenc {
 namespace {
 
-// Multi-axis positions as read, axis by axis ([n_axes, tokens]), reordered token by token ([tokens, n_axes]), so
-// that the angle engine finds a token's positions side by side.
-std::vector<double> tokens_major(const std::vector<double>& positions, int64_t n_axes) {
-  const int64_t tokens = static_cast<int64_t>(positions.size()) / n_axes;
-  std::vector<double> out(positions.size());
-  for (int64_t a = 0; a < n_axes; ++a) {
-    for (int64_t n = 0; n < tokens; ++n) out[n * n_axes + a] = positions[a * tokens + n];
-  }
-  return out;
-}
-
 // A norm as the kernels read it; the backward's input is read through its own strides.
 template <typename scalar_t, typename opmath = opmath_t<scalar_t>>
 RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat format) {
@@ -48,7 +37,7 @@ struct CpuRope : CpuDevice {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);
     const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;
     const auto axes = r.pair_axis ? read_pair_axis(r.op, *r.pair_axis, n_axes) : std::vector<int32_t>();
-    auto pos = read_host_positions<double>(r.op, r.positions, r.seq, r.offset, angle_domain(), r.cu_seqlens);
+    auto pos = read_host_positions<double>(r.op, r.positions, r.seq, r.offset, rotary_domain(), r.cu_seqlens);
     if (n_axes > 1) pos.values = tokens_major(pos.values, n_axes);
     // rope_qk_cache_'s slots, read and checked before any token is stored.
     const auto slots = r.cache != nullptr ? read_cache_slots(r, r.cache->cache_positions, r.positions, r.cu_seqlens)

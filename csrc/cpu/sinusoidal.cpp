@@ -14,25 +14,39 @@ namespace {
 
 struct CpuSinusoidal : CpuDevice {
 
-  static HostPositions<double> read_positions(const char* op, const std::optional<at::Tensor>& positions,
-                                              int64_t count, int64_t offset) {
-    return read_host_positions<double>(op, positions, count, offset, angle_domain());
+  // Positions as the kernel reads them: a token's n_axes positions side by side.
+  struct Positions {
+    HostPositions<double> values;
+    int64_t n_axes = 1;
+    std::vector<int32_t> pair_axis;  // empty: one axis
+  };
+
+  static Positions read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
+                                  int64_t offset, const std::optional<at::Tensor>& pair_axis) {
+    Positions pos;
+    if (pair_axis) {
+      pos.n_axes = positions->size(0);
+      pos.pair_axis = read_pair_axis(op, *pair_axis, pos.n_axes);
+    }
+    pos.values = read_host_positions<double>(op, positions, count, offset, angle_domain());
+    if (pos.n_axes > 1) pos.values.values = tokens_major(pos.values.values, pos.n_axes);
+    return pos;
   }
 
   static constexpr auto check_indices = &check_indices_in_range;
 
-  // out = in * scale + PE(positions): the encodings of `pos` ([P], shared by rows / P leading indices) added
-  // to out's rows.
+  // out = in * scale + PE(positions) over the rows of `rows`.
   template <typename scalar_t>
-  static void encode(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out,
-                     const HostPositions<double>& pos, const at::Tensor& inv_freq, SinusoidalLayout layout,
-                     double scale) {
+  static void encode(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out, const Positions& pos,
+                     const at::Tensor& inv_freq, SinusoidalLayout layout, double scale, const EncodedRows& rows) {
     const Frequencies freq(inv_freq);
     const int64_t width = out.size(-1);
-    const RowInput<scalar_t> rows{in.defined() ? in.const_data_ptr<scalar_t>() : nullptr,
-                                  ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr};
-    cpu::sinusoidal_stub<scalar_t>({rows, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width, pos.data(),
-                                    pos.first, pos.count, freq.data(), freq.size(), freq.max_abs(), layout, scale});
+    const RowInput<scalar_t> input{in.defined() ? in.const_data_ptr<scalar_t>() : nullptr,
+                                   ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr};
+    cpu::sinusoidal_stub<scalar_t>({input, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
+                                    pos.values.data(), pos.values.first, rows.num_positions, rows.sequence,
+                                    pos.n_axes, pos.pair_axis.empty() ? nullptr : pos.pair_axis.data(), freq.data(),
+                                    freq.size(), freq.max_abs(), layout, scale});
   }
 };
 

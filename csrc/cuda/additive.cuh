@@ -15,7 +15,10 @@
 
 namespace posenc::cuda {
 
-// The sinusoidal encoding of positions (float64, or offset + p where absent), in maths precision.
+// The sinusoidal encoding of positions (float64, or offset + index where absent), in maths precision. Row p
+// encodes position sequence_position(sequence, p), or nothing (a prefix token: -0.0 added, which leaves every
+// value as it is). Multi-axis (pair_axis not null): a position is n_axes values side by side, pair i encoding the
+// one of axis pair_axis[i].
 template <typename opmath>
 struct SinusoidalEncoding {
   const double* positions;
@@ -23,21 +26,42 @@ struct SinusoidalEncoding {
   const double* inv_freq;
   int64_t pairs;
   SinusoidalLayout layout;
+  SequenceRows sequence;
+  int64_t n_axes;
+  const int32_t* pair_axis;
+  const int32_t* channel_codes;  // "half_per_axis": channel d holds 2 * pair + (1 for its cosine)
 
   struct Position {
-    double value;
+    double value;           // one axis
+    const double* values;   // multi-axis: the token's n_axes positions
     bool slow;
+    bool prefix;
   };
 
   __device__ double max_frequency() const { return posenc::cuda::max_frequency(inv_freq, pairs); }
 
-  // Called by every thread of the block.
+  // Called by every thread of the block (p is the block's).
   __device__ Position position(int64_t p, double local_max) const {
-    const double value = positions == nullptr ? static_cast<double>(offset + p) : positions[p];
-    return {value, slow_angles<opmath>(value, local_max)};
+    const int64_t index = portable::sequence_position(sequence, p);
+    if (index < 0) return {0.0, nullptr, false, true};
+    if (pair_axis != nullptr) {
+      const double* values = positions + index * n_axes;
+      return {0.0, values, slow_angles<opmath>(values, n_axes, local_max), false};
+    }
+    const double value = positions == nullptr ? static_cast<double>(offset + index) : positions[index];
+    return {value, nullptr, slow_angles<opmath>(value, local_max), false};
   }
 
-  // pe[k] for the encoded channels d0 + k < 2 * pairs: [sin, cos] pairs (interleaved), or halves.
+  // The angle of pair i; an axis outside [0, n_axes) (unchecked under graph capture) gives NaN.
+  __device__ double angle(const Position& at, int64_t i) const {
+    if (pair_axis == nullptr) return at.value * inv_freq[i];
+    const int32_t axis = pair_axis[i];
+    if (axis < 0 || axis >= n_axes) return quiet_nan<double>();
+    return portable::pair_angle(at.values, pair_axis, inv_freq, i);
+  }
+
+  // pe[k] for the encoded channels d0 + k < 2 * pairs: [sin, cos] pairs (interleaved), halves, or halves per run
+  // of pairs on one axis.
   template <int V>
   __device__ void values(const Position& at, int64_t d0, opmath (&pe)[V]) const {
     opmath sin_value = 0;
@@ -46,12 +70,18 @@ struct SinusoidalEncoding {
     for (int k = 0; k < V; ++k) {
       const int64_t d = d0 + k;
       if (d >= 2 * pairs) break;
-      if (layout == SinusoidalLayout::Interleaved) {
-        if (k == 0 || d % 2 == 0) angle_sincos(at.value * inv_freq[d / 2], at.slow, sin_value, cos_value);
+      if (at.prefix) {
+        pe[k] = -0.0;
+      } else if (layout == SinusoidalLayout::Interleaved) {
+        if (k == 0 || d % 2 == 0) angle_sincos(angle(at, d / 2), at.slow, sin_value, cos_value);
         pe[k] = d % 2 == 0 ? sin_value : cos_value;
+      } else if (layout == SinusoidalLayout::HalfPerAxis) {
+        const int32_t code = channel_codes[d];
+        angle_sincos(angle(at, code >> 1), at.slow, sin_value, cos_value);
+        pe[k] = (code & 1) ? cos_value : sin_value;
       } else {
         const bool first_half = d < pairs;
-        angle_sincos(at.value * inv_freq[first_half ? d : d - pairs], at.slow, sin_value, cos_value);
+        angle_sincos(angle(at, first_half ? d : d - pairs), at.slow, sin_value, cos_value);
         const bool is_sin = first_half == (layout == SinusoidalLayout::Half);
         pe[k] = is_sin ? sin_value : cos_value;
       }

@@ -58,11 +58,11 @@ __global__ void offset_indices_kernel(const in_t* in, int64_t n, int64_t offset,
 }
 
 // Floating positions (diffusion timesteps): p + offset in float64, bad when finite and beyond `limit`.
-__global__ void offset_floating_kernel(const double* in, int64_t n, double offset, double limit, double* out,
-                                       unsigned long long* first_bad) {
+__global__ void offset_floating_kernel(const double* in, int64_t n, double offset, double limit, bool finite,
+                                       double* out, unsigned long long* first_bad) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const double sum = in[i] + offset;
-    if (fabs(sum) > limit && isfinite(sum)) atomicMin(first_bad, static_cast<unsigned long long>(i));
+    if (!(fabs(sum) <= limit) && (finite || isfinite(sum))) atomicMin(first_bad, static_cast<unsigned long long>(i));
     out[i] = sum;
   }
 }
@@ -125,8 +125,7 @@ at::Tensor offset_integer_positions(const char* op, const at::Tensor& positions,
 }  // namespace
 
 at::Tensor angle_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count, int64_t offset,
-                           const std::optional<at::Tensor>& cu_seqlens) {
-  const auto domain = angle_domain();
+                           const std::optional<at::Tensor>& cu_seqlens, const PositionDomain& domain) {
   std::optional<at::Tensor> host_cu;
   int64_t longest = count;  // the longest run of offset + arange
   if (cu_seqlens && !capturing()) {
@@ -146,8 +145,8 @@ at::Tensor angle_positions(const char* op, const std::optional<at::Tensor>& posi
       if (values.numel() == 0) return out;
       const auto flag = new_flag(values);
       launch_over(values.numel(), offset_floating_kernel, values.const_data_ptr<double>(), values.numel(),
-                  static_cast<double>(offset), static_cast<double>(kMaxExactPosition), out.mutable_data_ptr<double>(),
-                  flag_word(flag));
+                  static_cast<double>(offset), static_cast<double>(kMaxExactPosition), domain.finite,
+                  out.mutable_data_ptr<double>(), flag_word(flag));
       raise_if_flagged<double>(op, flag, *positions, count, offset, domain);
       return out;
     }

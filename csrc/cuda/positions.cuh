@@ -25,8 +25,10 @@ namespace posenc::cuda {
 // cu_seqlens, else as many as positions holds), or an undefined tensor where positions and cu_seqlens are both
 // absent: the kernels then use offset + s, whose range is checked here on the host. cu_seqlens, when given, is
 // checked as the CPU checks it (its values must describe `count` tokens), whether or not positions are given.
+// `domain`: angle_domain(), or rotary_domain() where NaN and infinite positions are refused.
 at::Tensor angle_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count, int64_t offset,
-                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt);
+                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+                           const PositionDomain& domain = angle_domain());
 
 // Table rows (positions plus offset, int64, each checked against `domain`) on the device, or an undefined tensor
 // for absent positions (offset + s, checked on the host).

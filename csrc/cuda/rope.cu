@@ -394,7 +394,7 @@ struct CudaRope : CudaDevice {
       if (r.cu_seqlens) check_cu_seqlens_values(r.op, r.cu_seqlens->cpu(), r.seq);
       read_pair_axis(r.op, r.pair_axis->cpu(), n_axes);
     }
-    auto pos = angle_positions(r.op, r.positions, r.seq, r.offset, r.cu_seqlens);
+    auto pos = angle_positions(r.op, r.positions, r.seq, r.offset, r.cu_seqlens, rotary_domain());
     // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
     if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
     const auto [slots, shared_slots] = r.cache != nullptr ? device_slots(r) : std::pair<at::Tensor, bool>();

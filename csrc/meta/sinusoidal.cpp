@@ -9,16 +9,18 @@ namespace posenc {
 namespace {
 
 at::Tensor sinusoidal_meta(const at::Tensor& positions, const at::Tensor& inv_freq, c10::string_view layout,
-                           std::optional<at::ScalarType> dtype, int64_t offset) {
-  const auto out_dtype = check_sinusoidal(positions, inv_freq, layout, dtype);
-  auto sizes = positions.sym_sizes().vec();
+                           std::optional<at::ScalarType> dtype, int64_t offset,
+                           const std::optional<at::Tensor>& pair_axis) {
+  const auto out_dtype = check_sinusoidal(positions, inv_freq, layout, dtype, pair_axis);
+  auto sizes = positions.sym_sizes().slice(pair_axis ? 1 : 0).vec();
   sizes.push_back(inv_freq.sym_size(0) * 2);
   return at::empty_symint(sizes, positions.options().dtype(out_dtype));
 }
 
 at::Tensor add_sinusoidal_meta(const at::Tensor& x, const std::optional<at::Tensor>& positions, const at::Tensor& inv_freq,
-                               double x_scale, c10::string_view layout, int64_t offset) {
-  check_add_sinusoidal(x, positions, inv_freq, layout);
+                               double x_scale, c10::string_view layout, int64_t offset,
+                               const std::optional<at::Tensor>& pair_axis, int64_t num_prefix_tokens) {
+  check_add_sinusoidal(x, positions, inv_freq, layout, pair_axis, num_prefix_tokens);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 

@@ -10,6 +10,7 @@
 // to 0.06 rad.
 #include "portable/libm.h"
 #include "portable/macros.h"
+#include "portable/types.h"
 
 #include <cmath>
 #include <cstdint>
@@ -69,20 +70,28 @@ POSENC_INLINE void sincos_exact(double angle, double& sin_out, double& cos_out) 
 }
 
 #if !defined(__CUDACC__)
-// sin and cos of position * inv_freq[i] for i < n; max_abs_freq = max_i |inv_freq[i]| picks the path.
-inline void sincos_row(double position, const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out,
-                       float* cos_out) {
-  if (std::abs(position) * max_abs_freq <= kFastAngle) {
+// sin and cos of position * inv_freq[i] for i < n on a path chosen already: the fast reduction (`fast`, every
+// angle within kFastAngle) or the exact one. float64 results always take the exact one.
+inline void sincos_row_on_path(double position, const double* inv_freq, int64_t n, bool fast, float* sin_out,
+                               float* cos_out) {
+  if (fast) {
     for (int64_t i = 0; i < n; ++i) sincos_reduced(position * inv_freq[i], sin_out[i], cos_out[i]);
     return;
   }
-  // far positions, or NaN / infinite ones
   for (int64_t i = 0; i < n; ++i) sincos_exact(position * inv_freq[i], sin_out[i], cos_out[i]);
 }
 
-inline void sincos_row(double position, const double* inv_freq, int64_t n, double /*max_abs_freq*/,
-                       double* sin_out, double* cos_out) {
+inline void sincos_row_on_path(double position, const double* inv_freq, int64_t n, bool /*fast*/, double* sin_out,
+                               double* cos_out) {
   for (int64_t i = 0; i < n; ++i) sincos_exact(position * inv_freq[i], sin_out[i], cos_out[i]);
+}
+
+// sin and cos of position * inv_freq[i] for i < n; max_abs_freq = max_i |inv_freq[i]| picks the path (far
+// positions, and NaN or infinite ones, take the exact one).
+template <typename opmath_t>
+void sincos_row(double position, const double* inv_freq, int64_t n, double max_abs_freq, opmath_t* sin_out,
+                opmath_t* cos_out) {
+  sincos_row_on_path(position, inv_freq, n, std::abs(position) * max_abs_freq <= kFastAngle, sin_out, cos_out);
 }
 #endif
 
@@ -92,6 +101,13 @@ inline void sincos_row(double position, const double* inv_freq, int64_t n, doubl
 POSENC_INLINE double pair_angle(const double* positions, const int32_t* pair_axis, const double* inv_freq,
                                 int64_t i) {
   return positions[pair_axis[i]] * inv_freq[i];
+}
+
+// The position index read by row p (portable/types.h's SequenceRows), or -1 for a prefix token.
+POSENC_INLINE int64_t sequence_position(const SequenceRows& rows, int64_t p) {
+  if (rows.prefix == 0) return p;
+  const int64_t s = p % rows.period;
+  return s < rows.prefix ? -1 : (p / rows.period) * (rows.period - rows.prefix) + s - rows.prefix;
 }
 
 #if !defined(__CUDACC__)

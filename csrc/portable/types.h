@@ -20,8 +20,17 @@ using opmath_t = typename OpMath<T>::type;
 
 // Channel pairing of a fixed (sinusoidal) encoding: "interleaved" = [sin t0, cos t0, sin t1, ...],
 // "half" = [sin t0 .. sin t(F-1), cos t0 .. cos t(F-1)], "half_cos_first" = [cos .. || sin ..]
-// (diffusers' flip_sin_to_cos).
-enum class SinusoidalLayout { Interleaved, Half, HalfCosFirst };
+// (diffusers' flip_sin_to_cos), "half_per_axis" = "half" within each run of consecutive pairs that follow the
+// same axis (multi-axis grids: MAE's [sin col, cos col, sin row, cos row]); one run without pair_axis.
+enum class SinusoidalLayout { Interleaved, Half, HalfCosFirst, HalfPerAxis };
+
+// Where the encoding of row p of an additive kernel's positions comes from (portable/angle.h's
+// sequence_position): rows form sequences of `period` tokens whose first `prefix` (cls, registers) get none;
+// token s >= prefix of sequence j reads position j * (period - prefix) + s - prefix.
+struct SequenceRows {
+  int64_t period;
+  int64_t prefix;
+};
 
 // Channel pairing of a rotation: "neox" pairs (x_i, x_{i+r/2}) (Hugging Face rotate_half), "gptj" pairs
 // (x_2i, x_2i+1).

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -288,8 +290,10 @@ TEST(Rope, BadInputIsAnErrorNamingTheArgument) {
   expect_error([&] { posenc::rope(x, std::nullopt, posenc::frequencies::rope(10).inv_freq); },
                "posenc.rope: rotary_dim 10 exceeds the head_dim 8 of x");
   expect_error([&] { posenc::frequencies::rope(7); }, "rotary_dim must be even and at least 2, got 7");
-  expect_error([&] { posenc::rope(x, torch::arange(4, torch::kFloat), inv_freq); },
-               "positions must be an int64 (or int32) tensor, got Float");
+  expect_error([&] { posenc::rope(x, torch::arange(4, torch::kHalf), inv_freq); },
+               "positions must be an int64, int32, float32 or float64 tensor, got Half");
+  expect_error([&] { posenc::rope(x, torch::tensor({0.0, 1.0, std::numeric_limits<double>::infinity(), 3.0}), inv_freq); },
+               "posenc.rope: position inf is outside [-2^53, 2^53]");
   expect_error([&] { posenc::rope(x, torch::arange(5, torch::kLong), inv_freq); }, "positions has shape [5]");
   expect_error([&] { posenc::rope(x.to(torch::kInt), std::nullopt, inv_freq); }, "x must be a floating tensor");
   expect_error([&] { posenc::rope(x, std::nullopt, inv_freq, 1.0, "rotate_half"); }, "got \"rotate_half\"");

@@ -2,6 +2,9 @@
 #include <posenc/posenc.h>
 
 #include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
 #include <torch/torch.h>
 
 #include "reference.h"
@@ -83,4 +86,66 @@ TEST(Sinusoidal, ErrorsNameOpArgumentAndValue) {
   }
   EXPECT_THROW(posenc::embed_sinusoidal(torch::tensor({7}), torch::randn({5, 4}), std::nullopt, inv_freq), c10::Error);
   EXPECT_THROW(posenc::add_sinusoidal(torch::ones({2, 4}, torch::kLong), std::nullopt, inv_freq), c10::Error);
+}
+
+// MAE's 2-D table (util/pos_embed.py) in float64: the column's sin and cos, then the row's, each with the
+// frequencies 1 / 10000^(k / (D / 4)).
+at::Tensor mae_table(int64_t height, int64_t width, int64_t dim) {
+  auto table = torch::zeros({height * width, dim}, at::kDouble);
+  const int64_t quarter = dim / 4;
+  for (int64_t n = 0; n < height * width; ++n) {
+    const double coordinate[2] = {static_cast<double>(n % width), static_cast<double>(n / width)};
+    for (int64_t block = 0; block < 2; ++block) {
+      for (int64_t k = 0; k < quarter; ++k) {
+        const double angle = coordinate[block] / std::pow(10000.0, static_cast<double>(k) / quarter);
+        table[n][block * 2 * quarter + k] = std::sin(angle);
+        table[n][block * 2 * quarter + quarter + k] = std::cos(angle);
+      }
+    }
+  }
+  return table;
+}
+
+TEST(Sinusoidal, GridTableOfMaeWithPrefixTokens) {
+  const auto grid = posenc::frequencies::grid_sinusoidal(32, "mae");
+  EXPECT_EQ(grid.layout, "half_per_axis");
+  auto x = torch::randn({2, 2 + 5 * 7, 32}, torch::dtype(torch::kDouble).requires_grad(true));
+  const auto out = posenc::add_sinusoidal(x, posenc::grid_positions({5, 7}), grid.inv_freq, 1.0, grid.layout, 0,
+                                          grid.pair_axis, 2);
+  const auto expected = x.detach().slice(1, 2) + mae_table(5, 7, 32);
+  EXPECT_LT(max_abs_diff(out.slice(1, 2), expected), 1e-15);
+  EXPECT_TRUE(torch::equal(out.slice(1, 0, 2), x.detach().slice(1, 0, 2)));
+  const auto grad = torch::randn_like(out);
+  out.backward(grad);
+  EXPECT_TRUE(torch::equal(x.grad(), grad));
+
+  posenc::nn::SinusoidalGridEncoding module(32, "mae", 10000.0, 2);
+  module->to(torch::kFloat);
+  const auto from_module = module(x.detach().to(torch::kFloat), std::vector<int64_t>{5, 7});
+  EXPECT_LT(max_abs_diff(from_module.slice(1, 2).to(torch::kDouble), expected), 1e-6);
+}
+
+TEST(Sinusoidal, GridErrorsNameOpArgumentAndValue) {
+  const auto grid = posenc::frequencies::grid_sinusoidal(16, "timm");
+  const auto x = torch::randn({1, 12, 16});
+  const auto expect_error = [](const std::function<void()>& call, const std::string& text) {
+    try {
+      call();
+      FAIL() << "expected an error with: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { posenc::add_sinusoidal(x, std::nullopt, grid.inv_freq, 1.0, grid.layout, 0, grid.pair_axis); },
+               "posenc.add_sinusoidal: pair_axis needs positions");
+  expect_error([&] { posenc::add_sinusoidal(x, posenc::grid_positions({3, 4}), grid.inv_freq, 1.0, grid.layout, 0,
+                                            grid.pair_axis, 13); },
+               "posenc.add_sinusoidal: num_prefix_tokens 13 is outside [0, S]");
+  expect_error([&] { posenc::add_sinusoidal(x, posenc::grid_positions({3, 4}).slice(0, 0, 1), grid.inv_freq, 1.0,
+                                            grid.layout, 0, grid.pair_axis); },
+               "posenc.add_sinusoidal: pair_axis holds 1 at index 4, outside [0, 1)");
+  expect_error([&] { posenc::frequencies::grid_sinusoidal(18, "mae"); },
+               "posenc.grid_sinusoidal_inv_freq: dim must be a positive multiple of 4");
+  expect_error([&] { posenc::grid_positions({4, 4}, std::vector<int64_t>{8, 3}); },
+               "posenc.grid_positions: crop_from[1] = 3 is smaller than grid[1] = 4");
 }

@@ -37,7 +37,7 @@ OPS = torch.ops.posenc
 
 CHAOS_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
                 torch.uint8, torch.bool, torch.complex64]
-STRINGS = ["interleaved", "half", "half_cos_first", "neox", "gptj", "bshd", "bhsd", "sbhd", "thd", "causal",
+STRINGS = ["interleaved", "half", "half_cos_first", "half_per_axis", "mae", "cogvideox", "neox", "gptj", "bshd", "bhsd", "sbhd", "thd", "causal",
            "symmetric", "", "bad"]
 SIZE_ARGS = {"q_len", "k_len", "num_rows", "num_heads", "rotary_dim"}
 SPECIAL_INTS = [INT64_MIN, INT64_MAX, LIMIT, -LIMIT, LIMIT + 1, 2 ** 62, 2 ** 31, -1]

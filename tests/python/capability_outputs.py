@@ -194,6 +194,12 @@ def configuration():
         out[f"{key}_inv_freq"] = inv_freq
         out[f"{key}_pair_axis"] = pair_axis
     out["mrope_pair_axis"] = posenc.frequencies.mrope_pair_axis([16, 24, 24])
+    for convention in posenc.frequencies.GRID_CONVENTIONS:
+        inv_freq, pair_axis, _ = posenc.frequencies.grid_sinusoidal(48, convention, 100.0)
+        out[f"grid_sinusoidal_inv_freq/{convention}"] = torch.cat([inv_freq, pair_axis.double()])
+    out["grid_positions"] = PF.grid_positions([3, 5, 7], [5, 9, 7], [1.0, 1.875, 0.7], 2.0)
+    # without augmentations: those go through ATen's float32 exp, whose bits follow ATen's own CPU capability
+    out["patch_center_positions"] = PF.patch_center_positions(5, 7, 2)
     out["image_positions"] = PF.image_positions(5, 7)
     out["video_positions"] = PF.video_positions(3, 4, 5, 0.7 * 3)
     out["zigzag_positions"] = PF.zigzag_positions(48, 3, 1)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PYTHON_TESTS = ROOT / "tests" / "python"
 # The pages whose promises are integrations or guarantees: each must keep a promise table.
-PAGES_WITH_PROMISES = ["guarantees.md", "integrations-transformers.md", "export.md", "distributed.md"]
+PAGES_WITH_PROMISES = ["guarantees.md", "integrations-transformers.md", "export.md", "distributed.md", "vision.md"]
 
 _CELL_REFERENCE = re.compile(r"`([^`]+)`")
 _GTEST = re.compile(r"^([A-Z]\w*)\.([A-Z]\w*\*?)$")

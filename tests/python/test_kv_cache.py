@@ -467,11 +467,12 @@ BAD_CALLS = {
                                  OP + r"cache_positions must be an int64 or int32 tensor, got Float"),
     "cache_positions on meta": (lambda: call(cache_positions=torch.arange(3, device="meta")),
                                 OP + r"cache_positions is on meta"),
-    "floating positions without cache_positions": (lambda: call(positions=torch.arange(3.0, dtype=F64)),
-                                                   OP + r"positions must be an int64 \(or int32\) tensor, got Double"),
-    "floating positions with cache_positions": (
-        lambda: call(positions=torch.arange(3.0, dtype=F64), cache_positions=torch.arange(3)),
-        OP + r"positions must be an int64 \(or int32\) tensor"),
+    "floating positions without cache_positions": (
+        lambda: call(positions=torch.arange(3.0, dtype=F64)),
+        OP + r"positions are Double coordinates, not cache slots; pass cache_positions"),
+    "half positions with cache_positions": (
+        lambda: call(positions=torch.arange(3.0).half(), cache_positions=torch.arange(3)),
+        OP + r"positions must be an int64, int32, float32 or float64 tensor, got Half"),
     "pair_axis without cache_positions": (
         lambda: call(positions=torch.zeros(2, 3, dtype=torch.long), inv_freq=FQ.axial(8, 2)[0],
                      pair_axis=FQ.axial(8, 2)[1]),

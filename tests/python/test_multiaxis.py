@@ -501,7 +501,8 @@ POS = torch.zeros(2, 4, dtype=torch.long)
     (lambda: PF.rope(X, torch.zeros(4, dtype=torch.long), INV, pair_axis=AXIS), r"positions has shape \[4\]"),
     (lambda: PF.rope(X[0], torch.zeros(2, 3, 4, dtype=torch.long), INV, format="thd", pair_axis=AXIS),
      r"with pair_axis needs \[n_axes, 4\] \(n_axes >= 1\)"),
-    (lambda: PF.rope(X, POS.float(), INV, pair_axis=AXIS), "posenc.rope: positions must be an int64 .* got Float"),
+    (lambda: PF.rope(X, POS.half(), INV, pair_axis=AXIS), "posenc.rope: positions must be an int64, .* got Half"),
+    (lambda: PF.rope(X, POS.double().fill_(float("inf")), INV, pair_axis=AXIS), "posenc.rope: position inf is outside"),
     (lambda: PF.rope_qk(X, X, POS + 2 ** 53 + 1, INV, pair_axis=AXIS), "posenc.rope_qk: position 9007199254740993"),
     (lambda: PF.rope_(X.expand(2, 4, 3, 8), POS, INV, pair_axis=AXIS[:1]), "posenc.rope_: pair_axis has shape"),
 ])
@@ -700,3 +701,156 @@ bad_inputs("mrope_positions", base=mrope_positions, mutations=dict(
     second_per_grid_ts_wrong_rank=wrong_rank("second_per_grid_ts", [0, 2]),
     second_per_grid_ts_not_real=to_dtype("second_per_grid_ts", torch.bool, torch.complex64),
     grid_on_meta=on_meta("image_grid_thw"), attention_mask_on_meta=on_meta("attention_mask")))
+
+
+# ---------------------------------------------------------------- real-valued positions (DINOv3's patch centres)
+
+@pytest.mark.parametrize("position_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("multiaxis", [False, True])
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_rope_qk_real_positions_against_float64(position_dtype, multiaxis, layout):
+    """Floating positions are read exactly (float32 ones widened) and rotate by position * inv_freq in float64."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(2, 6, 3, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    if multiaxis:
+        inv_freq, pair_axis = FQ.axial(16)
+        positions = (torch.rand(2, 6, generator=gen) * 4 - 2).to(position_dtype)  # [n_axes, S] in [-2, 2]
+        angle = positions.double()[pair_axis].T * inv_freq
+    else:
+        inv_freq, pair_axis = FQ.rope(16)[0], None
+        positions = (torch.rand(6, generator=gen) * 1e4 - 5e3).to(position_dtype)
+        angle = positions.double()[:, None] * inv_freq
+    out_q, out_k = PF.rope_qk(q, k, positions, inv_freq, 1.0, layout, offset=3 if not multiaxis else 0,
+                              pair_axis=pair_axis)
+    if not multiaxis:
+        angle = (positions.double() + 3)[:, None] * inv_freq
+    assert_close(out_q, rotate_pairs(q, angle, layout), rtol=0, atol=1e-12)
+    assert_close(out_k, rotate_pairs(k, angle, layout), rtol=0, atol=1e-12)
+    # the in-place op and the backward rotate by the same angles
+    buffer = q.clone()
+    PF.rope_(buffer, positions, inv_freq, 1.0, layout, offset=3 if not multiaxis else 0, pair_axis=pair_axis)
+    assert torch.equal(buffer, out_q)
+    grad = PF.rope_backward(out_q, positions, inv_freq, 1.0, layout, offset=3 if not multiaxis else 0,
+                            pair_axis=pair_axis)
+    assert_close(grad, q, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (-float("inf"), "-inf"),
+                                        (2.0 ** 54, "1.80144e")])
+@pytest.mark.parametrize("op", ["rope_qk", "qk_norm_rope"])
+def test_non_finite_real_positions_are_refused(bad, shown, op):
+    inv_freq, pair_axis = FQ.axial(8)
+    positions = torch.zeros(2, 4, dtype=torch.float64)
+    positions[1, 2] = bad
+    q = torch.randn(1, 4, 2, 8)
+    args = (q, q) if op == "rope_qk" else (q, q, torch.ones(8), torch.ones(8))
+    with pytest.raises(RuntimeError, match=rf"posenc.{op}: position {shown}.* is outside \[-2\^53, 2\^53\].* "
+                                           r"\(floating positions: finite\); it is positions.flatten\(\)\[6\]"):
+        getattr(PF, op)(*args, positions, inv_freq, pair_axis=pair_axis)
+
+
+def test_real_positions_need_cache_positions_for_the_cache():
+    q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)
+    k_cache, v_cache = torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8)
+    inv_freq = FQ.rope(8)[0]
+    positions = torch.tensor([0.5, 1.5, 2.5])
+    with pytest.raises(RuntimeError, match="positions are Float coordinates, not cache slots; pass cache_positions"):
+        PF.rope_qk_cache_(q.clone(), k, v, k_cache, v_cache, positions, inv_freq)
+    q_out = q.clone()
+    PF.rope_qk_cache_(q_out, k, v, k_cache, v_cache, positions, inv_freq, cache_positions=torch.tensor([1, 2, 3]))
+    ref_q, ref_k = PF.rope_qk(q, k, positions, inv_freq)
+    assert torch.equal(q_out, ref_q)
+    assert torch.equal(k_cache[:, :, 1:4], ref_k.transpose(1, 2))
+    assert torch.equal(v_cache[:, :, 1:4], v.transpose(1, 2))
+
+
+def test_compile_and_export_with_real_positions(compiled_matches_eager):
+    inv_freq, pair_axis = FQ.axial(16)
+    positions = PF.patch_center_positions(3, 4, 1)
+    q = torch.randn(2, 2, 13, 16, requires_grad=True)
+
+    def fn(q):
+        out_q, out_k = PF.rope_qk(q, q * 2, positions, inv_freq * (2 * math.pi), 1.0, "neox", "bhsd",
+                                  pair_axis=pair_axis)
+        return out_q + out_k
+
+    compiled_matches_eager(fn, (q,), (q,))
+
+    class Model(torch.nn.Module):
+        def forward(self, q):
+            return fn(q)
+
+    assert_exports(Model(), (q.detach(),), "rope_qk")
+
+
+def _dinov3():
+    modeling = pytest.importorskip("transformers.models.dinov3_vit.modeling_dinov3_vit")
+    from transformers import DINOv3ViTConfig
+    config = DINOv3ViTConfig(hidden_size=64, num_attention_heads=2, image_size=48, patch_size=8,
+                             num_register_tokens=4, pos_embed_shift=0.1, pos_embed_jitter=1.5, pos_embed_rescale=2.0)
+    return modeling, config
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("size", [(6, 5), (4, 4), (1, 7)])
+def test_patch_center_positions_are_dinov3s(training, size):
+    """Bit for bit transformers' get_patches_center_coordinates (+ augment_patches_center_coordinates with the
+    same seed), with zeros for the prefix tokens."""
+    modeling, config = _dinov3()
+    height, width = size
+    augment = (config.pos_embed_shift, config.pos_embed_jitter, config.pos_embed_rescale) if training else (None,) * 3
+    for seed in (0, 3):
+        torch.manual_seed(seed)
+        reference = modeling.get_patches_center_coordinates.__wrapped__(height, width, torch.float32, "cpu") \
+            if hasattr(modeling.get_patches_center_coordinates, "__wrapped__") else \
+            modeling.get_patches_center_coordinates(height, width, torch.float32, "cpu")
+        if training:
+            reference = modeling.augment_patches_center_coordinates(reference, *augment)
+        ours = PF.patch_center_positions(height, width, 5, *augment, generator=torch.Generator().manual_seed(seed))
+        assert ours.dtype == torch.float32 and ours.shape == (2, 5 + height * width)
+        assert torch.equal(ours[:, 5:].T, reference)
+        assert torch.equal(ours[:, :5], torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("training", [False, True])
+def test_dinov3_rotary_forward_and_backward(dtype, training):
+    """DINOv3ViTRopePositionEmbedding + its apply_rotary_pos_emb (prefix tokens unrotated) against rope_qk with
+    patch_center_positions and axial frequencies times 2 pi: transformers forms its angle in float32, posenc in
+    float64, so float32 results agree to the float32 rounding of the angle; bf16 ones to two bf16 roundings."""
+    modeling, config = _dinov3()
+    embedding = modeling.DINOv3ViTRopePositionEmbedding(config).train(training)
+    pixels = torch.randn(2, 3, 48, 40)
+    torch.manual_seed(11)
+    cos, sin = embedding(pixels)
+    augment = (config.pos_embed_shift, config.pos_embed_jitter, config.pos_embed_rescale) if training else (None,) * 3
+    positions = PF.patch_center_positions(6, 5, 5, *augment, generator=torch.Generator().manual_seed(11))
+    inv_freq, pair_axis = FQ.axial(32, 2, config.rope_theta)
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 2, 35, 32, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    ref_q, ref_k = modeling.apply_rotary_pos_emb(q, k, cos.to(dtype), sin.to(dtype))
+    out_q, out_k = PF.rope_qk(q, k, positions, inv_freq * (2 * math.pi), 1.0, "neox", "bhsd", pair_axis=pair_axis)
+    # bf16: transformers rounds cos, sin, both products and their sum to bf16, posenc the result once
+    # float32: the angle's float32 rounding, |angle| * 2^-24 with |angle| <= 2 pi * |coordinate| (augmented: up to 3)
+    rtol, atol = (0, 2 * math.pi * positions.abs().max().item() * 2 ** -23) if dtype == torch.float32 else \
+        (2 ** -6, 2 ** -6)
+    assert_close(out_q, ref_q, rtol=rtol, atol=atol)
+    assert_close(out_k, ref_k, rtol=rtol, atol=atol)
+    assert torch.equal(out_q[:, :, :5], q[:, :, :5]) and torch.equal(out_k[:, :, :5], k[:, :, :5])
+    grads = torch.randn_like(out_q), torch.randn_like(out_k)
+    ours = torch.autograd.grad((out_q, out_k), (q, k), grads)
+    theirs = torch.autograd.grad((ref_q, ref_k), (q, k), grads)
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: PF.patch_center_positions(-1, 4), "posenc.patch_center_positions: height -1 and width 4 must not be"),
+    (lambda: PF.patch_center_positions(2, 2, -3), "num_prefix_tokens must not be negative, got -3"),
+    (lambda: PF.patch_center_positions(2, 2, jitter=0.5), r"jitter must be finite and at least 1 .* got 0.5"),
+    (lambda: PF.patch_center_positions(2, 2, rescale=float("nan")), r"rescale must be finite and at least 1"),
+    (lambda: PF.patch_center_positions(2, 2, shift=-0.1), r"shift must be finite and not negative, got -0.1"),
+])
+def test_patch_center_positions_bad_arguments(call, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        call()

@@ -32,6 +32,11 @@ CASES = {
     "SinusoidalPositionalEncoding": [
         (lambda: posenc.nn.SinusoidalPositionalEncoding(17, shift=1, layout="half", x_scale=2.0),
          lambda: (torch.randn(2, 9, 17), torch.randint(0, 5000, (9,))))],
+    "SinusoidalGridEncoding": [
+        (lambda: posenc.nn.SinusoidalGridEncoding(32, "mae", num_prefix_tokens=1, base_size=4, interpolation_scale=2.0),
+         lambda: (torch.randn(2, 1 + 5 * 6, 32), [5, 6])),
+        (lambda: posenc.nn.SinusoidalGridEncoding(32, "cogvideox", interpolation_scale=[1.0, 1.875]),
+         lambda: (torch.randn(2, 2 * 3 * 4, 32), [2, 3, 4]))],
     "SinusoidalEmbedding": [
         (lambda: posenc.nn.SinusoidalEmbedding(30, 16, padding_idx=1), lambda: (torch.randint(0, 30, (2, 9)),))],
     "LearnedPositionalEmbedding": [

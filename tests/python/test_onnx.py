@@ -91,6 +91,28 @@ def test_sinusoidal_family():
     export_and_compare(fn, inputs(2, 5), dims, [inputs(3, 11), inputs(2, 2)])
 
 
+def test_sinusoidal_grids():
+    """Multi-axis positions, every grid convention's layout, prefix tokens, an odd width, a 3-D table."""
+    grids = {c: posenc.frequencies.grid_sinusoidal(32, c) for c in posenc.frequencies.GRID_CONVENTIONS}
+
+    def fn(x, x_odd, positions, video):
+        mae, timm, interleaved, cog = (grids[c] for c in ("mae", "timm", "timm_interleaved", "cogvideox"))
+        return (PF.add_sinusoidal(x, positions, mae[0], 1.0, mae[2], 0, mae[1], 1),
+                PF.add_sinusoidal(x[:, 1:], positions, timm[0], 2.0, timm[2], 0, timm[1]),
+                PF.add_sinusoidal(x, positions, interleaved[0], 1.0, interleaved[2], 0, interleaved[1], 1),
+                PF.add_sinusoidal(x_odd, positions, mae[0], 1.0, mae[2], 0, mae[1], 1),
+                PF.sinusoidal(video, cog[0], cog[2], None, 0, cog[1]),
+                PF.sinusoidal(positions, mae[0], mae[2], torch.float64, 2, mae[1]))
+
+    def inputs(n):
+        return (torch.randn(2, 1 + n, 32), torch.randn(2, 1 + n, 33), PF.grid_positions([1, n], scale=[0.7, 1.3]),
+                PF.grid_positions([2, 3, n], scale=[1.0, 1.875, 1.875]))
+
+    n = seq("n")
+    dims = ({1: n + 1}, {1: n + 1}, {1: n}, {1: 6 * n})
+    export_and_compare(fn, inputs(6), dims, [inputs(11), inputs(3)])
+
+
 def test_sinusoidal_in_float16_and_float64():
     inv_freq = posenc.frequencies.sinusoidal(8)
 

@@ -915,7 +915,11 @@ INV = FQ.rope(8)[0]
     (lambda: PF.rope(X, None, FQ.rope(10)[0]), "posenc.rope: rotary_dim 10 exceeds the head_dim 8 of x"),
     (lambda: PF.rope_cos_sin(X, torch.randn(4, 5), torch.randn(4, 5)),
      "posenc.rope_cos_sin: rotary_dim 5 .* must be even and positive"),
-    (lambda: PF.rope(X, torch.arange(4.0), INV), "posenc.rope: positions must be an int64 .* got Float"),
+    (lambda: PF.rope(X, torch.arange(4.0).half(), INV),
+     "posenc.rope: positions must be an int64, int32, float32 or float64 tensor, got Half"),
+    (lambda: PF.rope(X, torch.tensor([0.0, 1.0, float("nan"), 3.0]), INV),
+     r"posenc.rope: position nan is outside \[-2\^53, 2\^53\].* \(floating positions: finite\); it is "
+     r"positions.flatten\(\)\[2\] = nan"),
     (lambda: PF.rope(X, torch.arange(5), INV),
      r"posenc.rope: positions has shape \[5\] but needs \[4\] or \[batch, seq\]"),
     (lambda: PF.rope(X, torch.zeros(3, 4, dtype=torch.long), INV), r"positions has shape \[3, 4\]"),
@@ -1357,6 +1361,16 @@ def pair_axis_out_of_range(draw, kw, n_axes):
     put("pair_axis", [n_axes, -1, info.max, info.min])(draw, kw)
 
 
+def positions_not_finite(draw, kw):
+    """Floating positions (the given ones, or an arange) with one NaN or infinity: refused by the rotary ops."""
+    positions = kw.get("positions")
+    values = (torch.arange(positions_length(kw)) if positions is None else positions).to(
+        draw(st.sampled_from([F64, torch.float32]))).clone()
+    values.view(-1)[draw(st.integers(0, values.numel() - 1))] = draw(st.sampled_from(
+        [float("nan"), float("inf"), -float("inf")]))
+    kw["positions"] = values
+
+
 def rope_mutations(names, inplace=False):
     first = names[0]
     out = {
@@ -1368,12 +1382,14 @@ def rope_mutations(names, inplace=False):
         "inv_freq_wrong_rank": wrong_rank("inv_freq", [0, 2]),
         "inv_freq_empty": lambda draw, kw: kw.update(inv_freq=torch.empty(0, dtype=F64)),
         "inv_freq_on_meta": on_meta("inv_freq"),
-        "positions_floating": lambda draw, kw: kw.update(positions=torch.arange(positions_length(kw), dtype=F64)),
+        "positions_not_finite": positions_not_finite,
+        "positions_half": lambda draw, kw: kw.update(positions=(
+            torch.arange(positions_length(kw)) if kw.get("positions") is None else kw["positions"]).half()),
         "positions_wrong_shape": lambda draw, kw: kw.update(positions=torch.arange(positions_length(kw) + 1)),
         "layout_unknown": unknown_string("layout", {"neox", "gptj"}),
         "format_unknown": unknown_string("format", {"bshd", "bhsd", "sbhd", "thd"}),
         "cu_seqlens_invalid": cu_seqlens_bad,
-        "positions_beyond_domain": positions_beyond_domain(floating=False),
+        "positions_beyond_domain": positions_beyond_domain(floating=True),
         "pair_axis_out_of_range": multiaxis(pair_axis_out_of_range),
         "pair_axis_wrong_length": multiaxis(lambda draw, kw, n_axes: grow("pair_axis", 0, by=draw(st.sampled_from(
             [1, -1] if kw["pair_axis"].numel() > 1 else [1])))(draw, kw)),

@@ -61,6 +61,8 @@ CPP_SKIP = {
         "the implementation the op calls, not a wrapper of it: a plain ScalarType dtype = at::kFloat and no device "
         "(the result is on the CPU)"),
     "image_positions": "the implementation the op calls: at::TensorOptions options in place of Device? device",
+    "grid_positions": "the implementation the op calls: at::TensorOptions options in place of Device? device",
+    "patch_center_positions": "the implementation the op calls: at::TensorOptions options in place of Device? device",
     "video_positions": "the implementation the op calls: at::TensorOptions options in place of Device? device",
     "zigzag_positions": "the implementation the op calls: at::TensorOptions options in place of Device? device",
 }
@@ -69,6 +71,7 @@ CPP_SKIP = {
 NO_FUNCTIONAL_WRAPPER = {
     "axial_inv_freq": ("posenc.frequencies.axial", "a frequency builder, named by its scheme"),
     "cpu_capability": ("posenc.cpu_capability", "a property of the library, not an encoding"),
+    "grid_sinusoidal_inv_freq": ("posenc.frequencies.grid_sinusoidal", "a frequency builder, named by its scheme"),
     "mrope_inv_freq": ("posenc.frequencies.mrope", "a frequency builder, named by its scheme"),
     "mrope_pair_axis": ("posenc.frequencies.mrope_pair_axis", "a frequency builder's pair axes"),
     "multiaxis_inv_freq": ("posenc.frequencies.multiaxis", "a frequency builder, named by its scheme"),

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import assert_exports, opcheck_test, randn, tolerance
+from helpers import assert_exports, opcheck_test, randn, same_bits, tolerance
 from mutations import (F64, grow, not_floating, not_index, on_meta, positions_beyond_domain, positions_length, put,
                        set_value, small, unknown_string, wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
-from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, assert_rounds_within, call, drawing, drawn_tensor,
+from strategies import (FLOAT_DTYPES, INT64_MAX, INT64_MIN, arrange, assert_rounds_within, call, drawing, drawn_tensor,
                         frequencies, integers, math_eps, normal, positions_and_offset, sizes, trig_error)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -505,18 +505,27 @@ def _sinusoidal_frequencies(m):
 
 @sample("sinusoidal")
 def _build_sinusoidal(m):
-    """Integer positions [4, S] (large: up to 1e5), output in the sample's dtype, an offset."""
-    positions = m.ints(m.size(5000, 100000), 4, m.size(16, 1024), seed=10)
-    return call_args(positions, _sinusoidal_frequencies(m), m.size("half", "interleaved"), m.dtype, m.size(3, 5))
+    """Output in the sample's dtype, an offset. Small: a video grid's integer positions [3, 4, 16] (time, row,
+    column), the 65 pairs in runs of 12, 1, 26 and 26 on axes 0, 1, 2, 1 (int64 pair_axis), half_per_axis; large:
+    integer positions [4, 1024] up to 1e5, interleaved."""
+    if m.large:
+        return call_args(m.ints(100000, 4, 1024, seed=10), _sinusoidal_frequencies(m), "interleaved", m.dtype, 5)
+    positions = m.ints(5000, 3, 4, 16, seed=10)
+    pair_axis = torch.tensor([0] * 12 + [1] + [2] * 26 + [1] * 26)
+    return call_args(positions, _sinusoidal_frequencies(m), "half_per_axis", m.dtype, 3, pair_axis)
 
 
 @sample("add_sinusoidal")
 def _build_add_sinusoidal(m):
-    """Small: positions absent (arange + offset), half_cos_first; large: per-row positions [B, S]."""
+    """Small: a cls token, then 7 image tokens a row with per-row positions [2, 3, 7] on 2 axes, the 65 pairs in
+    MAE's blocks (32 on axis 1, 33 on axis 0; int32 pair_axis), half_per_axis, an offset; large: per-row positions
+    [B, S], interleaved."""
     x = m.grad(m.floats(*m.size((3, 8, 131), (4, 1024, 256)), seed=11))
-    positions = m.ints(100000, 4, 1024, seed=12) if m.large else None
-    return call_args(x, positions, _sinusoidal_frequencies(m), m.size(2.0, 0.5),
-                     m.size("half_cos_first", "interleaved"), m.size(3, 0))
+    if m.large:
+        return call_args(x, m.ints(100000, 4, 1024, seed=12), _sinusoidal_frequencies(m), 0.5, "interleaved", 0)
+    positions = m.ints(5000, 2, 3, 7, seed=12)
+    pair_axis = torch.tensor([1] * 32 + [0] * 33, dtype=torch.int32)
+    return call_args(x, positions, _sinusoidal_frequencies(m), 2.0, "half_per_axis", 3, pair_axis, 1)
 
 
 @sample("embed_sinusoidal")
@@ -533,21 +542,71 @@ def _build_embed_sinusoidal(m):
 # ---- properties: random valid inputs against float64 references (test_properties.py)
 
 SINUSOIDAL_LAYOUTS = ["interleaved", "half", "half_cos_first"]
+GRID_LAYOUTS = SINUSOIDAL_LAYOUTS + ["half_per_axis"]  # sinusoidal and add_sinusoidal
 
 
-def encoding(absolute, inv_freq, layout, width=None):
-    """PE of absolute positions [...] -> [..., width]: sin/cos of fl(p * w) in the layout, zero past 2F."""
-    angle = absolute.double()[..., None] * inv_freq.double()
+def encoding(absolute, inv_freq, layout, width=None, pair_axis=None):
+    """PE of absolute positions [...] -> [..., width]: sin/cos of fl(p * w) in the layout, zero past 2F. With
+    pair_axis, absolute is [n_axes, ...] and pair i takes absolute[pair_axis[i]]; "half_per_axis": each run of
+    consecutive pairs on one axis, its sines then its cosines (without pair_axis: one run, "half")."""
+    if pair_axis is None:
+        angle = absolute.double()[..., None] * inv_freq.double()
+    else:
+        angle = absolute.double()[pair_axis.long()].movedim(0, -1) * inv_freq.double()
     sin, cos = angle.sin(), angle.cos()
     if layout == "interleaved":
         pe = torch.stack([sin, cos], -1).flatten(-2)
     elif layout == "half":
         pe = torch.cat([sin, cos], -1)
-    else:
+    elif layout == "half_cos_first":
         pe = torch.cat([cos, sin], -1)
+    else:
+        axes = pair_axis.tolist() if pair_axis is not None else [0] * inv_freq.numel()
+        parts, start = [], 0
+        for i in range(1, len(axes) + 1):
+            if i == len(axes) or axes[i] != axes[start]:
+                parts += [sin[..., start:i], cos[..., start:i]]
+                start = i
+        pe = torch.cat(parts, -1)
     if width is not None and width > pe.shape[-1]:
         pe = torch.cat([pe, torch.zeros(*pe.shape[:-1], width - pe.shape[-1], dtype=torch.float64)], -1)
     return pe
+
+
+def pair_axes(draw, pairs):
+    """(None, None), or (n_axes, pair_axis): 1 to 3 axes, the pairs in blocks (MAE, CogVideoX: runs of about
+    pairs / n_axes), cycling over the axes (runs of one pair) or in any order; int64 or int32, laid out at random
+    in memory."""
+    if draw(st.booleans()):
+        return None, None
+    n_axes = draw(st.sampled_from([2, 3, 1]))
+    kind = draw(st.sampled_from(["blocks", "cycle", "any"]))
+    if kind == "blocks":
+        axes = [i * n_axes // pairs for i in range(pairs)]
+        if draw(st.booleans()):  # the last axis first (MAE: the column's pairs, then the row's)
+            axes = [n_axes - 1 - a for a in axes]
+    elif kind == "cycle":
+        axes = [i % n_axes for i in range(pairs)]
+    else:
+        axes = [draw(st.integers(0, n_axes - 1)) for _ in range(pairs)]
+    dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    return n_axes, arrange(draw, torch.tensor(axes, dtype=dtype), expand=False)
+
+
+def grid_layout(draw, pair_axis):
+    """A layout of sinusoidal / add_sinusoidal: "half_per_axis" drawn first where pairs follow axes."""
+    return draw(st.sampled_from(GRID_LAYOUTS[::-1] if pair_axis is not None else GRID_LAYOUTS))
+
+
+def axis_positions(draw, n_axes, rows, shared_ok=True):
+    """Multi-axis positions for rows of leading shape `rows` (..., S): [n_axes, S] (shared by the rows) or
+    [n_axes, *rows], any dtype, with an offset; and the absolute float64 positions, [n_axes, *rows]."""
+    shared = shared_ok and len(rows) > 1 and draw(st.booleans())
+    shape = [n_axes, rows[-1]] if shared else [n_axes] + list(rows)
+    positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=True, required=True)
+    if shared:
+        absolute = absolute.reshape([n_axes] + [1] * (len(rows) - 1) + [rows[-1]])
+    return positions, offset, absolute.expand([n_axes] + list(rows))
 
 
 @property_check("sinusoidal")
@@ -557,16 +616,22 @@ def check_sinusoidal(data):
     pairs = draw(st.integers(1, 6))
     inv_freq = frequencies(draw, pairs)
     shape = sizes(draw, draw(st.integers(1, 3)))
-    layout = draw(st.sampled_from(SINUSOIDAL_LAYOUTS))
-    positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=True, shared_ok=False)
-    if positions is None:  # sinusoidal always takes positions: arange(S), and the offset drawn for them
-        positions = torch.arange(shape[-1]).expand(shape)
+    n_axes, pair_axis = pair_axes(draw, pairs)
+    layout = grid_layout(draw, pair_axis)
+    if pair_axis is None:
+        positions, offset, absolute = positions_and_offset(draw, shape, floating_ok=True, shared_ok=False)
+        if positions is None:  # sinusoidal always takes positions: arange(S), and the offset drawn for them
+            positions = torch.arange(shape[-1]).expand(shape)
+        absolute = absolute.expand(shape)
+    else:
+        positions, offset, absolute = axis_positions(draw, n_axes, shape, shared_ok=False)
     dtype = draw(st.sampled_from([None] + FLOAT_DTYPES))
-    note(f"positions {positions.dtype} {list(positions.shape)} stride {positions.stride()}, offset {offset}")
-    out = call("sinusoidal", positions, inv_freq, layout, dtype, offset)
+    note(f"positions {positions.dtype} {list(positions.shape)} stride {positions.stride()}, offset {offset}, "
+         f"pair_axis {None if pair_axis is None else pair_axis.tolist()}")
+    out = call("sinusoidal", positions, inv_freq, layout, dtype, offset, pair_axis)
     expected_dtype = dtype or (positions.dtype if positions.is_floating_point() else torch.float32)
     assert out.dtype == expected_dtype and out.is_contiguous()
-    assert_rounds_within(out, encoding(absolute.expand(shape), inv_freq, layout), trig_error(out.dtype))
+    assert_rounds_within(out, encoding(absolute, inv_freq, layout, pair_axis=pair_axis), trig_error(out.dtype))
 
 
 def frequencies_and_width(draw):
@@ -583,15 +648,29 @@ def check_add_sinusoidal(data):
     dtype = draw(st.sampled_from(FLOAT_DTYPES))
     rows = sizes(draw, draw(st.integers(1, 3)))
     x = drawn_tensor(draw, rows + [width], lambda s: normal(gen, s, dtype))
-    positions, offset, absolute = positions_and_offset(draw, rows, floating_ok=True)
+    # The first num_prefix_tokens tokens (cls, registers) get no encoding; the others the positions of S - prefix.
+    prefix = draw(st.one_of(st.just(0), st.integers(0, rows[-1])))
+    encoded = rows[:-1] + [rows[-1] - prefix]
+    n_axes, pair_axis = pair_axes(draw, inv_freq.numel())
+    if pair_axis is None:
+        positions, offset, absolute = positions_and_offset(draw, encoded, floating_ok=True)
+        absolute = absolute.expand(encoded)
+    else:
+        positions, offset, absolute = axis_positions(draw, n_axes, encoded)
     x_scale = draw(st.sampled_from([1.0, 0.0, -1.5, math.sqrt(width)]))
-    layout = draw(st.sampled_from(SINUSOIDAL_LAYOUTS))
-    out = call("add_sinusoidal", x, positions, inv_freq, x_scale, layout, offset)
+    layout = grid_layout(draw, pair_axis)
+    note(f"prefix {prefix}, positions {None if positions is None else list(positions.shape)}, pair_axis "
+         f"{None if pair_axis is None else pair_axis.tolist()}")
+    out = call("add_sinusoidal", x, positions, inv_freq, x_scale, layout, offset, pair_axis, prefix)
     assert out.dtype == dtype and out.is_contiguous()
     scaled = x.double() * x_scale
-    reference = scaled + encoding(absolute.expand(rows), inv_freq, layout, width)
+    reference = scaled.clone()
+    reference[..., prefix:, :] += encoding(absolute, inv_freq, layout, width, pair_axis)
     eps = math_eps(dtype)
     assert_rounds_within(out, reference, trig_error(dtype) + 4 * eps * (scaled.abs() + 1))
+    if dtype == torch.float64 or float(torch.tensor(x_scale, dtype=torch.float32)) == x_scale:
+        # Prefix tokens: exactly x * x_scale, -0.0 included.
+        assert same_bits(out[..., :prefix, :], x[..., :prefix, :] * x_scale), "prefix tokens"
 
 
 @property_check("embed_sinusoidal")
@@ -621,13 +700,13 @@ def check_embed_sinusoidal(data):
 def sinusoidal(draw):
     pairs, seq = small(draw), small(draw)
     return dict(positions=torch.arange(seq), inv_freq=torch.rand(pairs, dtype=F64), layout="half", dtype=None,
-                offset=0)
+                offset=0, pair_axis=None)
 
 
 def add_sinusoidal(draw):
     pairs, batch, seq = small(draw), small(draw), small(draw)
     return dict(x=randn(batch, seq, 2 * pairs), positions=None, inv_freq=torch.rand(pairs, dtype=F64), x_scale=1.0,
-                layout="interleaved", offset=0)
+                layout="interleaved", offset=0, pair_axis=None, num_prefix_tokens=0)
 
 
 def embed_sinusoidal(draw):
@@ -642,23 +721,72 @@ def sinusoidal_domain_and_frequencies():
         "inv_freq_wrong_rank": wrong_rank("inv_freq", [0, 2]),
         "inv_freq_empty": lambda draw, kw: kw.update(inv_freq=torch.empty(0, dtype=F64)),
         "inv_freq_on_meta": on_meta("inv_freq"),
-        "layout_unknown": unknown_string("layout", {"interleaved", "half", "half_cos_first"}),
+        "layout_unknown": unknown_string("layout", {"interleaved", "half", "half_cos_first", "half_per_axis"}),
         "positions_bool_or_complex": lambda draw, kw: kw.update(positions=torch.zeros(
             positions_length(kw), dtype=draw(st.sampled_from([torch.bool, torch.complex64])))),
         "positions_beyond_domain": positions_beyond_domain(floating=True),
     }
 
 
+def with_pair_axis(mutate=None):
+    """A mutation: positions [2, S] of two axes and a valid pair_axis (one per pair of inv_freq), then `mutate`
+    (which makes one of them wrong)."""
+    def mutation(draw, kw):
+        kw["positions"] = torch.zeros(2, positions_length(kw), dtype=torch.long)
+        kw["pair_axis"] = torch.tensor([draw(st.integers(0, 1)) for _ in range(kw["inv_freq"].shape[0])])
+        if mutate is not None:
+            mutate(draw, kw)
+    return mutation
+
+
+def pair_axis_mutations(no_axis_dimension):
+    """pair_axis of the wrong length, rank, dtype or device, holding an axis outside [0, n_axes); positions without
+    the leading axis dimension (`no_axis_dimension(kw)`)."""
+    return {
+        "pair_axis_wrong_length": with_pair_axis(lambda draw, kw: kw.update(pair_axis=torch.zeros(
+            kw["inv_freq"].shape[0] + draw(st.sampled_from([-1, 1, 5])), dtype=torch.long))),
+        "pair_axis_out_of_range": with_pair_axis(put("pair_axis", [2, 3, -1, 2 ** 31, INT64_MAX, INT64_MIN])),
+        "pair_axis_not_index": with_pair_axis(not_index("pair_axis")),
+        "pair_axis_wrong_rank": with_pair_axis(wrong_rank("pair_axis", [0, 2])),
+        "pair_axis_on_meta": with_pair_axis(on_meta("pair_axis")),
+        "positions_without_axis_dimension": with_pair_axis(lambda draw, kw: kw.update(
+            positions=no_axis_dimension(kw))),
+    }
+
+
+def add_sinusoidal_prefix_mutations():
+    def prefix_out_of_range(draw, kw):
+        kw["num_prefix_tokens"] = draw(st.sampled_from([-1, kw["x"].shape[-2] + 1, INT64_MAX, INT64_MIN]))
+
+    def positions_not_seq_minus_prefix(draw, kw):  # positions for all S tokens, some of which are prefix tokens
+        seq = kw["x"].shape[-2]
+        kw["num_prefix_tokens"] = draw(st.integers(1, seq))
+        if draw(st.booleans()):
+            with_pair_axis()(draw, kw)
+        else:
+            kw["positions"] = torch.arange(seq)
+
+    return {
+        "num_prefix_tokens_out_of_range": prefix_out_of_range,
+        "positions_not_seq_minus_prefix": positions_not_seq_minus_prefix,
+        "pair_axis_without_positions": with_pair_axis(lambda draw, kw: kw.update(positions=None)),
+        "positions_axes_wrong_shape": with_pair_axis(lambda draw, kw: kw.update(
+            positions=torch.zeros(2, kw["x"].shape[-2] + 1, dtype=torch.long))),
+    }
+
+
 bad_inputs("sinusoidal", base=sinusoidal, mutations=dict(
     sinusoidal_domain_and_frequencies(), dtype_not_floating=set_value(
-        "dtype", st.sampled_from([torch.int64, torch.bool, torch.complex64]))))
+        "dtype", st.sampled_from([torch.int64, torch.bool, torch.complex64])),
+    **pair_axis_mutations(lambda kw: torch.tensor(0))))
 bad_inputs("add_sinusoidal", base=add_sinusoidal, mutations=dict(
     sinusoidal_domain_and_frequencies(), x_not_floating=not_floating("x"),
     x_wrong_rank=wrong_rank("x", [0, 1]), x_width_mismatch=grow("x", -1, by=2),
     positions_wrong_shape=lambda draw, kw: kw.update(
         positions=torch.arange(kw["x"].shape[-2] + 1)),
     positions_on_meta=lambda draw, kw: kw.update(
-        positions=torch.arange(kw["x"].shape[-2], device="meta"))))
+        positions=torch.arange(kw["x"].shape[-2], device="meta")),
+    **pair_axis_mutations(lambda kw: torch.arange(kw["x"].shape[-2])), **add_sinusoidal_prefix_mutations()))
 bad_inputs("embed_sinusoidal", base=embed_sinusoidal, mutations=dict(
     sinusoidal_domain_and_frequencies(), tokens_not_index=not_index("tokens"),
     tokens_out_of_vocab=lambda draw, kw: put("tokens", [kw["token_weight"].shape[0], -1,

@@ -14,12 +14,14 @@ namespace {
 
 using namespace posenc::portable;
 
-// The encoding of one position, pe[0, 2F), in maths precision; `scratch` holds 2F values.
+// The encoding of one position, pe[0, 2F), in maths precision; `scratch` holds 2F values. One axis: "half_per_axis"
+// is "half".
 template <typename opmath_t>
 void encode_position(double position, const double* inv_freq, int64_t pairs, double max_abs_freq,
                      SinusoidalLayout layout, opmath_t* pe, opmath_t* scratch) {
   switch (layout) {
     case SinusoidalLayout::Half:
+    case SinusoidalLayout::HalfPerAxis:
       sincos_row(position, inv_freq, pairs, max_abs_freq, pe, pe + pairs);
       break;
     case SinusoidalLayout::HalfCosFirst:
@@ -76,6 +78,23 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
   });
 }
 
+// The encodings of rows [first, first + count) into consecutive rows of `buffer`, `encoded` values each:
+// encode(index, pe) for a row that reads position `index`, -0.0 for a prefix token (which, added, leaves every
+// value, -0.0 included, as it is).
+template <typename opmath, typename Encode>
+void encode_rows(const SequenceRows& sequence, int64_t first, int64_t count, int64_t encoded, opmath* buffer,
+                 const Encode& encode) {
+  for (int64_t p = 0; p < count; ++p) {
+    opmath* pe = buffer + p * encoded;
+    const int64_t index = sequence_position(sequence, first + p);
+    if (index < 0) {
+      std::fill(pe, pe + encoded, static_cast<opmath>(-0.0));
+      continue;
+    }
+    encode(index, pe);
+  }
+}
+
 // A task's block of encodings: sin/cos of `count` positions in maths precision, plus the interleaved
 // layout's scratch row.
 template <typename scalar_t>
@@ -89,13 +108,12 @@ class EncodingBlocks {
   void prepare(int64_t first, int64_t count) {
     first_ = first;
     opmath* scratch = buffer_.data() + (buffer_.size() - encoded_);
-    for (int64_t p = 0; p < count; ++p) {
-      const int64_t n = first + p;
-      const double position = problem_.positions != nullptr ? problem_.positions[n]
-                                                            : static_cast<double>(problem_.first_position + n);
-      encode_position(position, problem_.inv_freq, problem_.pairs, problem_.max_abs_freq,
-                      problem_.layout, buffer_.data() + p * encoded_, scratch);
-    }
+    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t index, opmath* pe) {
+      const double position = problem_.positions != nullptr ? problem_.positions[index]
+                                                            : static_cast<double>(problem_.first_position + index);
+      encode_position(position, problem_.inv_freq, problem_.pairs, problem_.max_abs_freq, problem_.layout, pe,
+                      scratch);
+    });
   }
 
   const opmath* row(int64_t position) const { return buffer_.data() + (position - first_) * encoded_; }
@@ -104,6 +122,168 @@ class EncodingBlocks {
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
   std::vector<opmath> buffer_;
+  int64_t first_ = 0;
+};
+
+// The encodings of multi-axis positions (image and video grids). Pair i's sin and cos depend on the position of
+// its axis alone, and a grid has few distinct positions per axis (its rows, its columns), met again and again: so
+// each axis keeps the sin and cos of its pairs at every position value the task has met (AxisValues), and a
+// token's encoding is copied together from its axes' values, segment by segment of the layout. A grid's table
+// then costs sin and cos of (rows + columns) positions per task rather than of rows x columns, with the same bits:
+// the same angle on the same path (fast only when every axis of the token is within the fast range).
+template <typename opmath>
+class AxisValues {
+ public:
+  AxisValues(std::vector<double> inv_freq, int64_t capacity)
+      : inv_freq_(std::move(inv_freq)), width_(2 * static_cast<int64_t>(inv_freq_.size())) {
+    int64_t slots = 16;
+    while (slots < 2 * capacity) slots *= 2;
+    slots_.assign(slots, -1);
+    capacity_ = capacity;
+  }
+
+  // [sin | cos] of the axis's pairs at `value` on the token's path; `scratch` (width values) serves past capacity.
+  const opmath* at(double value, bool fast, opmath* scratch) {
+    const Key key{bits(value), fast};
+    if (last_ >= 0 && keys_[last_] == key) return values(last_);
+    const uint64_t mask = slots_.size() - 1;
+    for (uint64_t slot = mix(key) & mask;; slot = (slot + 1) & mask) {
+      const int64_t entry = slots_[slot];
+      if (entry >= 0 && keys_[entry] == key) return values(last_ = entry);
+      if (entry >= 0) continue;
+      if (static_cast<int64_t>(keys_.size()) == capacity_) break;  // full: computed for this token only
+      slots_[slot] = last_ = static_cast<int64_t>(keys_.size());
+      keys_.push_back(key);
+      values_.resize(values_.size() + width_);
+      compute(value, fast, values(last_));
+      return values(last_);
+    }
+    compute(value, fast, scratch);
+    return scratch;
+  }
+
+ private:
+  struct Key {
+    uint64_t bits;
+    bool fast;
+    bool operator==(const Key& other) const { return bits == other.bits && fast == other.fast; }
+  };
+  static uint64_t bits(double value) {
+    uint64_t out;
+    std::memcpy(&out, &value, sizeof(out));
+    return out;
+  }
+  static uint64_t mix(const Key& key) {  // splitmix64's finalizer
+    uint64_t z = key.bits + (key.fast ? 0x9e3779b97f4a7c15ULL : 0);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  opmath* values(int64_t entry) { return values_.data() + entry * width_; }
+  void compute(double value, bool fast, opmath* out) const {
+    const auto n = static_cast<int64_t>(inv_freq_.size());
+    sincos_row_on_path(value, inv_freq_.data(), n, fast, out, out + n);
+  }
+
+  std::vector<double> inv_freq_;  // the axis's pairs, in pair order
+  int64_t width_;
+  int64_t capacity_ = 0;
+  std::vector<int64_t> slots_;
+  std::vector<Key> keys_;
+  std::vector<opmath> values_;
+  int64_t last_ = -1;
+};
+
+template <typename scalar_t>
+class AxisEncodingBlocks {
+ public:
+  using opmath = opmath_t<scalar_t>;
+
+  AxisEncodingBlocks(const SinusoidalProblem<scalar_t>& problem, int64_t block)
+      : problem_(problem), encoded_(2 * problem.pairs), buffer_(block * encoded_) {
+    const int64_t pairs = problem.pairs;
+    // Each pair's rank among its axis's pairs, and each axis's frequencies in pair order.
+    std::vector<std::vector<double>> freq(problem.n_axes);
+    std::vector<int64_t> rank(pairs);
+    for (int64_t i = 0; i < pairs; ++i) {
+      rank[i] = static_cast<int64_t>(freq[problem.pair_axis[i]].size());
+      freq[problem.pair_axis[i]].push_back(problem.inv_freq[i]);
+    }
+    // Where channel d comes from: (pair, cosine) by the layout, then (axis, offset in the axis's [sin | cos]);
+    // consecutive channels that read consecutive values merge into one segment.
+    std::vector<std::pair<int64_t, bool>> source(encoded_);
+    for (int64_t first = 0, end = 0; first < pairs; first = end) {
+      end = first + 1;
+      while (end < pairs && problem.pair_axis[end] == problem.pair_axis[first]) ++end;
+      for (int64_t i = first; i < end; ++i) {
+        switch (problem.layout) {
+          case SinusoidalLayout::Interleaved:
+            source[2 * i] = {i, false};
+            source[2 * i + 1] = {i, true};
+            break;
+          case SinusoidalLayout::Half:
+            source[i] = {i, false};
+            source[pairs + i] = {i, true};
+            break;
+          case SinusoidalLayout::HalfCosFirst:
+            source[i] = {i, true};
+            source[pairs + i] = {i, false};
+            break;
+          case SinusoidalLayout::HalfPerAxis:
+            source[first + i] = {i, false};
+            source[end + i] = {i, true};
+            break;
+        }
+      }
+    }
+    for (int64_t d = 0; d < encoded_; ++d) {
+      const auto [pair, cosine] = source[d];
+      const int32_t axis = problem.pair_axis[pair];
+      const int64_t offset = rank[pair] + (cosine ? static_cast<int64_t>(freq[axis].size()) : 0);
+      if (!segments_.empty() && segments_.back().axis == axis &&
+          segments_.back().offset + segments_.back().length == offset) {
+        ++segments_.back().length;
+      } else {
+        segments_.push_back({d, axis, offset, 1});
+      }
+    }
+    // Values kept per axis: up to 1 MiB of them in all, a grid's worth (a 512 x 512 grid of 1024 channels).
+    const int64_t capacity = std::max<int64_t>(1, (int64_t{1} << 20) / (static_cast<int64_t>(sizeof(opmath)) * encoded_));
+    for (auto& f : freq) {
+      scratch_.emplace_back(2 * f.size());
+      axes_.emplace_back(std::move(f), capacity);
+    }
+  }
+
+  void prepare(int64_t first, int64_t count) {
+    first_ = first;
+    const int64_t n_axes = problem_.n_axes;
+    std::vector<const opmath*> values(n_axes);
+    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t index, opmath* pe) {
+      const double* position = problem_.positions + index * n_axes;
+      bool fast = true;  // sincos_row_axes' rule: fast only when every axis is
+      for (int64_t a = 0; a < n_axes; ++a) fast = fast && std::abs(position[a]) * problem_.max_abs_freq <= kFastAngle;
+      for (int64_t a = 0; a < n_axes; ++a) values[a] = axes_[a].at(position[a], fast, scratch_[a].data());
+      for (const auto& s : segments_) std::copy_n(values[s.axis] + s.offset, s.length, pe + s.channel);
+    });
+  }
+
+  const opmath* row(int64_t position) const { return buffer_.data() + (position - first_) * encoded_; }
+
+ private:
+  struct Segment {
+    int64_t channel;
+    int32_t axis;
+    int64_t offset;
+    int64_t length;
+  };
+
+  const SinusoidalProblem<scalar_t>& problem_;
+  int64_t encoded_;
+  std::vector<opmath> buffer_;
+  std::vector<Segment> segments_;
+  std::vector<AxisValues<opmath>> axes_;
+  std::vector<std::vector<opmath>> scratch_;
   int64_t first_ = 0;
 };
 
@@ -124,6 +304,11 @@ void sinusoidal_kernel(const SinusoidalProblem<scalar_t>& problem) {
   const int64_t encoded = 2 * problem.pairs;
   const int64_t block = std::min(problem.num_positions,
                                  rows_per_block(encoded * static_cast<int64_t>(sizeof(opmath_t<scalar_t>))));
+  if (problem.pair_axis != nullptr) {
+    add_to_rows(problem.in, problem.out, problem.rows, problem.width, encoded, problem.num_positions, block,
+                problem.scale, [&] { return AxisEncodingBlocks<scalar_t>(problem, block); });
+    return;
+  }
   add_to_rows(problem.in, problem.out, problem.rows, problem.width, encoded, problem.num_positions, block,
               problem.scale, [&] { return EncodingBlocks<scalar_t>(problem, block); });
 }

@@ -6,18 +6,22 @@
 
 namespace posenc::cpu {
 
-// out[n] = in(n) * scale + PE(positions[n mod P]), rows = L * P: P positions shared by L leading indices
-// (or one per row: P = rows). PE has 2 * pairs channels in `layout`; channels past them (an odd width's last)
-// get none.
+// out[n] = in(n) * scale + PE(n mod P), rows = L * P: P rows of positions shared by L leading indices (or one
+// per row: P = rows). Row p encodes position sequence_position(sequence, p) (none for a prefix token). PE has
+// 2 * pairs channels in `layout`; channels past them (an odd width's last) get none. Multi-axis (pair_axis not
+// null): a position is n_axes values side by side, pair i encoding the one of axis pair_axis[i].
 template <typename scalar_t>
 struct SinusoidalProblem {
   RowInput<scalar_t> in;
   scalar_t* out;
   int64_t rows;
   int64_t width;
-  const double* positions;  // null: positions first_position + p (an arange)
+  const double* positions;  // null: positions first_position + index (an arange)
   int64_t first_position;
   int64_t num_positions;
+  SequenceRows sequence;
+  int64_t n_axes;
+  const int32_t* pair_axis;
   const double* inv_freq;
   int64_t pairs;
   double max_abs_freq;

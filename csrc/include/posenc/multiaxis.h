@@ -45,11 +45,48 @@ at::Tensor mrope_pair_axis(const std::vector<int64_t>& mrope_section, bool inter
 AxisFrequencies mrope(int64_t rotary_dim, const std::vector<int64_t>& mrope_section, double base = 10000.0,
                       bool interleaved = false);
 
+// A multi-axis sincos table's convention (the fixed encodings added to image and video patch tokens): the
+// frequencies and pair axes for sinusoidal / add_sinusoidal with pair_axis, and the layout of their channels.
+// Each axis block of n pairs has inv_freq 1 / base^(k / n), k < n. Positions: (row, column) for 2-D conventions,
+// (time, row, column) for 3-D ones.
+//   "mae"              MAE, DiT, diffusers' 2-D table (PixArt, SD3): dim / 4 pairs on the column, then dim / 4 on
+//                      the row; "half_per_axis" ([sin col, cos col, sin row, cos row]).
+//   "timm"             timm's build_sincos2d_pos_embed: row, then column; "half" ([sin row, sin col, cos row, cos col]).
+//   "timm_interleaved" the same with interleave_sin_cos: "half_per_axis" ([sin row, cos row, sin col, cos col]).
+//   "cogvideox"        diffusers' 3-D table: dim / 8 pairs on time, 3 dim / 16 on the column, 3 dim / 16 on the row;
+//                      "half_per_axis".
+struct GridSinusoidal {
+  at::Tensor inv_freq;
+  at::Tensor pair_axis;
+  std::string layout;
+};
+GridSinusoidal grid_sinusoidal(int64_t dim, std::string_view convention = "mae", double base = 10000.0);
+
 }  // namespace frequencies
 
 // Positions of an image's patches in row-major order, [2, height * width]: (row, column).
 at::Tensor image_positions(int64_t height, int64_t width,
                            at::TensorOptions options = at::TensorOptions().dtype(at::kLong));
+
+// Real coordinates of a grid's tokens in row-major order, float32 [n_axes, prod(grid)]: axis a at index i is
+// (i + start_a) / scale[a] / interpolation_scale, each division rounded to float32, start_a = (crop_from[a] -
+// grid[a]) // 2 (a centre crop of a larger grid, SD3's). diffusers' coordinates bit for bit: its 2-D table is
+// scale {h / base_size, w / base_size}, its 3-D table scale {temporal, spatial, spatial} interpolation scales.
+at::Tensor grid_positions(const std::vector<int64_t>& grid, const std::optional<std::vector<int64_t>>& crop_from = std::nullopt,
+                          const std::optional<std::vector<double>>& scale = std::nullopt,
+                          double interpolation_scale = 1.0, at::TensorOptions options = {});
+
+// DINOv3's patch coordinates, float32 [2, num_prefix_tokens + height * width]: (row, column) of each patch centre,
+// (i + 0.5) / n * 2 - 1 in float32, zeros for the prefix tokens (cls, registers: rotated by nothing). Training
+// augmentations, each drawn from `generator` in this order as transformers' augment_patches_center_coordinates
+// draws them: shift, both axes plus a uniform value in [-shift, shift]; jitter, each axis times exp(uniform in
+// [-log jitter, log jitter]); rescale, both axes times one exp(uniform in [-log rescale, log rescale]).
+at::Tensor patch_center_positions(int64_t height, int64_t width, int64_t num_prefix_tokens = 0,
+                                  std::optional<double> shift = std::nullopt,
+                                  std::optional<double> jitter = std::nullopt,
+                                  std::optional<double> rescale = std::nullopt,
+                                  std::optional<at::Generator> generator = std::nullopt,
+                                  at::TensorOptions options = {});
 
 // Positions of a video's patches, frame by frame in row-major order, [3, frames * height * width]:
 // (time, row, column), time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second * seconds per frame).
@@ -125,6 +162,37 @@ class AxialRotaryEmbeddingImpl : public torch::nn::Module {
   at::Tensor pair_axis_;
 };
 TORCH_MODULE(AxialRotaryEmbedding);
+
+// x * x_scale + PE for the patch tokens of an image or video, a fixed 2-D / 3-D sincos table in a convention of
+// frequencies::grid_sinusoidal, added by add_sinusoidal: forward(x [B, num_prefix_tokens + prod(grid), dim], grid
+// {h, w} or {t, h, w}); the prefix tokens get no encoding. Coordinates (grid_positions): index / (size / base_size)
+// / interpolation_scale on each spatial axis with base_size (PixArt, SD3), index / interpolation_scale otherwise
+// (one value, one per axis, or for video {temporal, spatial} as CogVideoX takes them); max_size: the table of a max_size square
+// grid centre-cropped to grid (SD3's pos_embed_max_size). Twin of Python's posenc.nn.SinusoidalGridEncoding.
+class SinusoidalGridEncodingImpl : public torch::nn::Module {
+ public:
+  explicit SinusoidalGridEncodingImpl(int64_t dim, std::string convention = "mae", double base = 10000.0,
+                                      int64_t num_prefix_tokens = 0, std::optional<int64_t> base_size = std::nullopt,
+                                      std::vector<double> interpolation_scale = {1.0},
+                                      std::optional<int64_t> max_size = std::nullopt, double x_scale = 1.0);
+  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& grid);
+  // The coordinates [n_axes, prod(grid)] (float32) of the grid's tokens.
+  at::Tensor positions(const std::vector<int64_t>& grid) const;
+  const at::Tensor& inv_freq() const { return inv_freq_; }
+  const at::Tensor& pair_axis() const { return pair_axis_; }
+
+ private:
+  int64_t n_axes_;
+  int64_t num_prefix_tokens_;
+  std::optional<int64_t> base_size_;
+  std::vector<double> interpolation_scale_;
+  std::optional<int64_t> max_size_;
+  double x_scale_;
+  std::string layout_;
+  at::Tensor inv_freq_;
+  at::Tensor pair_axis_;
+};
+TORCH_MODULE(SinusoidalGridEncoding);
 
 }  // namespace nn
 }  // namespace posenc

@@ -12,20 +12,27 @@
 
 namespace posenc {
 
-// positions.shape + [2F]: sin/cos of (positions + offset) * inv_freq, "interleaved" or "half".
+// positions.shape + [2F]: sin/cos of (positions + offset) * inv_freq, "interleaved", "half", "half_cos_first" or
+// "half_per_axis". With pair_axis [F] (images, video): positions [n_axes, ...], pair i encoding the position of axis
+// pair_axis[i]; the output is positions.shape[1:] + [2F].
 inline at::Tensor sinusoidal(const at::Tensor& positions, const at::Tensor& inv_freq,
                              std::string_view layout = "interleaved",
-                             std::optional<at::ScalarType> dtype = std::nullopt, int64_t offset = 0) {
+                             std::optional<at::ScalarType> dtype = std::nullopt, int64_t offset = 0,
+                             const std::optional<at::Tensor>& pair_axis = std::nullopt) {
   static const auto op = detail::find_op<decltype(sinusoidal)>("posenc::sinusoidal");
-  return op.call(positions, inv_freq, layout, dtype, offset);
+  return op.call(positions, inv_freq, layout, dtype, offset, pair_axis);
 }
 
-// x [..., S, D] * x_scale + PE; positions absent (offset + arange(S)), [S] or x's leading shape.
+// x [..., S, D] * x_scale + PE; positions absent (offset + arange(S)), [S] or x's leading shape. The first
+// num_prefix_tokens tokens along S (cls, registers) get no encoding, and the positions cover the S -
+// num_prefix_tokens after them; with pair_axis, positions [n_axes, S'] or [n_axes, ..., S'].
 inline at::Tensor add_sinusoidal(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                                  const at::Tensor& inv_freq, double x_scale = 1.0,
-                                 std::string_view layout = "interleaved", int64_t offset = 0) {
+                                 std::string_view layout = "interleaved", int64_t offset = 0,
+                                 const std::optional<at::Tensor>& pair_axis = std::nullopt,
+                                 int64_t num_prefix_tokens = 0) {
   static const auto op = detail::find_op<decltype(add_sinusoidal)>("posenc::add_sinusoidal");
-  return op.call(x, positions, inv_freq, x_scale, layout, offset);
+  return op.call(x, positions, inv_freq, x_scale, layout, offset, pair_axis, num_prefix_tokens);
 }
 
 // token_weight[tokens] * token_scale + PE, in one pass; the padding_idx row gets no gradient.
