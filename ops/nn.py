@@ -699,11 +699,13 @@ class AxialRotaryEmbedding(_ExactFrequencies):
     ``n_axes`` axes (:func:`posenc.frequencies.axial`); with it, axis a rotates ``axes_dim[a]`` channels with
     its own frequencies (:func:`posenc.frequencies.multiaxis`; their sum may stay below head_dim, the rest
     passes through). Flux: ``AxialRotaryEmbedding(128, axes_dim=[16, 56, 56], layout="gptj", format="bhsd")``
-    with positions ``img_ids.T.long()``.
+    with positions ``img_ids.T.long()``. ``learned_freq=True`` makes the frequencies a float64 parameter, trained
+    through rope_qk's gradient with respect to inv_freq (timm's mixed 2-D RoPE); dtype conversions of the module
+    leave it float64.
     """
 
     def __init__(self, head_dim: int, n_axes: int = 2, base: float = 10000.0, layout: str = "neox",
-                 format: str = "bshd", axes_dim: Optional[List[int]] = None):
+                 format: str = "bshd", axes_dim: Optional[List[int]] = None, learned_freq: bool = False):
         super().__init__()
         op = "posenc.nn.AxialRotaryEmbedding"
         if layout not in ("neox", "gptj"):
@@ -721,8 +723,19 @@ class AxialRotaryEmbedding(_ExactFrequencies):
             raise ValueError(f"{op}: axes_dim {self.axes_dim} rotate {2 * inv_freq.numel()} channels, more than "
                              f"head_dim {head_dim}")
         self.layout, self.format = layout, format
-        self.inv_freq = inv_freq
+        self.learned_freq = learned_freq
+        # learned: a float64 parameter that dtype conversions leave in float64 (_apply)
+        self.inv_freq = torch.nn.Parameter(inv_freq) if learned_freq else inv_freq
         self.pair_axis = pair_axis
+
+    def _apply(self, fn, recurse=True):
+        if not self.learned_freq:
+            return super()._apply(fn, recurse)
+        value = self.inv_freq.data
+        super()._apply(fn, recurse)
+        # the parameter where fn sent it, still float64: a rounded frequency shifts every angle
+        self.inv_freq.data = value.to(fn(torch.empty(0, dtype=value.dtype, device=value.device)).device)
+        return self
 
     def _frequencies(self) -> Tuple[Tensor, Tensor]:
         if self.even_split:
@@ -730,9 +743,10 @@ class AxialRotaryEmbedding(_ExactFrequencies):
         return frequencies.multiaxis(self.axes_dim, self.base)
 
     def _make_frequencies(self) -> Dict[str, Tensor]:
-        # Recomputed, not moved: after .to("meta") the attributes hold no values for to_empty to copy.
+        # Recomputed, not moved: after .to("meta") the attributes hold no values for to_empty to copy. Learned
+        # frequencies are a parameter, which moves as parameters do.
         inv_freq, pair_axis = self._frequencies()
-        return {"inv_freq": inv_freq, "pair_axis": pair_axis}
+        return {"pair_axis": pair_axis} if self.learned_freq else {"inv_freq": inv_freq, "pair_axis": pair_axis}
 
     @classmethod
     def from_hf_config(cls, config: Any, layout: str = "neox", format: str = "thd") -> "AxialRotaryEmbedding":
@@ -763,12 +777,16 @@ class AxialRotaryEmbedding(_ExactFrequencies):
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor, offset: int = 0,
                 cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        if self.inv_freq.device != q.device:
-            self.inv_freq = self.inv_freq.to(q.device)
+        if self.pair_axis.device != q.device:
             self.pair_axis = self.pair_axis.to(q.device)
-        return torch.ops.posenc.rope_qk(q, k, positions, self.inv_freq, 1.0, self.layout, self.format, offset,
+        inv_freq = self.inv_freq
+        if inv_freq.device != q.device:
+            inv_freq = inv_freq.to(q.device)
+            if not self.learned_freq:
+                self.inv_freq = inv_freq
+        return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, 1.0, self.layout, self.format, offset,
                                         cu_seqlens, self.pair_axis)
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, axes_dim={self.axes_dim}, base={self.base}, layout={self.layout!r}, "
-                f"format={self.format!r}")
+                f"format={self.format!r}, learned_freq={self.learned_freq}")

@@ -19,7 +19,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 void check_inv_freq_constant(const char* op, const at::Tensor& inv_freq) {
-  TORCH_CHECK(!inv_freq.requires_grad(), "posenc.", op, ": inv_freq is not differentiable; detach it");
+  TORCH_CHECK(!inv_freq.requires_grad(), "posenc.", op, ": inv_freq is not differentiable here; learned frequencies "
+              "train through rope or rope_qk (detach it)");
 }
 
 std::optional<at::Tensor> optional_of(const at::Tensor& t) {

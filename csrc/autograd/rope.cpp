@@ -1,11 +1,13 @@
 // Autograd of the rotary family. A rotation is linear in x, so its gradient is the transposed map:
 // rope <-> rope_backward (rotation by -angle), rope_cos_sin <-> rope_cos_sin_backward. Each op's backward
 // is its partner op, so double backward works. Only positions, frequencies, pair_axis (or the cos/sin tables)
-// and scalars are saved, never x. A call with nothing to record (grad mode off, or nothing requiring grad) goes
+// and scalars are saved, never x; with learned frequencies (inv_freq requiring grad: rope, rope_qk and their
+// backward ops), the outputs too. A call with nothing to record (grad mode off, or nothing requiring grad) goes
 // straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/rope.h>
 
 #include "autograd/kernels.h"
+#include "common/rope.h"
 #include "families.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -43,9 +45,12 @@ struct Angles {
   int64_t q_scale_length = 1;
   int64_t q_scale_shift = 0;
 
-  void save(AutogradContext* ctx) const {
-    ctx->save_for_backward({positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor()),
-                            pair_axis.value_or(at::Tensor())});
+  // `outputs`: the rotation's outputs where inv_freq requires grad (saved as outputs: no reference cycle).
+  void save(AutogradContext* ctx, const std::vector<at::Tensor>& outputs = {}) const {
+    std::vector<at::Tensor> saved{positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor()),
+                                  pair_axis.value_or(at::Tensor())};
+    if (inv_freq.requires_grad()) saved.insert(saved.end(), outputs.begin(), outputs.end());
+    ctx->save_for_backward(saved);
     ctx->saved_data["attention_scale"] = attention_scale;
     ctx->saved_data["layout"] = layout;
     ctx->saved_data["format"] = format;
@@ -53,6 +58,12 @@ struct Angles {
     ctx->saved_data["q_scale_beta"] = q_scale_beta;
     ctx->saved_data["q_scale_length"] = q_scale_length;
     ctx->saved_data["q_scale_shift"] = q_scale_shift;
+  }
+
+  // The outputs saved with the angles (none unless inv_freq required grad).
+  static std::vector<at::Tensor> outputs(AutogradContext* ctx) {
+    const auto saved = ctx->get_saved_variables();
+    return {saved.begin() + 4, saved.end()};
   }
 
   static Angles load(AutogradContext* ctx) {
@@ -77,6 +88,52 @@ struct Angles {
   }
 };
 
+// The gradient of a rotation with respect to inv_freq (learned frequencies), from its output `out` and that output's
+// gradient `grad`, both in the rotation's format. Pair i of token t turns by angle p_t * w_i (p_t the position of
+// the pair's axis), and d out / d angle = (-out2, out1) for a forward rotation, the opposite for an inverse one, so
+// d loss / d w_i = sum over tokens of p_t * sum over batch rows and heads of (out1 grad2 - out2 grad1) (negated
+// for the inverse). Formed in float64 from ATen ops, in a fixed order for a given input, so that it runs on every
+// device and is differentiable again (double backward); it is returned in inv_freq's dtype.
+at::Tensor inv_freq_grad(const Angles& a, const at::Tensor& out, const at::Tensor& grad, bool inverse) {
+  constexpr const char* op = "rope";
+  const auto format = parse_rope_format(op, a.format);
+  const int64_t pairs = a.inv_freq.size(0);
+  // [B, S, H, D] views (thd: one row of T tokens)
+  const auto as_bshd = [&](const at::Tensor& t) {
+    const auto order = rope_dim_order(format);
+    return format == RopeFormat::THD ? t.unsqueeze(0) : t.permute({order[0], order[1], order[2], order[3]});
+  };
+  const auto halves = [&](const at::Tensor& t) {
+    const auto x = as_bshd(t).to(at::kDouble);
+    return parse_rope_layout(op, a.layout) == RopeLayout::Neox
+               ? std::pair{x.narrow(-1, 0, pairs), x.narrow(-1, pairs, pairs)}
+               : std::pair{x.slice(-1, 0, 2 * pairs, 2), x.slice(-1, 1, 2 * pairs, 2)};
+  };
+  const auto [out1, out2] = halves(out);
+  const auto [grad1, grad2] = halves(grad);
+  auto per_angle = (out1 * grad2 - out2 * grad1).sum(2);  // [B, S, pairs]
+  if (inverse) per_angle = per_angle.neg();
+  const int64_t seq = per_angle.size(1);
+  const auto f64 = per_angle.options();
+  // Each token's position of each pair's axis, [1 or B, S, 1 or pairs], offset included.
+  at::Tensor position;
+  if (a.pair_axis) {  // [n_axes, S], [n_axes, B, S] or [n_axes, T]
+    const auto per_pair = a.positions->to(at::kDouble).index_select(0, a.pair_axis->to(at::kLong));
+    position = (per_pair.dim() == 2 ? per_pair.t().unsqueeze(0) : per_pair.permute({1, 2, 0}));
+  } else if (a.positions) {  // [S] or [B, S]
+    position = (a.positions->dim() == 1 ? a.positions->unsqueeze(0) : *a.positions).to(at::kDouble).unsqueeze(-1);
+  } else if (a.cu_seqlens) {  // packed, restarting at each sequence: t - start of its sequence
+    const auto bounds = a.cu_seqlens->to(at::kLong);
+    const auto tokens = at::arange(seq, bounds.options());
+    const auto sequence = at::searchsorted(bounds, tokens, /*out_int32=*/false, /*right=*/true) - 1;
+    position = (tokens - bounds.index_select(0, sequence)).to(at::kDouble).view({1, seq, 1});
+  } else {
+    position = at::arange(seq, f64).view({1, seq, 1});
+  }
+  position = position + static_cast<double>(a.offset);
+  return (per_angle * position).sum(at::IntArrayRef{0, 1}).to(a.inv_freq.scalar_type());
+}
+
 // rope (kInverse = false) and rope_backward (kInverse = true).
 template <bool kInverse>
 struct Rope : public torch::autograd::Function<Rope<kInverse>> {
@@ -86,17 +143,23 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
                             const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                             const std::optional<at::Tensor>& pair_axis) {
-    check_constant(kInverse ? "rope_backward" : "rope", "inv_freq", inv_freq);
     const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
                         cu_seqlens, pair_axis};
-    angles.save(ctx);
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return angles.rotate(x, kInverse);
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      out = angles.rotate(x, kInverse);
+    }
+    angles.save(ctx, {out});
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto grad_x = Angles::load(ctx).rotate(grads[0], !kInverse);
-    return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+    const auto angles = Angles::load(ctx);
+    const auto grad_x = angles.rotate(grads[0], !kInverse);
+    const auto out = Angles::outputs(ctx);
+    const auto grad_w = out.empty() ? at::Tensor() : inv_freq_grad(angles, out[0], grads[0], kInverse);
+    return {grad_x, at::Tensor(), grad_w, at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -114,21 +177,30 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
                                int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                                const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
                                int64_t q_scale_length, int64_t q_scale_shift) {
-    check_constant(kInverse ? "rope_qk_backward" : "rope_qk", "inv_freq", inv_freq);
     const Angles angles{positions,  inv_freq,     attention_scale, std::string(layout), std::string(format),
                         offset,     cu_seqlens,   pair_axis,       q_scale_beta,        q_scale_length,
                         q_scale_shift};
-    angles.save(ctx);
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const auto [q_out, k_out] = rotate(angles, q, k, kInverse);
+    at::Tensor q_out, k_out;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(q_out, k_out) = rotate(angles, q, k, kInverse);
+    }
+    angles.save(ctx, {q_out, k_out});
     return {q_out, k_out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto [grad_q, grad_k] = rotate(Angles::load(ctx), grads[0], grads[1], !kInverse);
-    variable_list out(13);  // q, k, then the eleven arguments without a gradient
+    const auto angles = Angles::load(ctx);
+    const auto [grad_q, grad_k] = rotate(angles, grads[0], grads[1], !kInverse);
+    variable_list out(13);  // q, k, positions, inv_freq, then nine arguments without a gradient
     out[0] = grad_q;
     out[1] = grad_k;
+    const auto outputs = Angles::outputs(ctx);
+    if (!outputs.empty()) {
+      // q's query scale (a factor of q's output, constant in the angle) is part of q's output already
+      out[3] = inv_freq_grad(angles, outputs[0], grads[0], kInverse) +
+               inv_freq_grad(angles, outputs[1], grads[1], kInverse);
+    }
     return out;
   }
 
@@ -150,7 +222,8 @@ struct RopeInplace : public torch::autograd::Function<RopeInplace> {
                             const at::Tensor& inv_freq, double attention_scale, c10::string_view layout,
                             c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                             const std::optional<at::Tensor>& pair_axis) {
-    check_constant("rope_", "inv_freq", inv_freq);
+    TORCH_CHECK(!inv_freq.requires_grad(), "posenc.rope_: inv_freq is not differentiable in place; learned "
+                "frequencies train through rope or rope_qk (detach it here)");
     const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
                         cu_seqlens, pair_axis};
     angles.save(ctx);

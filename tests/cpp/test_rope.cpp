@@ -383,3 +383,25 @@ TEST(Frequencies, ForLengthEqualsRopeBitForBit) {
 }
 
 }  // namespace
+
+// Learned frequencies from C++: d loss / d inv_freq of rope_qk against a central difference in float64.
+TEST(Rope, LearnedFrequenciesGradientFromCpp) {
+  const auto q = torch::randn({2, 5, 3, 8}, at::kDouble);
+  const auto k = torch::randn({2, 5, 1, 8}, at::kDouble);
+  const auto positions = torch::tensor({0.5, 1.0, -2.25, 3.0, 7.5}, at::kDouble);
+  auto inv_freq = posenc::frequencies::rope(8).inv_freq.clone().requires_grad_(true);
+  const auto loss = [&](const at::Tensor& w) {
+    const auto [out_q, out_k] = posenc::rope_qk(q, k, positions, w, 1.0, "gptj");
+    return (out_q * out_q.cos()).sum() + out_k.sum();
+  };
+  loss(inv_freq).backward();
+  const double h = 1e-6;
+  for (int64_t i = 0; i < 4; ++i) {
+    auto up = inv_freq.detach().clone();
+    auto down = inv_freq.detach().clone();
+    up[i] += h;
+    down[i] -= h;
+    const double numeric = (loss(up) - loss(down)).item<double>() / (2 * h);
+    EXPECT_NEAR(inv_freq.grad()[i].item<double>(), numeric, 1e-6 * std::max(1.0, std::abs(numeric)));
+  }
+}

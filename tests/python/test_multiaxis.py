@@ -854,3 +854,27 @@ def test_dinov3_rotary_forward_and_backward(dtype, training):
 def test_patch_center_positions_bad_arguments(call, message):
     with pytest.raises((RuntimeError, ValueError), match=message):
         call()
+
+
+# ---------------------------------------------------------------- learned frequencies (timm's mixed 2-D RoPE)
+
+def test_axial_module_with_learned_frequencies_trains_them():
+    module = posenc.nn.AxialRotaryEmbedding(16, 2, learned_freq=True)
+    assert isinstance(module.inv_freq, torch.nn.Parameter) and module.inv_freq.dtype == torch.float64
+    assert [name for name, _ in module.named_parameters()] == ["inv_freq"]
+    module.to(torch.bfloat16)  # the frequencies stay float64
+    assert module.inv_freq.dtype == torch.float64 and isinstance(module.inv_freq, torch.nn.Parameter)
+    positions = PF.image_positions(3, 4)
+    q = torch.randn(2, 12, 2, 16, dtype=torch.float64, requires_grad=True)
+    out_q, out_k = module(q, q.detach() * 0.5, positions)
+    weights = torch.randn_like(out_q)  # a rotation leaves norms alone: a weighted sum feels the angle
+    ((out_q * weights).sum() + out_k.sum()).backward()
+    expected = FQ.axial(16, 2)[0].clone().requires_grad_()
+    ref_q, ref_k = PF.rope_qk(q.detach(), q.detach() * 0.5, positions, expected, pair_axis=FQ.axial(16, 2)[1])
+    ((ref_q * weights).sum() + ref_k.sum()).backward()
+    assert torch.equal(module.inv_freq.grad, expected.grad) and module.inv_freq.grad.abs().sum() > 0
+    before = module.inv_freq.detach().clone()
+    torch.optim.SGD(module.parameters(), lr=0.1).step()
+    assert not torch.equal(module.inv_freq.detach(), before)
+    scripted = torch.jit.script(module)
+    assert torch.equal(scripted(q.detach(), q.detach(), positions)[0], module(q.detach(), q.detach(), positions)[0])

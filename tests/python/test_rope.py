@@ -940,7 +940,8 @@ INV = FQ.rope(8)[0]
      "cu_seqlens must be an int64 or int32 tensor, got Float"),
     (lambda: PF.rope_qk(X, X.double(), None, INV), "posenc.rope_qk: k is Double but q is Float"),
     (lambda: PF.rope_qk(X, X[:, :3], None, INV), "posenc.rope_qk: k has shape .* sequence sizes differ"),
-    (lambda: PF.rope(X, None, INV.clone().requires_grad_()), "posenc.rope: inv_freq is not differentiable"),
+    (lambda: PF.rope_(X.clone(), None, INV.clone().requires_grad_()),
+     "posenc.rope_: inv_freq is not differentiable in place; learned frequencies train through rope or rope_qk"),
     (lambda: PF.rope_cos_sin(X, torch.randn(4, 8), torch.randn(4, 6)), "posenc.rope_cos_sin: cos has shape"),
     (lambda: PF.rope_cos_sin(X, torch.randn(3, 4, 8), torch.randn(3, 4, 8)), "which does not match x"),
 ])
@@ -1439,3 +1440,114 @@ _BACKWARD_MUTATIONS["tables_other_batch"] = lambda draw, kw: kw.update(
     cos=kw["cos"].expand(kw["grad"].shape[0] + 1, *kw["cos"].shape),
     sin=kw["sin"].expand(kw["grad"].shape[0] + 1, *kw["sin"].shape))
 bad_inputs("rope_cos_sin_backward", base=rope_cos_sin_backward, mutations=_BACKWARD_MUTATIONS)
+
+
+# ---------------------------------------------------------------- learned frequencies
+
+def _learned_case(format, layout, positions_kind, multiaxis, seed=0):
+    """q, k in `format` (partial rotary: 3 of 4 pairs), inv_freq requiring grad, and positions of a kind."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq, heads, dim = 2, 5, 3, 8
+    shape = {"bshd": (batch, seq, heads, dim), "bhsd": (batch, heads, seq, dim), "sbhd": (seq, batch, heads, dim),
+             "thd": (batch * seq, heads, dim)}[format]
+    tokens = batch * seq if format == "thd" else seq
+    q, k = (torch.randn(shape, dtype=F64, generator=gen).requires_grad_() for _ in range(2))
+    inv_freq = (torch.rand(3, dtype=F64, generator=gen) + 0.1).requires_grad_()
+    kw = {"pair_axis": torch.tensor([0, 1, 1])} if multiaxis else {}
+    if positions_kind == "absent":
+        positions = None
+    elif positions_kind == "packed":
+        positions, kw["cu_seqlens"] = None, torch.tensor([0, 4, tokens])
+    elif positions_kind == "shared":
+        positions = torch.randn((2, tokens) if multiaxis else (tokens,), dtype=F64, generator=gen) * 3
+    else:  # per row
+        positions = torch.randn((2, batch, seq) if multiaxis else (batch, seq), dtype=F64, generator=gen) * 3
+    return q, k, positions, inv_freq, kw
+
+
+LEARNED_CASES = [(f, layout, kind, multi) for f in ("bshd", "bhsd", "sbhd", "thd") for layout in ("neox", "gptj")
+                 for kind, multi in (("absent", False), ("shared", False), ("per_row", False), ("shared", True),
+                                     ("per_row", True), ("packed", False))
+                 if (kind != "packed" or f == "thd") and (kind != "per_row" or f != "thd")]
+
+
+@pytest.mark.parametrize("format, layout, kind, multiaxis", LEARNED_CASES)
+def test_learned_frequencies_gradcheck(format, layout, kind, multiaxis):
+    """d/d inv_freq of rope and rope_qk, and their double backward, against finite differences in float64: every
+    format, layout, kind of positions, one axis or several."""
+    q, k, positions, inv_freq, kw = _learned_case(format, layout, kind, multiaxis)
+
+    def one(x, w):
+        return PF.rope(x, positions, w, 1.3, layout, format, 2, **kw)
+
+    def both(x, y, w):
+        return PF.rope_qk(x, y, positions, w, 1.3, layout, format, 2, **kw)
+
+    assert torch.autograd.gradcheck(one, (q, inv_freq))
+    assert torch.autograd.gradgradcheck(one, (q, inv_freq))
+    assert torch.autograd.gradcheck(both, (q, k, inv_freq))
+
+
+def test_learned_frequencies_with_the_query_scale():
+    """rope_qk's query scale (Llama 4's) multiplies q's output by a factor of the position alone."""
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 6, 2, 8, dtype=F64, generator=gen).requires_grad_() for _ in range(2))
+    inv_freq = (torch.rand(4, dtype=F64, generator=gen) + 0.1).requires_grad_()
+
+    def fn(x, y, w):
+        return PF.rope_qk(x, y, torch.arange(6), w, 1.0, "neox", "bshd", 3, q_scale_beta=0.25, q_scale_length=2)
+
+    assert torch.autograd.gradcheck(fn, (q, k, inv_freq))
+    assert torch.autograd.gradgradcheck(fn, (q, k, inv_freq))
+
+
+def test_learned_frequencies_against_autograd_of_the_eager_formula():
+    """The inv_freq gradient equals autograd's through the float64 formula (angles = positions * inv_freq,
+    rotate_half), and is the same bits run after run."""
+    q, k, positions, inv_freq, _ = _learned_case("bshd", "neox", "per_row", False, seed=3)
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    out = PF.rope_qk(q, k, positions, inv_freq)
+    ours = torch.autograd.grad(out, inv_freq, (grad_q, grad_k))[0]
+    again = torch.autograd.grad(PF.rope_qk(q, k, positions, inv_freq), inv_freq, (grad_q, grad_k))[0]
+    assert torch.equal(ours, again)
+    w = inv_freq.detach().clone().requires_grad_()
+    angle = positions.to(F64)[..., None] * w  # [B, S, pairs]
+    cos, sin = angle.cos()[:, :, None], angle.sin()[:, :, None]
+
+    def rotate(x):
+        x1, x2, rest = x[..., :3], x[..., 3:6], x[..., 6:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], -1)
+
+    theirs = torch.autograd.grad((rotate(q.detach()), rotate(k.detach())), w, (grad_q, grad_k))[0]
+    assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_learned_frequencies_in_float32_return_float32():
+    x = torch.randn(2, 6, 2, 8, requires_grad=True)
+    inv_freq = FQ.rope(8)[0].float().requires_grad_()
+    weights = torch.randn(2, 6, 2, 8)  # a rotation leaves norms alone: a weighted sum feels the angle
+    (PF.rope(x, torch.arange(6), inv_freq) * weights).sum().backward()
+    expected = inv_freq.detach().double().requires_grad_()
+    (PF.rope(x.detach().double(), torch.arange(6), expected) * weights.double()).sum().backward()
+    assert inv_freq.grad.dtype == torch.float32
+    assert_close(inv_freq.grad, expected.grad.float(), rtol=1e-4, atol=1e-4)
+    assert inv_freq.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda w: PF.rope_(torch.randn(1, 4, 2, 8), None, w),
+    lambda w: PF.qk_norm_rope(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.ones(8), torch.ones(8), None, w),
+])
+def test_learned_frequencies_elsewhere_are_refused(call):
+    with pytest.raises(RuntimeError, match="learned frequencies train through rope or rope_qk"):
+        call(FQ.rope(8)[0].clone().requires_grad_())
+
+
+def test_learned_frequencies_compile(compiled_matches_eager):
+    q, k, positions, inv_freq, kw = _learned_case("bshd", "gptj", "shared", True)
+
+    def fn(q, w):
+        out_q, out_k = PF.rope_qk(q, k.detach(), positions, w, 1.0, "gptj", **kw)
+        return out_q + out_k
+
+    compiled_matches_eager(fn, (q, inv_freq), (q, inv_freq))
