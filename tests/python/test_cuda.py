@@ -494,6 +494,40 @@ def test_sinusoidal_family(dtype, layout):
 
 @cuda_only
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("convention", FQ.GRID_CONVENTIONS)
+def test_sinusoidal_grids(dtype, convention):
+    """Multi-axis positions (shared and per row), every grid convention, prefix tokens, an odd width."""
+    inv_freq, pair_axis, layout = FQ.grid_sinusoidal(48, convention)
+    grid = [2, 3, 5] if convention == "cogvideox" else [6, 5]
+    positions = PF.grid_positions(grid, scale=[1.3] * len(grid), interpolation_scale=0.7)
+    run_both(ops.sinusoidal, positions, inv_freq, layout, dtype, 1, pair_axis)
+    for width in (48, 49):
+        x = torch.randn(2, 2 + positions.shape[1], width, dtype=dtype)
+        run_both(ops.add_sinusoidal, x, positions, inv_freq, 2.0, layout, 0, pair_axis, 2)
+        per_row = torch.stack([positions, positions.flip(-1)], 1)  # [n_axes, B, N]
+        run_both(ops.add_sinusoidal, x, per_row, inv_freq, 1.0, layout, 3, pair_axis.int(), 2)
+
+
+@cuda_only
+def test_real_positions_and_learned_frequencies():
+    """Floating rotary positions, and the gradient with respect to inv_freq, as on the CPU."""
+    inv_freq, pair_axis = FQ.axial(16)
+    positions = PF.patch_center_positions(3, 4, 2, 0.1, 1.5, 2.0, torch.Generator().manual_seed(0))
+    q = torch.randn(2, 14, 2, 16)
+    run_both(ops.rope_qk, q, q * 0.5, positions, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis, 0.0, 1, 0)
+    grads = []
+    for device in ("cpu", "cuda"):
+        w = inv_freq.to(device).requires_grad_()
+        x = q.double().to(device)
+        out_q, out_k = PF.rope_qk(x, x * 0.5, positions.to(device), w, pair_axis=pair_axis.to(device))
+        weights = torch.linspace(-1, 1, out_q.numel(), dtype=torch.float64, device=device).view_as(out_q)
+        ((out_q * weights).sum() + out_k.sum()).backward()
+        grads.append(w.grad.cpu())
+    assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_learned_family(dtype):
     for width in (64, 63):
         weight = torch.randn(40, width, dtype=dtype)
@@ -613,6 +647,9 @@ def test_bad_index_data_raises_the_cpu_errors():
         (ops.embed_sinusoidal, (torch.tensor([[-1, 2]]), table, None, FQ.sinusoidal(8))),
         (ops.embedding_backward, (torch.randn(2, 8), torch.tensor([3, 10]), 10)),
         (ops.add_sinusoidal, (torch.randn(2, 8), torch.tensor([2.0**60, 1.0]), FQ.sinusoidal(8))),
+        (ops.rope, (x, torch.tensor([0.5, float("nan"), 3.0]), inv_freq)),  # real positions: NaN refused
+        (ops.add_sinusoidal, (torch.randn(1, 4, 8), torch.zeros(2, 3), FQ.sinusoidal(8), 1.0, "half_per_axis", 0,
+                              torch.tensor([0, 1, 2, 1]), 1)),  # pair_axis beyond the 2 axes of positions
         (ops.sinusoidal, (torch.tensor([2**62, 1]), FQ.sinusoidal(8), "interleaved", None, 2**62)),
         # pair_axis: its values, then cu_seqlens before them, then the positions after them, as the CPU orders them.
         (ops.rope, (x, torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox", "bshd", 0, None,
