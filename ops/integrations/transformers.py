@@ -30,6 +30,10 @@
 - **T5**: ``compute_bias`` of the attention layers that own a bucket table becomes ``posenc.t5_bias``
   (``posenc.relative_position_bucket`` when a static cache gives its length as a tensor).
 - **GPT-2**: ``wte(input_ids) + wpe(position_ids)`` becomes one ``posenc.embed_learned`` call.
+- **DINOv3** (any model holding a ``DINOv3ViTRopePositionEmbedding``): that module becomes
+  :class:`PatchCenterAngles`, which hands the layers DINOv3's patch centres (its training augmentations included)
+  and float64 frequencies as :class:`RotaryAngles`; the modeling file's ``apply_rotary_pos_emb`` is wrapped as for
+  the rotary family, one ``rope_qk`` call with ``pair_axis``, the cls and register tokens at angle 0.
 
 Everything else is per instance: a swapped submodule, or an instance attribute that shadows its class's method
 on that one object. No class is modified, and the state dict is unchanged.
@@ -38,6 +42,7 @@ import copy
 import functools
 import importlib
 import inspect
+import math
 import sys
 import types
 import weakref
@@ -52,7 +57,7 @@ from .. import functional as PF
 from ..nn import RotaryEmbedding
 
 __all__ = ["patch", "unpatch", "is_patched", "recognize_rotary", "NotRecognized", "Patch", "Change", "RotaryAngles",
-           "RotaryPositions", "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
+           "RotaryPositions", "PatchCenterAngles", "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
 
 # The types known to work (tested with gradients and generation); patch recognizes rotary models by contract.
 ROTARY_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox",
@@ -99,8 +104,8 @@ def patch(model: torch.nn.Module) -> Patch:
     """Switches the positional code of a Hugging Face model to posenc, in place; returns the :class:`Patch`
     listing the changes.
 
-    BLOOM, T5 and GPT-2 are recognized by ``config.model_type``; any other model is patched when it follows the
-    rotary contract (see :func:`recognize_rotary`), whatever its type. Logits, gradients and greedy generation
+    BLOOM, T5 and GPT-2 are recognized by ``config.model_type``, DINOv3 by its rotary module; any other model is
+    patched when it follows the rotary contract (see :func:`recognize_rotary`), whatever its type. Logits, gradients and greedy generation
     stay those of the unpatched model (up to the rounding of its float32 cos/sin tables, which posenc forms in
     float64). Raises ``ValueError`` naming the model type and the reason for a model it does not recognize,
     ``RuntimeError`` if the model is already patched.
@@ -114,6 +119,8 @@ def patch(model: torch.nn.Module) -> Patch:
         record = _patch_t5(model)
     elif model_type == "gpt2":
         record = _patch_gpt2(model)
+    elif _find(model, _is_dinov3_rope):
+        record = _patch_dinov3(model, model_type)
     else:
         record = _patch_rotary(model, model_type)
     model._posenc_patch = record
@@ -129,7 +136,7 @@ def unpatch(model: torch.nn.Module) -> Patch:
     for kind, path, value in reversed(record._undo):
         if kind == "module":
             replacement = model.get_submodule(path)
-            if isinstance(replacement, RotaryPositions):
+            if isinstance(replacement, _HoldsRotaryWrapper):
                 replacement.release()
             _set_submodule(model, path, value)
         else:
@@ -211,28 +218,53 @@ class RotaryAngles:
     2i + 1: Cohere, GLM, ERNIE 4.5, Helium), pair i at frequency ``inv_freq[i]`` in both.
     """
 
-    __slots__ = ("positions", "inv_freq", "attention_scale", "layout")
+    __slots__ = ("positions", "inv_freq", "attention_scale", "layout", "pair_axis")
 
-    def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float, layout: str = "neox"):
+    def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float, layout: str = "neox",
+                 pair_axis: Optional[Tensor] = None):
         self.positions, self.inv_freq, self.attention_scale = positions, inv_freq, attention_scale
-        self.layout = layout
+        self.layout, self.pair_axis = layout, pair_axis
 
     def rotate(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
         return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, self.layout,
-                                        _format_of(unsqueeze_dim))
+                                        _format_of(unsqueeze_dim), 0, None, self.pair_axis)
 
     def rotate_one(self, x: Tensor, unsqueeze_dim: int = 1) -> Tensor:
         """One ``rope`` call, for modeling files whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one
         tensor at a time (Gemma 4)."""
         return torch.ops.posenc.rope(x, self.positions, self.inv_freq, self.attention_scale, self.layout,
-                                     _format_of(unsqueeze_dim))
+                                     _format_of(unsqueeze_dim), 0, None, self.pair_axis)
 
     def __repr__(self) -> str:
+        axes = "" if self.pair_axis is None else f", {self.positions.shape[0]} axes"
         return (f"RotaryAngles(positions {list(self.positions.shape)}, {self.inv_freq.numel()} frequencies, "
-                f"attention_scale={self.attention_scale}, layout={self.layout!r})")
+                f"attention_scale={self.attention_scale}, layout={self.layout!r}{axes})")
 
 
-class RotaryPositions(torch.nn.Module):
+class _HoldsRotaryWrapper(torch.nn.Module):
+    """A replacement module that keeps its modeling file's apply_rotary_pos_emb wrapped while it exists (and in each
+    deep copy of it)."""
+
+    modeling: str
+
+    def _hold_wrapper(self) -> None:
+        _hold_rotary_wrapper(self.modeling)
+        self._release = weakref.finalize(self, _release_rotary_wrapper, self.modeling)
+
+    def release(self) -> None:
+        """Gives up this instance's hold on the wrapper (once; later calls do nothing)."""
+        self._release()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_HoldsRotaryWrapper":
+        duplicate = type(self).__new__(type(self))
+        memo[id(self)] = duplicate
+        duplicate.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()
+                                   if key != "_release"})
+        duplicate._hold_wrapper()
+        return duplicate
+
+
+class RotaryPositions(_HoldsRotaryWrapper):
     """Takes the place of a Hugging Face model's rotary module (``<Model>RotaryEmbedding``): ``forward(x,
     position_ids)`` returns ``(angles, angles)`` with :class:`RotaryAngles` instead of cos/sin tables.
 
@@ -289,22 +321,6 @@ class RotaryPositions(torch.nn.Module):
         original_inv_freq = getattr(original, f"{prefix}original_inv_freq", inv_freq)
         self.register_buffer(f"{prefix}inv_freq", inv_freq.detach().clone(), persistent=False)
         self.register_buffer(f"{prefix}original_inv_freq", original_inv_freq.detach().clone(), persistent=False)
-
-    def _hold_wrapper(self) -> None:
-        _hold_rotary_wrapper(self.modeling)
-        self._release = weakref.finalize(self, _release_rotary_wrapper, self.modeling)
-
-    def release(self) -> None:
-        """Gives up this instance's hold on the wrapper (once; later calls do nothing)."""
-        self._release()
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "RotaryPositions":
-        duplicate = RotaryPositions.__new__(RotaryPositions)
-        memo[id(self)] = duplicate
-        duplicate.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()
-                                   if key != "_release"})
-        duplicate._hold_wrapper()
-        return duplicate
 
     def _inv_freq(self, x: Tensor, positions: Tensor) -> Tensor:
         if not self.dynamic:
@@ -654,6 +670,60 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
                                      f"posenc: RotaryAngles -> {'rope (one tensor a call)' if one else 'rope_qk'}, "
                                      f"cos/sin tables -> the original"))
+    return record
+
+
+# ---------------------------------------------------------------- DINOv3: rotary by patch centres
+
+def _is_dinov3_rope(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "DINOv3ViTRopePositionEmbedding"
+
+
+class PatchCenterAngles(_HoldsRotaryWrapper):
+    """Takes the place of DINOv3's rotary module (``DINOv3ViTRopePositionEmbedding``): ``forward(pixel_values)``
+    returns ``(angles, angles)``, :class:`RotaryAngles` of the patch centres
+    (:func:`posenc.functional.patch_center_positions`, zeros for the cls and register tokens, DINOv3's training
+    augmentations drawn in training as transformers draws them) and the axial frequencies times 2 pi, in float64,
+    instead of cos/sin tables."""
+
+    def __init__(self, original: torch.nn.Module, modeling: str):
+        super().__init__()
+        self.config = original.config
+        self.modeling = modeling
+        size = original.config.patch_size
+        self.patch_size = (size, size) if isinstance(size, int) else tuple(size)
+        self.num_prefix_tokens = 1 + int(getattr(original.config, "num_register_tokens", 0))
+        inv_freq, pair_axis = frequencies.axial(original.head_dim, 2, float(original.base))
+        # plain attributes, not buffers: model.to(torch.bfloat16) leaves the float64 frequencies exact
+        self.inv_freq, self.pair_axis = inv_freq * (2 * math.pi), pair_axis
+        self._hold_wrapper()
+
+    def forward(self, pixel_values: Tensor) -> Tuple[RotaryAngles, RotaryAngles]:
+        height, width = pixel_values.shape[-2] // self.patch_size[0], pixel_values.shape[-1] // self.patch_size[1]
+        config = self.config
+        augment = (config.pos_embed_shift, config.pos_embed_jitter, config.pos_embed_rescale) if self.training \
+            else (None, None, None)
+        device = pixel_values.device
+        if self.inv_freq.device != device:
+            self.inv_freq, self.pair_axis = self.inv_freq.to(device), self.pair_axis.to(device)
+        positions = PF.patch_center_positions(height, width, self.num_prefix_tokens, *augment, device=device)
+        angles = RotaryAngles(positions, self.inv_freq, 1.0, "neox", self.pair_axis)
+        return angles, angles
+
+    def extra_repr(self) -> str:
+        return (f"patch_size={self.patch_size}, num_prefix_tokens={self.num_prefix_tokens}, "
+                f"pairs={self.inv_freq.numel()}")
+
+
+def _patch_dinov3(model: torch.nn.Module, model_type: str) -> Patch:
+    record = Patch(model_type, "rotary (patch centres)")
+    for name, original in _find(model, _is_dinov3_rope):
+        modeling = type(original).__module__
+        replacement = PatchCenterAngles(original, modeling)
+        _swap_module(record, model, name, replacement, f"posenc PatchCenterAngles ({replacement.extra_repr()})")
+        record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
+                                     "posenc: RotaryAngles -> rope_qk (prefix tokens at angle 0), cos/sin tables -> "
+                                     "the original"))
     return record
 
 

@@ -729,3 +729,45 @@ def test_documentation_example_runs():
     doc = Path(__file__).resolve().parents[2] / "docs" / "integrations-transformers.md"
     example = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
     exec(compile(example, str(doc), "exec"), {})
+
+
+# ---------------------------------------------------------------- DINOv3: rotary by patch centres
+
+def dinov3(**overrides):
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+    torch.manual_seed(0)
+    config = DINOv3ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                             image_size=48, patch_size=8, num_register_tokens=4, pos_embed_shift=0.1,
+                             pos_embed_jitter=1.5, pos_embed_rescale=2.0, **overrides)
+    return DINOv3ViTModel(config).eval()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_dinov3_matches_hugging_face(training):
+    """A patched DINOv3 rotates q and k of its patch tokens with rope_qk by posenc's patch centres (the same
+    augmentations drawn in training with the same seed), its cls and register tokens left alone: hidden states and
+    gradients as Hugging Face's within the float32 rounding of its angles."""
+    model = dinov3()
+    patched = copy.deepcopy(model)
+    modeling = transformers.models.dinov3_vit.modeling_dinov3_vit
+    gc.collect()  # patched models of earlier tests release the wrapper when collected
+    original = modeling.apply_rotary_pos_emb
+    record = PT.patch(patched)
+    assert modeling.apply_rotary_pos_emb is not original
+    assert isinstance(patched.rope_embeddings, PT.PatchCenterAngles) and record.family == "rotary (patch centres)"
+    pixels = torch.randn(2, 3, 48, 40)
+    results = []
+    for m in (model, patched):
+        m.train(training)
+        torch.manual_seed(7)
+        out = m(pixel_values=pixels).last_hidden_state
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (expected, expected_grads), (actual, actual_grads) = results
+    torch.testing.assert_close(actual, expected, atol=LOGITS_ATOL, rtol=0)
+    assert actual_grads.keys() == expected_grads.keys() and len(actual_grads) > 10
+    for name, grad in actual_grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+    assert PT.unpatch(patched) is record
+    assert type(patched.rope_embeddings).__name__ == "DINOv3ViTRopePositionEmbedding"
+    assert modeling.apply_rotary_pos_emb is original
