@@ -645,6 +645,43 @@ def bench_axial(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def bench_dinov3(repeat: int, quick: bool) -> List[dict]:
+    """DINOv3 ViT-L's rotary (16 heads of 64 channels, 32 x 32 patches + cls and 4 registers at 512 px, batch 16):
+    transformers' DINOv3ViTRopePositionEmbedding (cos/sin of the patch centres, built each forward) + its
+    apply_rotary_pos_emb (prefix tokens split off, rotated patches concatenated back), eager and compiled, against
+    rope_qk with patch_center_positions, and the copy bound."""
+    from transformers import DINOv3ViTConfig
+    from transformers.models.dinov3_vit import modeling_dinov3_vit as dinov3
+    table = Table("rope_qk dinov3", repeat)
+    batch, side = (4, 16) if quick else (16, 32)
+    config = DINOv3ViTConfig(hidden_size=1024, num_attention_heads=16, image_size=side * 16, patch_size=16,
+                             num_register_tokens=4)
+    embedding = dinov3.DINOv3ViTRopePositionEmbedding(config).eval()
+    pixels = torch.empty(1, 3, side * 16, side * 16)
+    inv_freq, pair_axis = posenc.frequencies.axial(64, 2, config.rope_theta)
+    inv_freq = inv_freq * (2 * math.pi)
+    seq = 5 + side * side
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(batch, 16, seq, 64, dtype=dtype)
+        k = torch.randn(batch, 16, seq, 64, dtype=dtype)
+
+        def hf(qq, kk, apply=dinov3.apply_rotary_pos_emb):
+            cos, sin = embedding(pixels.to(dtype))
+            return apply(qq, kk, cos, sin)
+
+        hf_compiled = torch.compile(hf, fullgraph=True, dynamic=False)
+
+        def ours(qq, kk):
+            positions = PF.patch_center_positions(side, side, 5)
+            return PF.rope_qk(qq, kk, positions, inv_freq, 1.0, "neox", "bhsd", pair_axis=pair_axis)
+
+        positions = PF.patch_center_positions(side, side, 5)
+        rope_rows(table, f"q,k [{batch}, 16, {seq}, 64] bhsd", dtype, q, k, ours,
+                  {"HF eager": hf, "HF compile": hf_compiled},
+                  lambda buffer: PF.rope_(buffer, positions, inv_freq, 1.0, "neox", "bhsd", pair_axis=pair_axis))
+    return table.rows
+
+
 def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3) -> Dict[str, float]:
     """Profiled steps: the medians of a step's wall time and of its positional code's time (ms), and the median
     of their ratio per step (the share).
@@ -998,6 +1035,7 @@ BENCHMARKS = {
     "rope_qk_cache": bench_rope_qk_cache,
     "mrope": bench_mrope,
     "axial": bench_axial,
+    "dinov3": bench_dinov3,
     "sinusoidal": bench_sinusoidal,
     "sincos_grid": bench_sincos_grid,
     "embedding": bench_embedding_backward,
@@ -1044,6 +1082,11 @@ TARGETS = [
     ("qk_norm_rope over the copy", dict(op="qk_norm_rope"), "ours_over_copy", "<=", 1.3),
     ("axial / Flux gptj fwd", dict(op="rope_qk axial", mode="fwd"), "ours_over_copy", "<=", 1.2),
     ("add_sinusoidal fwd, fwd+bwd", dict(op="add_sinusoidal"), "ours_over_copy", "<=", 1.2),
+    ("sincos grids against diffusers eager", dict(op="add_sinusoidal grid"), "speedup:diffusers table+add", ">=",
+     2.0),
+    ("sincos grids fwd", dict(op="add_sinusoidal grid", mode="fwd"), "ours_over_copy", "<=", 1.3),
+    ("DINOv3 rope against HF eager", dict(op="rope_qk dinov3"), "speedup:HF eager", ">=", 2.0),
+    ("DINOv3 rope fwd", dict(op="rope_qk dinov3", mode="fwd"), "ours_over_copy", "<=", 1.3),
     ("embed_sinusoidal fwd bf16", dict(op="embed_sinusoidal", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=",
      1.3),
     ("embed_learned fwd bf16", dict(op="embed_learned", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=", 1.3),
