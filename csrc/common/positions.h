@@ -180,6 +180,30 @@ inline std::vector<double> tokens_major(const std::vector<double>& positions, in
   return out;
 }
 
+// Positions as the CPU kernels of the angle families read them: pair_axis (when given) checked against the axes of
+// positions ([n_axes, ...]), then the positions read by read_host_positions and, multi-axis, reordered token by token
+// so that a token's n_axes positions lie side by side.
+struct AxisPositions {
+  HostPositions<double> values;
+  int64_t n_axes = 1;
+  std::vector<int32_t> pair_axis;  // empty: one axis
+  const int32_t* axes() const { return pair_axis.empty() ? nullptr : pair_axis.data(); }
+};
+
+inline AxisPositions read_axis_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
+                                         int64_t offset, const PositionDomain& domain,
+                                         const std::optional<at::Tensor>& pair_axis,
+                                         const std::optional<at::Tensor>& cu_seqlens = std::nullopt) {
+  AxisPositions pos;
+  if (pair_axis) {
+    pos.n_axes = positions->size(0);
+    pos.pair_axis = read_pair_axis(op, *pair_axis, pos.n_axes);
+  }
+  pos.values = read_host_positions<double>(op, positions, count, offset, domain, cu_seqlens);
+  if (pos.n_axes > 1) pos.values.values = tokens_major(pos.values.values, pos.n_axes);
+  return pos;
+}
+
 // inv_freq as contiguous float64 (the tensor's own data when it already is: no copy), and max |inv_freq|,
 // which decides the angle engine's path for each position.
 class Frequencies {

@@ -35,10 +35,8 @@ struct CpuRope : CpuDevice {
 
   static void rotate(const Rotation& r) {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);
-    const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;
-    const auto axes = r.pair_axis ? read_pair_axis(r.op, *r.pair_axis, n_axes) : std::vector<int32_t>();
-    auto pos = read_host_positions<double>(r.op, r.positions, r.seq, r.offset, rotary_domain(), r.cu_seqlens);
-    if (n_axes > 1) pos.values = tokens_major(pos.values, n_axes);
+    const auto pos = read_axis_positions(r.op, r.positions, r.seq, r.offset, rotary_domain(), r.pair_axis,
+                                         r.cu_seqlens);
     // rope_qk_cache_'s slots, read and checked before any token is stored.
     const auto slots = r.cache != nullptr ? read_cache_slots(r, r.cache->cache_positions, r.positions, r.cu_seqlens)
                                           : CacheSlots{};
@@ -62,8 +60,8 @@ struct CpuRope : CpuDevice {
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
       const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
                                  : RotaryView<scalar_t>{};
-      cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.data(),
-                                pos.first, r.args.shared_positions, n_axes, r.pair_axis ? axes.data() : nullptr,
+      cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.values.data(),
+                                pos.values.first, r.args.shared_positions, pos.n_axes, pos.axes(),
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
                                 r.args.layout, r.norms != nullptr ? norms.data() : nullptr, r.q_scale,
                                 scaled_view, copies ? &v_view : nullptr});

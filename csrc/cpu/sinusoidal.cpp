@@ -14,30 +14,16 @@ namespace {
 
 struct CpuSinusoidal : CpuDevice {
 
-  // Positions as the kernel reads them: a token's n_axes positions side by side.
-  struct Positions {
-    HostPositions<double> values;
-    int64_t n_axes = 1;
-    std::vector<int32_t> pair_axis;  // empty: one axis
-  };
-
-  static Positions read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
-                                  int64_t offset, const std::optional<at::Tensor>& pair_axis) {
-    Positions pos;
-    if (pair_axis) {
-      pos.n_axes = positions->size(0);
-      pos.pair_axis = read_pair_axis(op, *pair_axis, pos.n_axes);
-    }
-    pos.values = read_host_positions<double>(op, positions, count, offset, angle_domain());
-    if (pos.n_axes > 1) pos.values.values = tokens_major(pos.values.values, pos.n_axes);
-    return pos;
+  static AxisPositions read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
+                                      int64_t offset, const std::optional<at::Tensor>& pair_axis) {
+    return read_axis_positions(op, positions, count, offset, angle_domain(), pair_axis);
   }
 
   static constexpr auto check_indices = &check_indices_in_range;
 
   // out = in * scale + PE(positions) over the rows of `rows`.
   template <typename scalar_t>
-  static void encode(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out, const Positions& pos,
+  static void encode(const at::Tensor& in, const at::Tensor& ids, const at::Tensor& out, const AxisPositions& pos,
                      const at::Tensor& inv_freq, SinusoidalLayout layout, double scale, const EncodedRows& rows) {
     const Frequencies freq(inv_freq);
     const int64_t width = out.size(-1);
@@ -45,7 +31,7 @@ struct CpuSinusoidal : CpuDevice {
                                    ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr};
     cpu::sinusoidal_stub<scalar_t>({input, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
                                     pos.values.data(), pos.values.first, rows.num_positions, rows.sequence,
-                                    pos.n_axes, pos.pair_axis.empty() ? nullptr : pos.pair_axis.data(), freq.data(),
+                                    pos.n_axes, pos.axes(), freq.data(),
                                     freq.size(), freq.max_abs(), layout, scale});
   }
 };

@@ -115,11 +115,16 @@ POSENC_INLINE int64_t sequence_position(const SequenceRows& rows, int64_t p) {
 // positions. The path is sincos_row's, chosen by the largest of them: the fast reduction when every angle
 // lies within kFastAngle. The loop gathers each pair's position (a vector gather where the capability has
 // one), so interleaved sections cost what contiguous ones do.
-inline void sincos_row_axes(const double* positions, int64_t n_axes, const int32_t* pair_axis,
-                            const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out, float* cos_out) {
+// Whether a token with these n_axes positions takes the fast reduction: every one of its angles within kFastAngle.
+inline bool fast_angles(const double* positions, int64_t n_axes, double max_abs_freq) {
   bool fast = true;
   for (int64_t a = 0; a < n_axes; ++a) fast = fast && std::abs(positions[a]) * max_abs_freq <= kFastAngle;
-  if (fast) {
+  return fast;
+}
+
+inline void sincos_row_axes(const double* positions, int64_t n_axes, const int32_t* pair_axis,
+                            const double* inv_freq, int64_t n, double max_abs_freq, float* sin_out, float* cos_out) {
+  if (fast_angles(positions, n_axes, max_abs_freq)) {
     for (int64_t i = 0; i < n; ++i) {
       sincos_reduced(pair_angle(positions, pair_axis, inv_freq, i), sin_out[i], cos_out[i]);
     }

@@ -261,8 +261,7 @@ class AxisEncodingBlocks {
     std::vector<const opmath*> values(n_axes);
     encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t index, opmath* pe) {
       const double* position = problem_.positions + index * n_axes;
-      bool fast = true;  // sincos_row_axes' rule: fast only when every axis is
-      for (int64_t a = 0; a < n_axes; ++a) fast = fast && std::abs(position[a]) * problem_.max_abs_freq <= kFastAngle;
+      const bool fast = fast_angles(position, n_axes, problem_.max_abs_freq);  // sincos_row_axes' path
       for (int64_t a = 0; a < n_axes; ++a) values[a] = axes_[a].at(position[a], fast, scratch_[a].data());
       for (const auto& s : segments_) std::copy_n(values[s.axis] + s.offset, s.length, pe + s.channel);
     });
