@@ -136,6 +136,20 @@ class MultiaxisFixture(torch.nn.Module):
         return q, k, patches, mrope, deltas
 
 
+class VisionFixture(torch.nn.Module):
+    """Images: MAE's 2-D sincos table (dim 8) added to a cls token and 2 x 3 patch tokens, the cls token left alone;
+    axial rotary (head_dim 8, neox, bshd) by real coordinates [2, S], its frequencies a learned parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.grid = posenc.nn.SinusoidalGridEncoding(8, "mae", num_prefix_tokens=1)
+        self.rotary = posenc.nn.AxialRotaryEmbedding(8, learned_freq=True)
+
+    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        q, k = self.rotary(q, k, positions)
+        return self.grid(x, [2, 3]), q, k
+
+
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
     "learned": LearnedFixture,
@@ -145,6 +159,7 @@ FIXTURES = {
     "scaled_rope": ScaledRopeFixture,
     "multiaxis": MultiaxisFixture,
     "qk_norm_rope": QKNormRopeFixture,
+    "vision": VisionFixture,
 }
 
 

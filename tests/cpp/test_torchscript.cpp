@@ -6,6 +6,7 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -257,4 +258,47 @@ TEST(TorchScript, ScaledRopeFollowsTheLengthAndKeepsFloat64Frequencies) {
     EXPECT_LT(max_abs_diff(outputs[2].toTensor(), reference_rope(q8, positions, longrope, "neox", attention)), 2e-6);
     EXPECT_LT(max_abs_diff(outputs[3].toTensor(), reference_rope(k8, positions, longrope, "neox", attention)), 2e-6);
   }
+}
+
+TEST(TorchScript, VisionGridAndLearnedFrequencies) {
+  auto module = load_fixture("vision");
+  auto x = torch::randn({2, 7, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto q = torch::randn({2, 5, 2, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  const auto k = torch::randn({2, 5, 1, 8}, at::kDouble);
+  const auto positions = torch::tensor({{0.0, -0.5, 0.25, 1.75, -3.0}, {0.0, 2.5, -1.25, 0.5, 4.0}}, at::kDouble);
+  const auto outputs = module.forward({x, q, k, positions}).toTuple();
+  const auto grid = outputs->elements()[0].toTensor();
+  const auto q_out = outputs->elements()[1].toTensor();
+
+  // MAE: token 1 + 3r + c gets [sin(c w), cos(c w), sin(r w), cos(r w)], w = 1, 0.01; the cls token nothing.
+  auto table = torch::zeros({7, 8}, at::kDouble);
+  for (int64_t n = 0; n < 6; ++n) {
+    const double coordinate[2] = {static_cast<double>(n % 3), static_cast<double>(n / 3)};
+    for (int64_t block = 0; block < 2; ++block) {
+      for (int64_t j = 0; j < 2; ++j) {
+        const double angle = coordinate[block] * std::pow(10000.0, -0.5 * static_cast<double>(j));
+        table[1 + n][4 * block + j] = std::sin(angle);
+        table[1 + n][4 * block + 2 + j] = std::cos(angle);
+      }
+    }
+  }
+  EXPECT_LT(max_abs_diff(grid, x.detach() + table), 1e-12);
+
+  // Axial neox: pairs 0, 1 by the row coordinate, 2, 3 by the column, w = 1, 0.01 on each axis.
+  const auto w = torch::tensor({1.0, 0.01, 1.0, 0.01}, at::kDouble);
+  const auto axis = torch::tensor({0, 0, 1, 1});
+  const auto angle = (positions.index_select(0, axis).t() * w).view({1, 5, 1, 4});  // [1, S, 1, pairs]
+  const auto x1 = q.detach().narrow(-1, 0, 4), x2 = q.detach().narrow(-1, 4, 4);
+  const auto expected_q = torch::cat({x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()}, -1);
+  EXPECT_LT(max_abs_diff(q_out, expected_q), 1e-12);
+
+  // Backward: x's gradient passes through; the frequencies' gradient is sum p * (out1 g2 - out2 g1).
+  const auto grad = torch::randn_like(q_out);
+  torch::autograd::backward({grid, q_out}, {torch::ones_like(grid), grad});
+  EXPECT_TRUE(torch::equal(x.grad(), torch::ones_like(x)));
+  const auto o1 = q_out.detach().narrow(-1, 0, 4), o2 = q_out.detach().narrow(-1, 4, 4);
+  const auto g1 = grad.narrow(-1, 0, 4), g2 = grad.narrow(-1, 4, 4);
+  const auto position = positions.index_select(0, axis).t().view({1, 5, 1, 4});
+  const auto expected_w = ((o1 * g2 - o2 * g1) * position).sum({0, 1, 2});
+  EXPECT_LT(max_abs_diff(parameter(module, "rotary.inv_freq").grad(), expected_w), 1e-12);
 }
