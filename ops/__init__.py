@@ -40,7 +40,7 @@ if "POSENC_LIBRARY" not in os.environ:  # a build tree's library is not describe
     _check_torch(built_torch_version, torch.__version__)
 torch.ops.load_library(library_path)
 
-from . import frequencies, functional, nn  # noqa: E402
+from . import cuda, frequencies, functional, nn  # noqa: E402
 
 
 class _AfterImport:

@@ -95,9 +95,27 @@ inline KvCacheArgs check_rope_qk_cache(const char* op, const at::Tensor& q, cons
   return {rotation, cache};
 }
 
+
+// The slots of caches of cache_seq (S_max) slots, as a domain of positions.
+inline PositionDomain slot_domain(int64_t cache_seq) {
+  return {0, cache_seq - 1, "[0, S_max) with S_max = " + std::to_string(cache_seq) + " (the slots of the caches)"};
+}
+
+[[noreturn]] inline void cache_position_error(const char* op, int64_t n, int64_t value, int64_t cache_seq) {
+  TORCH_CHECK(false, "posenc.", op, ": cache_positions holds ", value, " at flat index ", n, ", outside ",
+              slot_domain(cache_seq).description);
+}
+
+// Tokens first < second (flat indices [batch * seq]) of one row, the two first in order, both at `slot`.
+[[noreturn]] inline void repeated_slot_error(const char* op, int64_t first, int64_t second, int64_t slot, bool pooled) {
+  TORCH_CHECK(false, "posenc.", op, ": tokens ", first, " and ", second, " (flat indices [batch * seq]) both go to slot ",
+              slot, pooled ? " of the pooled caches" : " of their batch row's caches",
+              "; each slot takes one token per call");
+}
+
 // The slot of every token of a cache write (the Rotation's outputs[1] is k's cache), on the host: [seq] shared by
 // the batch rows, or [batch * seq]. Each lies in [0, S_max), and no two tokens of one cache row (a batch row, or
-// every token for a pool) share one. The index tensors are passed apart: the CUDA op reads host copies of them.
+// every token for a pool) share one: the CPU's checks (cuda/rope.cu runs the same checks on the device).
 struct CacheSlots {
   std::vector<int64_t> values;
   bool shared;
@@ -111,20 +129,18 @@ inline CacheSlots read_cache_slots(const Rotation& r, const std::optional<at::Te
   const int64_t seq = r.seq;
   const int64_t cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
   const bool pooled = r.cache->format == RopeFormat::THD;
-  const std::string slots_of = "[0, S_max) with S_max = " + std::to_string(cache_seq) + " (the slots of the caches)";
   CacheSlots slots;
   if (cache_positions) {
     const auto values = cache_positions->to(at::kLong).contiguous();
     slots.values.assign(values.const_data_ptr<int64_t>(), values.const_data_ptr<int64_t>() + values.numel());
     slots.shared = cache_positions->dim() == 1;
     for (size_t n = 0; n < slots.values.size(); ++n) {
-      TORCH_CHECK(slots.values[n] >= 0 && slots.values[n] < cache_seq, "posenc.", op, ": cache_positions holds ",
-                  slots.values[n], " at flat index ", n, ", outside ", slots_of);
+      if (slots.values[n] < 0 || slots.values[n] >= cache_seq) cache_position_error(op, n, slots.values[n], cache_seq);
     }
   } else {
     slots.shared = r.args.shared_positions;
     const int64_t count = slots.shared ? seq : batch * seq;
-    slots.values = read_positions<int64_t>(op, positions, count, r.offset, {0, cache_seq - 1, slots_of}, cu_seqlens);
+    slots.values = read_positions<int64_t>(op, positions, count, r.offset, slot_domain(cache_seq), cu_seqlens);
   }
   // Each row's (slot, token) pairs sorted: a repeated slot is a neighbour (no buffer of S_max entries per call).
   const int64_t rows = pooled || slots.shared ? 1 : batch;
@@ -137,9 +153,7 @@ inline CacheSlots read_cache_slots(const Rotation& r, const std::optional<at::Te
     }
     std::sort(row.begin(), row.end());
     for (int64_t i = 1; i < per_row; ++i) {
-      TORCH_CHECK(row[i].first != row[i - 1].first, "posenc.", op, ": tokens ", row[i - 1].second, " and ",
-                  row[i].second, " (flat indices [batch * seq]) both go to slot ", row[i].first,
-                  pooled ? " of the pooled caches" : " of their batch row's caches", "; each slot takes one token per call");
+      if (row[i].first == row[i - 1].first) repeated_slot_error(op, row[i - 1].second, row[i].second, row[i].first, pooled);
     }
   }
   return slots;

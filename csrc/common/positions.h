@@ -42,6 +42,63 @@ inline PositionDomain table_domain(int64_t rows, const char* table) {
           "[0, L_max) with L_max = " + std::to_string(rows) + " (the rows of " + std::string(table) + ")"};
 }
 
+// The errors of the checks that read index data, each a function of the failing element alone: the CPU raises
+// them as it reads, and the CUDA ops raise the same words from the element their check kernels recorded.
+
+// Where a position came from, as its error names it.
+enum class PositionSource { Given, Arange, Packed };
+
+[[noreturn]] inline void position_error(const char* op, PositionSource source, int64_t n, const std::string& value,
+                                        const std::string& result, int64_t offset, const PositionDomain& domain) {
+  const char* from = source == PositionSource::Given    ? "positions.flatten()["
+                     : source == PositionSource::Packed ? "its index in its sequence, token ["
+                                                        : "arange(S)[";
+  TORCH_CHECK(false, "posenc.", op, ": position ", result, " is outside ", domain.description, "; it is ", from, n,
+              "] = ", value, " plus offset ", offset);
+}
+
+// Integer position `value` (element n) whose sum with offset overflows int64 or leaves the domain.
+[[noreturn]] inline void integer_position_error(const char* op, PositionSource source, int64_t n, int64_t value,
+                                                int64_t offset, const PositionDomain& domain) {
+  int64_t result = 0;
+  const bool overflow = c10::add_overflows(value, offset, &result);
+  position_error(op, source, n, c10::str(value), overflow ? "(overflow)" : c10::str(result), offset, domain);
+}
+
+// Floating position `value` (element n) whose sum with offset is NaN, infinite or beyond 2^53 in magnitude.
+[[noreturn]] inline void floating_position_error(const char* op, int64_t n, double value, int64_t offset,
+                                                 const PositionDomain& domain) {
+  position_error(op, PositionSource::Given, n, c10::str(value), c10::str(value + static_cast<double>(offset)), offset,
+                 domain);
+}
+
+// An offset too large for any floating position to stay exact.
+[[noreturn]] inline void floating_offset_error(const char* op, int64_t offset, const PositionDomain& domain) {
+  position_error(op, PositionSource::Given, 0, "(any)", "offset " + c10::str(offset), offset, domain);
+}
+
+// cu_seqlens of n values (bounds) failing at `key`: 0, its start is not 0 (value = bounds[0]); j in [1, n), it
+// decreases from before = bounds[j - 1] to value = bounds[j]; n, its end (value = bounds[n - 1]) is not tokens.
+[[noreturn]] inline void cu_seqlens_error(const char* op, int64_t key, int64_t n, int64_t before, int64_t value,
+                                          int64_t tokens) {
+  TORCH_CHECK(key != 0, "posenc.", op, ": cu_seqlens must start at 0, got ", value);
+  TORCH_CHECK(key >= n, "posenc.", op, ": cu_seqlens must not decrease, got ", before, " then ", value, " at index ",
+              key);
+  TORCH_CHECK(false, "posenc.", op, ": cu_seqlens must end at the token count T = ", tokens, ", got ", value);
+}
+
+[[noreturn]] inline void pair_axis_error(const char* op, int64_t i, int64_t value, int64_t n_axes) {
+  TORCH_CHECK(false, "posenc.", op, ": pair_axis holds ", value, " at index ", i, ", outside [0, ", n_axes, ") of the ",
+              n_axes, " axes of positions (their first dimension)");
+}
+
+// An index (element n of arg) outside [0, limit).
+[[noreturn]] inline void index_error(const char* op, const char* arg, int64_t n, int64_t value, int64_t limit,
+                                     const char* limit_name) {
+  TORCH_CHECK(false, "posenc.", op, ": ", arg, " holds ", value, " at flat index ", n, ", outside [0, ", limit, ") of ",
+              limit_name, " ", limit);
+}
+
 // Positions plus offset, one per (shared) sequence index or per row. Absent positions are offset +
 // arange(count), restarting at each boundary of cu_seqlens when it is given (already checked); present ones
 // are read in their own dtype. A result outside `domain`, or an offset sum that overflows int64, raises an
@@ -52,15 +109,12 @@ template <typename T>
 std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
                               int64_t offset, const PositionDomain& domain,
                               const std::optional<at::Tensor>& cu_seqlens = std::nullopt) {
-  const auto fail = [&](int64_t n, const std::string& value, const std::string& result) {
-    const std::string source = positions ? "positions.flatten()[" : cu_seqlens ? "its index in its sequence, token [" : "arange(S)[";
-    TORCH_CHECK(false, "posenc.", op, ": position ", result, " is outside ", domain.description, "; it is ", source,
-                n, "] = ", value, " plus offset ", offset);
-  };
+  const auto source = positions ? PositionSource::Given : cu_seqlens ? PositionSource::Packed : PositionSource::Arange;
   const auto add_offset = [&](int64_t value, int64_t n) {
     int64_t result = 0;
-    if (c10::add_overflows(value, offset, &result)) fail(n, c10::str(value), "(overflow)");
-    if (result < domain.lo || result > domain.hi) fail(n, c10::str(value), c10::str(result));
+    if (c10::add_overflows(value, offset, &result) || result < domain.lo || result > domain.hi) {
+      integer_position_error(op, source, n, value, offset, domain);
+    }
     return static_cast<T>(result);
   };
 
@@ -82,14 +136,14 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
   const auto dtype = positions->scalar_type();
   if (at::isFloatingType(dtype)) {
     if constexpr (std::is_same_v<T, double>) {
-      if (std::abs(offset) > kMaxExactPosition) fail(0, "(any)", "offset " + c10::str(offset));
+      if (std::abs(offset) > kMaxExactPosition) floating_offset_error(op, offset, domain);
       const auto values = positions->to(at::kDouble).contiguous();
       const double* p = values.const_data_ptr<double>();
       out.resize(values.numel());
       for (int64_t n = 0; n < values.numel(); ++n) {
         const double result = p[n] + static_cast<double>(offset);
         const bool outside = !(std::abs(result) <= static_cast<double>(kMaxExactPosition));
-        if (outside && (domain.finite || std::isfinite(result))) fail(n, c10::str(p[n]), c10::str(result));
+        if (outside && (domain.finite || std::isfinite(result))) floating_position_error(op, n, p[n], offset, domain);
         out[n] = result;
       }
       return out;
@@ -146,13 +200,11 @@ inline void check_cu_seqlens_values(const char* op, const std::optional<at::Tens
   const auto cu = cu_seqlens->to(at::kLong).contiguous();
   const int64_t* bounds = cu.const_data_ptr<int64_t>();
   const int64_t n = cu.numel();
-  TORCH_CHECK(bounds[0] == 0, "posenc.", op, ": cu_seqlens must start at 0, got ", bounds[0]);
+  if (bounds[0] != 0) cu_seqlens_error(op, 0, n, 0, bounds[0], tokens);
   for (int64_t j = 1; j < n; ++j) {
-    TORCH_CHECK(bounds[j] >= bounds[j - 1], "posenc.", op, ": cu_seqlens must not decrease, got ", bounds[j - 1],
-                " then ", bounds[j], " at index ", j);
+    if (bounds[j] < bounds[j - 1]) cu_seqlens_error(op, j, n, bounds[j - 1], bounds[j], tokens);
   }
-  TORCH_CHECK(bounds[n - 1] == tokens, "posenc.", op, ": cu_seqlens must end at the token count T = ", tokens,
-              ", got ", bounds[n - 1]);
+  if (bounds[n - 1] != tokens) cu_seqlens_error(op, n, n, 0, bounds[n - 1], tokens);
 }
 
 // The axis of every frequency pair as int32, each checked to lie in [0, n_axes) before any kernel reads with it;
@@ -162,8 +214,7 @@ inline std::vector<int32_t> read_pair_axis(const char* op, const at::Tensor& pai
   const int64_t* axis = values.const_data_ptr<int64_t>();
   std::vector<int32_t> out(values.numel());
   for (int64_t i = 0; i < values.numel(); ++i) {
-    TORCH_CHECK(axis[i] >= 0 && axis[i] < n_axes, "posenc.", op, ": pair_axis holds ", axis[i], " at index ", i,
-                ", outside [0, ", n_axes, ") of the ", n_axes, " axes of positions (their first dimension)");
+    if (axis[i] < 0 || axis[i] >= n_axes) pair_axis_error(op, i, axis[i], n_axes);
     out[i] = static_cast<int32_t>(axis[i]);
   }
   return out;
@@ -230,8 +281,7 @@ inline void check_indices_in_range(const char* op, const char* arg, const at::Te
   AT_DISPATCH_INDEX_TYPES(contiguous.scalar_type(), "posenc_check_indices", [&] {
     const index_t* data = contiguous.const_data_ptr<index_t>();
     for (int64_t n = 0; n < contiguous.numel(); ++n) {
-      TORCH_CHECK(data[n] >= 0 && data[n] < limit, "posenc.", op, ": ", arg, " holds ", data[n], " at flat index ",
-                  n, ", outside [0, ", limit, ") of ", limit_name, " ", limit);
+      if (data[n] < 0 || data[n] >= limit) index_error(op, arg, n, static_cast<int64_t>(data[n]), limit, limit_name);
     }
   });
 }

@@ -11,6 +11,7 @@
 // views). When there are fewer (position, channel) tiles than the device has room for, the leading indices are
 // split over gridDim.y.
 #include "cuda/angle.cuh"
+#include "cuda/geometry.h"
 #include "cuda/utils.cuh"
 
 namespace posenc::cuda {
@@ -143,18 +144,16 @@ __global__ void __launch_bounds__(kThreads)
   using portable::to_opmath;
   const double local_max = encoding.max_frequency();
   const int64_t tiles = r.num_positions * r.chunks;
-  const int64_t lead_begin = blockIdx.y * r.leads_per_block;
-  const int64_t lead_end = lead_begin + r.leads_per_block < r.leads ? lead_begin + r.leads_per_block : r.leads;
+  const auto [lead_begin, lead_end] = geometry::lead_range(blockIdx.y, r.leads_per_block, r.leads);
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t p = tile / r.chunks;
-    const int64_t d0 = ((tile - p * r.chunks) * blockDim.x + threadIdx.x) * V;
+    const auto [p, d0] = geometry::tile_piece(tile, r.chunks, blockDim.x, threadIdx.x, V);
     const auto at = encoding.position(p, local_max);  // every thread: it may hold a barrier
     if (d0 >= r.width) continue;
     opmath pe[V] = {};
     encoding.template values<V>(at, d0, pe);
 #pragma unroll 4
     for (int64_t l = lead_begin; l < lead_end; ++l) {
-      const int64_t n = l * r.num_positions + p;
+      const int64_t n = geometry::additive_row(l, p, r.num_positions);
       scalar_t* __restrict__ dst = r.out + n * r.width + d0;
       Vec<scalar_t, V> y;
       if (r.in == nullptr) {
@@ -207,15 +206,13 @@ AdditiveRows<scalar_t> additive_rows(const at::Tensor& in, const at::Tensor& ids
 template <typename scalar_t, typename Encoding>
 void launch_additive(AdditiveRows<scalar_t> rows, double scale, const Encoding& encoding, bool encoding_aligned) {
   constexpr int V = kMaxVec<scalar_t>;
-  const bool vectorized = rows.width % V == 0 && aligned(rows.in) && aligned(rows.out) && encoding_aligned;
-  const int per_tile = kThreads * (vectorized ? V : 1);
-  rows.chunks = ceil_div(rows.width, per_tile);
-  const int64_t tiles = rows.num_positions * rows.chunks;
-  const int64_t wanted = ceil_div(int64_t{multiprocessors()} * 8, tiles);
-  const int64_t splits = std::clamp<int64_t>(std::min(wanted, rows.leads), 1, 65535);
-  rows.leads_per_block = ceil_div(rows.leads, splits);
-  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>(tiles, 0x7FFFFFFF)),
-                  static_cast<unsigned int>(ceil_div(rows.leads, rows.leads_per_block)));
+  const bool vectorized = geometry::additive_vectorizable(rows.width, rows.in, rows.out, encoding_aligned, V);
+  const auto plan =
+      geometry::additive_launch(rows.width, rows.leads, rows.num_positions, vectorized, V, multiprocessors());
+  rows.chunks = plan.chunks;
+  rows.leads_per_block = plan.leads_per_block;
+  if (plan.grid.x == 0 || plan.grid.y == 0) return;  // nothing to write (the op layers return before)
+  const dim3 grid(static_cast<unsigned int>(plan.grid.x), static_cast<unsigned int>(plan.grid.y));
   const auto maths_scale = static_cast<opmath_t<scalar_t>>(scale);
   if (vectorized) {
     additive_kernel<V, scalar_t><<<grid, kThreads, 0, current_stream()>>>(rows, maths_scale, encoding);

@@ -7,6 +7,7 @@
 // unit-stride row, 16 interleaved partial sums, lane l taking j = l mod 16, added in lane order, then the
 // tail; one sequential sum otherwise), then each slope adds its rows' sums in row order.
 #include "common/alibi.h"
+#include "cuda/geometry.h"
 #include "cuda/utils.cuh"
 #include "portable/alibi.h"
 
@@ -44,9 +45,9 @@ __global__ void __launch_bounds__(kThreads)
                  int64_t chunks, Slopes slopes) {
   using opmath = opmath_t<scalar_t>;
   const int64_t work = num_rows * chunks;
-  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < work; w += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t n = w / chunks;
-    const int64_t j0 = (w - n * chunks) * V;
+  for (int64_t w = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); w < work;
+       w += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [n, j0] = geometry::row_piece(w, chunks, V);
     const opmath slope = slopes.of_row<opmath>(out_rows, n);
     const auto d0 = static_cast<opmath>(alibi_distance0(out_rows, n));
     scalar_t* dst = out + alibi_row_offset(out_rows, n);
@@ -69,12 +70,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool rows_vectorizable(const void* data, const AlibiRows& rows, int V) {
-  return rows.stride_j == 1 && rows.k_len % V == 0 && rows.stride_b % V == 0 && rows.stride_h % V == 0 &&
-         rows.stride_i % V == 0 && aligned(data);
-}
-
-constexpr int kLanes = 16;  // the CPU's interleaved partial sums of a unit-stride row
+constexpr int kLanes = geometry::kAlibiLanes;  // the CPU's interleaved partial sums of a unit-stride row
 
 // -sum_j grad[n, j] * d_j (|d_j| symmetric) of every row n, in float64, in the CPU's order. Unit stride: a
 // row is 16 threads (its lanes), 16 rows a block; lane l sums j = l, l + 16, ... below the last whole group
@@ -89,12 +85,11 @@ __global__ void __launch_bounds__(kThreads)
   };
   const int64_t k_len = rows.k_len;
   if constexpr (kUnit) {
-    constexpr int kRowsPerBlock = kThreads / kLanes;
-    const int lane = threadIdx.x % kLanes;
-    const int slot = threadIdx.x / kLanes;
-    const int64_t whole = k_len - k_len % kLanes;
-    for (int64_t first = blockIdx.x * int64_t{kRowsPerBlock}; first < num_rows;
-         first += int64_t{gridDim.x} * kRowsPerBlock) {
+    constexpr int kRowsPerBlock = geometry::kAlibiRowsPerBlock;
+    const auto [lane, slot] = geometry::alibi_lane(threadIdx.x);
+    const int64_t whole = geometry::alibi_whole(k_len);
+    for (int64_t first = geometry::stride_first(blockIdx.x, kRowsPerBlock, 0); first < num_rows;
+         first += geometry::stride_step(gridDim.x, kRowsPerBlock)) {
       const int64_t n = first + slot;
       double sum = 0.0;
       double distance0 = 0.0;
@@ -118,8 +113,8 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
     }
   } else {
-    for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < num_rows;
-         n += int64_t{gridDim.x} * blockDim.x) {
+    for (int64_t n = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); n < num_rows;
+         n += geometry::stride_step(gridDim.x, blockDim.x)) {
       const scalar_t* row = grad + alibi_row_offset(rows, n);
       const auto distance0 = static_cast<double>(alibi_distance0(rows, n));
       double tail = 0.0;
@@ -136,11 +131,11 @@ __global__ void alibi_slope_sums_kernel(const double* row_sums, AlibiRows rows, 
                                         int64_t total_heads, int64_t head_offset, double* slope_grad) {
   const int64_t heads = rows.heads;
   const int64_t entries = (per_batch ? batch : 1) * heads;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < entries; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t b_slope = e / heads;
-    const int64_t h = e - b_slope * heads;
+  for (int64_t e = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); e < entries;
+       e += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [b_slope, h, batches] = geometry::alibi_slope_rows(e, heads, batch, per_batch);
     double sum = 0.0;
-    for (int64_t b = per_batch ? b_slope : 0; b < (per_batch ? b_slope + 1 : batch); ++b) {
+    for (int64_t b = batches.begin; b < batches.end; ++b) {
       const double* run = row_sums + (b * heads + h) * rows.q_len;
       for (int64_t i = 0; i < rows.q_len; ++i) sum += run[i];
     }
@@ -161,13 +156,14 @@ struct CudaAlibi : CudaDevice {
     const auto out_rows = alibi_rows(out);
     const auto in_rows = in.defined() ? alibi_rows(in) : out_rows;
     const scalar_t* src = in.defined() ? in.const_data_ptr<scalar_t>() : nullptr;
-    const bool vectorized = rows_vectorizable(out.const_data_ptr(), out_rows, V) &&
-                            (src == nullptr || rows_vectorizable(src, in_rows, V));
-    const int64_t chunks = vectorized ? out_rows.k_len / V : out_rows.k_len;
-    const auto blocks = grid_size(num_rows * chunks, kThreads);
+    const bool vectorized = geometry::alibi_vectorizable(out.const_data_ptr(), out_rows, V) &&
+                            (src == nullptr || geometry::alibi_vectorizable(src, in_rows, V));
+    const auto plan = geometry::rows_launch(num_rows, out_rows.k_len, vectorized, V, multiprocessors());
+    const auto chunks = plan.chunks;
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     auto launch = [&](auto kernel) {
-      kernel<<<blocks, kThreads, 0, current_stream()>>>(src, in_rows, dst, out_rows, num_rows, chunks, local);
+      kernel<<<static_cast<unsigned int>(plan.blocks), kThreads, 0, current_stream()>>>(src, in_rows, dst, out_rows,
+                                                                                       num_rows, chunks, local);
       POSENC_CUDA_LAUNCH_CHECK();
     };
     if (mode == AlibiMode::Symmetric) {
@@ -189,7 +185,7 @@ struct CudaAlibi : CudaDevice {
     const scalar_t* data = grad.const_data_ptr<scalar_t>();
     double* sums = row_sums.mutable_data_ptr<double>();
     const bool unit = rows.stride_j == 1;
-    const auto blocks = grid_size(unit ? num_rows * kLanes : num_rows, kThreads);
+    const auto blocks = static_cast<unsigned int>(geometry::alibi_row_sums_blocks(num_rows, unit, multiprocessors()));
     auto launch = [&](auto kernel) {
       kernel<<<blocks, kThreads, 0, current_stream()>>>(data, rows, num_rows, sums);
       POSENC_CUDA_LAUNCH_CHECK();
@@ -203,7 +199,8 @@ struct CudaAlibi : CudaDevice {
     }
     const bool per_batch = slopes.dim() == 2;
     const int64_t entries = (per_batch ? grad.size(0) : 1) * rows.heads;
-    alibi_slope_sums_kernel<<<grid_size(entries, kThreads), kThreads, 0, current_stream()>>>(
+    const auto slope_blocks = static_cast<unsigned int>(geometry::grid_size(entries, kThreads, multiprocessors()));
+    alibi_slope_sums_kernel<<<slope_blocks, kThreads, 0, current_stream()>>>(
         row_sums.const_data_ptr<double>(), rows, grad.size(0), per_batch, slopes.size(-1), head_offset,
         acc.mutable_data_ptr<double>());
     POSENC_CUDA_LAUNCH_CHECK();

@@ -8,6 +8,7 @@
 // Rows with many gradient rows (frequent tokens) are summed by one thread per channel vector, with several
 // rows' loads in flight.
 #include "common/embedding.h"
+#include "cuda/geometry.h"
 #include "cuda/positions.cuh"
 #include "cuda/utils.cuh"
 
@@ -32,11 +33,9 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kInFlight = 4;  // gradient rows loaded before the first is added
   const int64_t tiles = num_rows * chunks;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t r = tile / chunks;
-    const int64_t d0 = ((tile - r * chunks) * blockDim.x + threadIdx.x) * V;
+    const auto [r, d0] = geometry::tile_piece(tile, chunks, blockDim.x, threadIdx.x, V);
     if (d0 >= width) continue;
-    const int64_t first = r == skip ? 0 : group_start[r];
-    const int64_t last = r == skip ? 0 : group_start[r + 1];
+    const auto [first, last] = geometry::embedding_group(r, skip, group_start);
     opmath acc[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[k] = opmath(0);
@@ -79,9 +78,10 @@ struct CudaEmbedding : CudaDevice {
     const at::Tensor& order = std::get<1>(sorted);
     const auto group_start = at::searchsorted(std::get<0>(sorted), at::arange(num_rows + 1, row_ids.options()));
     constexpr int V = kMaxVec<scalar_t>;
-    const bool vectorized = width % V == 0 && aligned(grad.const_data_ptr()) && aligned(out.const_data_ptr());
-    const int64_t chunks = ceil_div(width, int64_t{kThreads} * (vectorized ? V : 1));
-    const auto blocks = grid_size(num_rows * chunks, 1);
+    const bool vectorized = geometry::embedding_vectorizable(width, grad.const_data_ptr(), out.const_data_ptr(), V);
+    const auto plan = geometry::embedding_launch(num_rows, width, vectorized, V, multiprocessors());
+    const auto blocks = static_cast<unsigned int>(plan.blocks);
+    const int64_t chunks = plan.chunks;
     const auto row_scale = static_cast<opmath>(scale);
     if (vectorized) {
       embedding_backward_kernel<V, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(

@@ -19,6 +19,7 @@
 // thread of the block, which adds the chunk's tokens and each token's groups in order into the chunk's row of a
 // [chunks, group] partial in maths precision; then fold_chunks_kernel adds each channel's chunk rows in chunk order
 // in float64. No atomics: the same bits on every run and as on the CPU.
+#include "cuda/geometry.h"
 #include "cuda/utils.cuh"
 #include "portable/rmsnorm.h"
 #include "portable/rotary.h"
@@ -32,12 +33,9 @@
 namespace posenc::cuda {
 
 // Groups whose scalars (1 / rms, the backward's mean dot) a block holds at once; more groups per token are taken in
-// batches of this many, in group order.
-constexpr int64_t kGroupBatch = 64;
-
-// A block's cos/sin row in dynamic shared memory up to this many bytes, well inside the 48 KiB a launch may take
-// without opting in; past it (rotations of more than 4096 pairs in float32) in a global scratch row.
-constexpr int64_t kMaxSharedCoeffBytes = 32 * 1024;
+// batches of this many, in group order. The grid, the teams and each thread's elements: geometry.h.
+constexpr int64_t kGroupBatch = geometry::kGroupBatch;
+static_assert(geometry::kNormLanes == portable::kSumLanes, "a team's lanes are lane_dot's");
 
 // One tensor of qk_norm_rope as the kernels take it: its rows (forward: q or k into the output; backward: the
 // output's gradient into the input's), its norm (backward: the forward's input through its own strides), and in the
@@ -60,22 +58,7 @@ __device__ __forceinline__ T fold_lanes(T lane_sum) {
   return __shfl_sync(0xFFFFFFFFu, lane_sum, 0, portable::kSumLanes);
 }
 
-// Channel c of a group as (head, channel of the head), stepped through the group without a division per step.
-struct GroupChannel {
-  int64_t head;
-  int64_t d;
-
-  __device__ GroupChannel(int64_t first_head, int64_t c, int64_t head_dim)
-      : head(first_head + c / head_dim), d(c % head_dim) {}
-
-  __device__ void advance(int64_t step, int64_t head_dim) {
-    d += step;
-    while (d >= head_dim) {
-      d -= head_dim;
-      ++head;
-    }
-  }
-};
+using geometry::GroupChannel;
 
 // Channel d of a head's row after the rotation (the row read through `step`), as portable::rotate_row forms it.
 template <RopeLayout kLayout, typename scalar_t, typename opmath>
@@ -83,10 +66,10 @@ __device__ __forceinline__ opmath rotated_channel(const scalar_t* row, int64_t s
                                                   const opmath* cos_row, const opmath* sin_row) {
   using portable::to_opmath;
   if (d >= 2 * pairs) return to_opmath(row[d * step]);
-  const bool first = kLayout == RopeLayout::Neox ? d < pairs : (d & 1) == 0;
-  const int64_t i = kLayout == RopeLayout::Neox ? (first ? d : d - pairs) : d >> 1;
-  const int64_t a = kLayout == RopeLayout::Neox ? i : 2 * i;
-  const int64_t z = kLayout == RopeLayout::Neox ? i + pairs : 2 * i + 1;
+  const auto pair_of = geometry::channel_pair(kLayout, d, pairs);
+  const bool first = pair_of.first;
+  const int64_t i = pair_of.pair;
+  const auto [a, z] = geometry::pair_channels(kLayout, i, pairs, 1);
   const opmath x1 = to_opmath(row[a * step]);
   const opmath x2 = to_opmath(row[z * step]);
   return first ? portable::rotate_first(x1, x2, cos_row[i], sin_row[i])
@@ -130,9 +113,7 @@ __device__ __forceinline__ void norm_rope_groups(const NormRopeView<scalar_t>& v
   const opmath* weight = norm.weight;
 
   // Each team's group: sum of x^2 over the lanes, then (backward) of gz * w * xhat.
-  const int lane = static_cast<int>(threadIdx.x) % portable::kSumLanes;
-  const int64_t team = threadIdx.x / portable::kSumLanes;
-  const int64_t teams = blockDim.x / portable::kSumLanes;
+  const auto [lane, team, teams] = geometry::norm_team(threadIdx.x, blockDim.x);
   for (int64_t base = 0; base < count; base += teams) {  // the same trip count for every team of a warp
     const int64_t gi = base + team;
     const bool active = gi < count;
@@ -169,16 +150,14 @@ __device__ __forceinline__ void norm_rope_groups(const NormRopeView<scalar_t>& v
     // Thread by weight channel j: the token's groups in order, added to the chunk's row that only this thread
     // touches (the CPU's order: the chunk's tokens, then each token's groups).
     for (int64_t j = threadIdx.x; j < group; j += blockDim.x) {
-      const int64_t head_in_group = j / head_dim;
-      const int64_t d = j - head_in_group * head_dim;
+      const auto [head_in_group, d] = geometry::group_channel(j, head_dim);
       const opmath w = weight[j];
       // The rotation's partner channel and coefficients, the same for every group.
       const bool rotated = d < 2 * pairs;
-      const bool is_first = kLayout == RopeLayout::Neox ? d < pairs : (d & 1) == 0;
-      const int64_t i = rotated ? (kLayout == RopeLayout::Neox ? (is_first ? d : d - pairs) : d >> 1) : 0;
-      const int64_t partner = !rotated                        ? d
-                              : kLayout == RopeLayout::Neox ? (is_first ? d + pairs : d - pairs)
-                                                            : d ^ 1;
+      const auto pair_of = geometry::channel_pair(kLayout, d, pairs);
+      const bool is_first = pair_of.first;
+      const int64_t i = rotated ? pair_of.pair : 0;
+      const int64_t partner = rotated ? pair_of.partner : d;
       const opmath cos_i = rotated ? cos_row[i] : opmath(1);
       const opmath sin_i = rotated ? sin_row[i] : opmath(0);
       const scalar_t* x_at = input + head_in_group * input_stride[2] + d * input_stride[3];
@@ -209,9 +188,7 @@ __device__ __forceinline__ void norm_rope_groups(const NormRopeView<scalar_t>& v
     const int64_t first_head = g0 * heads_per_group;
     const int64_t units = count * heads_per_group * per_head;
     for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
-      const int64_t hb = u / per_head;
-      const int64_t k = u - hb * per_head;
-      const int64_t gi = heads_per_group == 1 ? hb : hb / heads_per_group;
+      const auto [hb, k, gi] = geometry::norm_unit(u, per_head, heads_per_group);
       const opmath r = group_r[gi];
       const opmath* w = weight + (hb - gi * heads_per_group) * head_dim;  // the head's weights
       const scalar_t* x = input + (first_head + hb) * input_stride[2];
@@ -219,8 +196,7 @@ __device__ __forceinline__ void norm_rope_groups(const NormRopeView<scalar_t>& v
       const int64_t xs = input_stride[3];
       const int64_t ys = rows.out_stride[3];
       if (k < pairs) {
-        const int64_t a = kLayout == RopeLayout::Neox ? k : 2 * k;
-        const int64_t z = kLayout == RopeLayout::Neox ? k + pairs : 2 * k + 1;
+        const auto [a, z] = geometry::pair_channels(kLayout, k, pairs, 1);
         const opmath x1 = normalized<scalar_t>(to_opmath(x[a * xs]), w[a], r, norm.convention);
         const opmath x2 = normalized<scalar_t>(to_opmath(x[z * xs]), w[z], r, norm.convention);
         y[a * ys] = from_opmath<scalar_t>(portable::rotate_first(x1, x2, cos_row[k], sin_row[k]));
@@ -243,12 +219,10 @@ __device__ __forceinline__ void norm_rope_token(const NormRopeView<scalar_t>& v,
                                                 const opmath_t<scalar_t>* sin_row, opmath_t<scalar_t>* group_r,
                                                 opmath_t<scalar_t>* group_dot) {
   const int64_t groups = v.rows.heads * v.rows.head_dim / v.norm.group;
-  const int64_t per_block = (groups + gridDim.y - 1) / gridDim.y;
-  const int64_t begin = blockIdx.y * per_block;
-  const int64_t stop = groups - begin < per_block ? groups : begin + per_block;
+  const auto [begin, stop] = geometry::block_share(groups, gridDim.y, blockIdx.y);
   opmath_t<scalar_t>* partial_row = kBackward ? v.partial + c * v.norm.group : nullptr;
   for (int64_t g0 = begin; g0 < stop; g0 += kGroupBatch) {
-    const int64_t count = stop - g0 < kGroupBatch ? stop - g0 : kGroupBatch;
+    const int64_t count = geometry::piece_length(stop, g0, kGroupBatch);
     norm_rope_groups<kLayout, kBackward>(v, b, s, g0, count, pairs, cos_row, sin_row, partial_row,
                                          first && g0 == begin, group_r, group_dot);
   }
@@ -267,11 +241,9 @@ __device__ __forceinline__ void norm_rope_view(const NormRopeView<scalar_t>& v, 
   const int64_t tokens = batch * seq;
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    const int64_t first = c * chunk;
-    const int64_t end = tokens - first < chunk ? tokens : first + chunk;
+    const auto [first, end] = geometry::chunk_tokens(c, chunk, tokens);
     for (int64_t token = first; token < end; ++token) {
-      const int64_t b = token / seq;
-      const int64_t s = token - b * seq;
+      const auto [b, s] = geometry::split(token, seq);
       const auto state = coeffs.token(b, s, local_max);
       const opmath query = scaled ? coeffs.query_factor(state) : opmath(1);
       __syncthreads();  // the previous token's readers of the coefficients are done
@@ -320,7 +292,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename opmath>
 __global__ void __launch_bounds__(kThreads)
     fold_chunks_kernel(const opmath* partial, int64_t chunks, int64_t group, opmath* weight_grad) {
-  for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < group; j += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t j = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); j < group;
+       j += geometry::stride_step(gridDim.x, blockDim.x)) {
     double sum = 0;
     for (int64_t c = 0; c < chunks; ++c) sum += static_cast<double>(partial[c * group + j]);
     weight_grad[j] = static_cast<opmath>(sum);
@@ -335,23 +308,17 @@ void launch_norm_rope_kernel(std::vector<NormRopeView<scalar_t>> views, int64_t 
   const int64_t tokens = batch * seq;
   int64_t max_groups = 1;
   for (const auto& v : views) max_groups = std::max(max_groups, v.rows.heads * v.rows.head_dim / v.norm.group);
-  const int64_t chunk = kBackward ? portable::norm_tokens_per_chunk(tokens) : 1;
-  const int64_t chunks = ceil_div(tokens, chunk);
   // Forward: a block per token, a token's groups split when the tokens leave the device idle. Backward: a block per
-  // chunk (about 1024 at most), never split: one thread owns a weight channel of the chunk.
-  int64_t blocks = std::min<int64_t>(chunks, 0x7FFFFFFF);
-  int64_t split = 1;
-  if (!kBackward) {
-    split = std::clamp<int64_t>(std::min(ceil_div(int64_t{multiprocessors()} * 8, tokens), max_groups), 1, 65535);
-  }
-  const int64_t coeff_bytes = 2 * pairs * static_cast<int64_t>(sizeof(opmath));
-  const bool in_shared = coeff_bytes <= kMaxSharedCoeffBytes;
+  // chunk (about 1024 at most), never split: one thread owns a weight channel of the chunk. Past 32 KiB of cos/sin,
+  // a row per block: as many blocks as fill the device, the grid-stride loop does the rest.
+  const int64_t chunk = kBackward ? portable::norm_tokens_per_chunk(tokens) : 1;
+  const auto plan = geometry::norm_rope_launch(tokens, chunk, max_groups, static_cast<int64_t>(views.size()), pairs,
+                                               static_cast<int64_t>(sizeof(opmath)), kBackward, multiprocessors());
+  const int64_t chunks = plan.chunks;
+  const bool in_shared = plan.in_shared;
+  const int64_t coeff_bytes = plan.coeff_bytes;
   at::Tensor scratch;
-  if (!in_shared) {  // a row per block: as many blocks as fill the device, the grid-stride loop does the rest
-    blocks = std::min<int64_t>(blocks, int64_t{multiprocessors()} * 8);
-    split = 1;
-    scratch = at::empty({blocks * static_cast<int64_t>(views.size()) * 2 * pairs}, opmath_options);
-  }
+  if (!in_shared) scratch = at::empty({plan.grid.x * plan.grid.z * 2 * pairs}, opmath_options);
   at::Tensor partial;
   if (kBackward) {
     int64_t size = 0;
@@ -363,8 +330,8 @@ void launch_norm_rope_kernel(std::vector<NormRopeView<scalar_t>> views, int64_t 
       row += chunks * v.norm.group;
     }
   }
-  const dim3 grid(static_cast<unsigned int>(blocks), static_cast<unsigned int>(split),
-                  static_cast<unsigned int>(views.size()));
+  const dim3 grid(static_cast<unsigned int>(plan.grid.x), static_cast<unsigned int>(plan.grid.y),
+                  static_cast<unsigned int>(plan.grid.z));
   norm_rope_kernel<kLayout, kBackward, scalar_t>
       <<<grid, kThreads, in_shared ? static_cast<size_t>(coeff_bytes) : 0, current_stream()>>>(
           views[0], views.size() > 1 ? views[1] : views[0], batch, seq, pairs, chunk, coeffs,
@@ -372,7 +339,9 @@ void launch_norm_rope_kernel(std::vector<NormRopeView<scalar_t>> views, int64_t 
   POSENC_CUDA_LAUNCH_CHECK();
   if constexpr (kBackward) {
     for (const auto& v : views) {
-      fold_chunks_kernel<opmath><<<grid_size(v.norm.group, kThreads), kThreads, 0, current_stream()>>>(
+      const auto fold_blocks =
+          static_cast<unsigned int>(geometry::grid_size(v.norm.group, kThreads, multiprocessors()));
+      fold_chunks_kernel<opmath><<<fold_blocks, kThreads, 0, current_stream()>>>(
           v.partial, chunks, v.norm.group, v.norm.weight_grad);
       POSENC_CUDA_LAUNCH_CHECK();
     }

@@ -10,7 +10,7 @@
 //
 // Multi-axis rotary (pair_axis): the positions [n_axes, ...] are checked and offset as one-axis positions are
 // (cuda/positions.cuh), then reordered token by token, so that a block finds its token's n_axes positions side
-// by side, as the CPU's angle engine does; pair_axis is checked on a host copy, as the CPU checks it.
+// by side, as the CPU's angle engine does; pair_axis is checked on the device, as the CPU checks it.
 //
 // qk_norm_rope (a Rotation with norms) takes the same positions and coefficients (AngleCoeffs) into kernels of its
 // own (cuda/qk_norm.cuh): a group's sum of squares must be complete before any of its channels is rotated.
@@ -19,6 +19,8 @@
 #include "common/qk_norm.h"
 #include "common/rope.h"
 #include "cuda/angle.cuh"
+#include "cuda/checks.cuh"
+#include "cuda/geometry.h"
 #include "cuda/positions.cuh"
 #include "cuda/qk_norm.cuh"
 #include "cuda/utils.cuh"
@@ -27,7 +29,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/tensor.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -43,7 +44,7 @@ using portable::rotate_second;
 using portable::to_opmath;
 
 // Pairs whose coefficients a block holds at once (a multiple of every vector width): 4 KiB of float32.
-constexpr int64_t kChunkPairs = 256;
+constexpr int64_t kChunkPairs = geometry::kChunkPairs;
 
 // Coefficients from the angle engine, as the CPU forms them: c = a cos(p w_i), s = +-a sin(p w_i) with the
 // attention scale a rounded to the maths type first. For float32 maths a token's angles take the fast
@@ -92,8 +93,8 @@ struct AngleCoeffs {
     return {p, nullptr, slow_angles<opmath>(p, local_max)};
   }
 
-  // The host checks pair_axis except under graph capture; an axis outside [0, n_axes) then gives a NaN angle
-  // rather than a read past the token's positions.
+  // pair_axis is checked on the device, and the failure raised later (cuda/checks.cuh): meanwhile an axis
+  // outside [0, n_axes) gives a NaN angle rather than a read past the token's positions.
   __device__ double angle(const Token& t, int64_t i) const {
     if (pair_axis == nullptr) return t.position * inv_freq[i];
     const int32_t axis = pair_axis[i];
@@ -151,16 +152,16 @@ template <RopeLayout kLayout, int V, typename scalar_t, typename opmath>
 __device__ __forceinline__ void rotate_unit(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
                                             int64_t pair, int64_t pairs, const opmath* c1, const opmath* s1,
                                             const opmath* c2, const opmath* s2) {
+  // The pairs' channels (geometry.h): V from lo and V from hi (V = 1: one each, through the steps).
+  const auto [lo, hi] = geometry::pair_channels(kLayout, pair, pairs, V);
   if constexpr (V == 1) {
-    const int64_t a = kLayout == RopeLayout::Neox ? pair : 2 * pair;
-    const int64_t z = kLayout == RopeLayout::Neox ? pair + pairs : 2 * pair + 1;
-    const opmath x1 = to_opmath(in[a * in_step]);
-    const opmath x2 = to_opmath(in[z * in_step]);
-    out[a * out_step] = from_opmath<scalar_t>(rotate_first(x1, x2, c1[0], s1[0]));
-    out[z * out_step] = from_opmath<scalar_t>(rotate_second(x1, x2, c2[0], s2[0]));
+    const opmath x1 = to_opmath(in[lo * in_step]);
+    const opmath x2 = to_opmath(in[hi * in_step]);
+    out[lo * out_step] = from_opmath<scalar_t>(rotate_first(x1, x2, c1[0], s1[0]));
+    out[hi * out_step] = from_opmath<scalar_t>(rotate_second(x1, x2, c2[0], s2[0]));
   } else if constexpr (kLayout == RopeLayout::Neox) {
-    const auto x1 = load_vec<V>(in + pair);
-    const auto x2 = load_vec<V>(in + pairs + pair);
+    const auto x1 = load_vec<V>(in + lo);
+    const auto x2 = load_vec<V>(in + hi);
     Vec<scalar_t, V> y1;
     Vec<scalar_t, V> y2;
 #pragma unroll
@@ -170,10 +171,10 @@ __device__ __forceinline__ void rotate_unit(const scalar_t* in, int64_t in_step,
       y1.v[k] = from_opmath<scalar_t>(rotate_first(a, b, c1[k], s1[k]));
       y2.v[k] = from_opmath<scalar_t>(rotate_second(a, b, c2[k], s2[k]));
     }
-    store_vec<V>(out + pair, y1);
-    store_vec<V>(out + pairs + pair, y2);
+    store_vec<V>(out + lo, y1);
+    store_vec<V>(out + hi, y2);
   } else {  // gptj: 2V channels from channel 2 * pair, as two vectors of V / 2 pairs each
-    Vec<scalar_t, V> x[2] = {load_vec<V>(in + 2 * pair), load_vec<V>(in + 2 * pair + V)};
+    Vec<scalar_t, V> x[2] = {load_vec<V>(in + lo), load_vec<V>(in + hi)};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -185,8 +186,8 @@ __device__ __forceinline__ void rotate_unit(const scalar_t* in, int64_t in_step,
         x[half].v[2 * k + 1] = from_opmath<scalar_t>(rotate_second(a, b, c2[j], s2[j]));
       }
     }
-    store_vec<V>(out + 2 * pair, x[0]);
-    store_vec<V>(out + 2 * pair + V, x[1]);
+    store_vec<V>(out + lo, x[0]);
+    store_vec<V>(out + hi, x[1]);
   }
 }
 
@@ -217,19 +218,19 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ alignas(32) opmath shared[4][kChunkPairs];
   const double local_max = coeffs.max_frequency();
   const int64_t tokens = batch * seq;
-  const int64_t stride = int64_t{gridDim.y} * blockDim.x;
+  // A token's units over the threads of its gridDim.y blocks (geometry.h).
+  const int64_t stride = geometry::stride_step(gridDim.y, blockDim.x);
   // kScaled: chosen on the host, so that a call without a query scale runs the kernel without its registers.
   constexpr bool scaled = kScaled;
   constexpr int64_t chunk_pairs = scaled ? kChunkPairs / 2 : kChunkPairs;
   for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
-    const int64_t b = token / seq;
-    const int64_t s = token - b * seq;
+    const auto [b, s] = geometry::split(token, seq);
     const auto state = coeffs.token(b, s, local_max);
     opmath query = opmath(1);
     if constexpr (scaled) query = coeffs.query_factor(state);
     const int64_t s1 = kCache ? portable::output_index(v1, b, s) : s;
     for (int64_t first_pair = 0; first_pair < pairs; first_pair += chunk_pairs) {
-      const int64_t n = pairs - first_pair < chunk_pairs ? pairs - first_pair : chunk_pairs;
+      const int64_t n = geometry::piece_length(pairs, first_pair, chunk_pairs);
       __syncthreads();  // the previous chunk's readers are done
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         coeffs.fill(state, first_pair + i, shared[0][i], shared[1][i], shared[2][i], shared[3][i]);
@@ -242,11 +243,8 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t per_head = n / V;
       const int64_t units0 = v0.heads * per_head;
       const int64_t units = units0 + (num_views > 1 ? v1.heads * per_head : 0);
-      for (int64_t u = blockIdx.y * int64_t{blockDim.x} + threadIdx.x; u < units; u += stride) {
-        const bool second = u >= units0;
-        const int64_t w = second ? u - units0 : u;
-        const int64_t h = w / per_head;
-        const int64_t local = (w - h * per_head) * V;
+      for (int64_t u = geometry::stride_first(blockIdx.y, blockDim.x, threadIdx.x); u < units; u += stride) {
+        const auto [second, h, local] = geometry::rotary_unit(u, units0, per_head, V);
         const int64_t row = local + (scaled && !second ? chunk_pairs : 0);
         const auto& v = second ? v1 : v0;
         const int64_t out_s = second ? s1 : s;
@@ -259,19 +257,15 @@ __global__ void __launch_bounds__(kThreads)
     }
     // The channels past rotary_dim of a view not rotated in place (in place, they are already there), then v's.
     if (!kCache && v0.in == v0.out) continue;
-    const int64_t rest0 = v0.in == v0.out ? 0 : (v0.head_dim - 2 * pairs) / V;
-    const int64_t rest1 = num_views > 1 && v1.in != v1.out ? (v1.head_dim - 2 * pairs) / V : 0;
-    const int64_t rest2 = kCache && has_copy ? copy.head_dim / V : 0;
+    const int64_t rest0 = v0.in == v0.out ? 0 : geometry::copied_units(v0.head_dim, 2 * pairs, V);
+    const int64_t rest1 = num_views > 1 && v1.in != v1.out ? geometry::copied_units(v1.head_dim, 2 * pairs, V) : 0;
+    const int64_t rest2 = kCache && has_copy ? geometry::copied_units(copy.head_dim, 0, V) : 0;
     const int64_t s2 = kCache && has_copy ? portable::output_index(copy, b, s) : s;
     const int64_t units0 = v0.heads * rest0;
     const int64_t units1 = units0 + (num_views > 1 ? v1.heads * rest1 : 0);
     const int64_t units = units1 + copy.heads * rest2;
-    for (int64_t u = blockIdx.y * int64_t{blockDim.x} + threadIdx.x; u < units; u += stride) {
-      const int which = u < units0 ? 0 : u < units1 ? 1 : 2;
-      const int64_t w = u - (which == 0 ? 0 : which == 1 ? units0 : units1);
-      const int64_t per_head = which == 0 ? rest0 : which == 1 ? rest1 : rest2;
-      const int64_t h = w / per_head;
-      const int64_t channel = (which == 2 ? 0 : 2 * pairs) + (w - h * per_head) * V;
+    for (int64_t u = geometry::stride_first(blockIdx.y, blockDim.x, threadIdx.x); u < units; u += stride) {
+      const auto [which, h, channel] = geometry::rotary_copy_unit(u, units0, units1, rest0, rest1, rest2, pairs, V);
       const auto& v = which == 0 ? v0 : which == 1 ? v1 : copy;
       const int64_t out_s = which == 0 ? s : which == 1 ? s1 : s2;
       if (kCache && out_s < 0) continue;
@@ -289,12 +283,7 @@ int vector_width(const std::vector<RotaryView<scalar_t>>& views, int64_t pairs) 
   constexpr int V = kMaxVec<scalar_t>;
   if (pairs % V != 0) return 1;
   for (const auto& v : views) {
-    if (v.head_dim % V != 0 || v.in_stride[3] != 1 || v.out_stride[3] != 1 || !aligned(v.in) || !aligned(v.out)) {
-      return 1;
-    }
-    for (int d = 0; d < 3; ++d) {
-      if (v.in_stride[d] % V != 0 || v.out_stride[d] % V != 0) return 1;
-    }
+    if (!geometry::rotary_vectorizable(v.head_dim, v.in, v.in_stride, v.out, v.out_stride, V)) return 1;
   }
   return V;
 }
@@ -303,11 +292,11 @@ template <RopeLayout kLayout, int V, typename scalar_t, typename Coeffs>
 void launch_layout(const std::vector<RotaryView<scalar_t>>& views, const RotaryView<scalar_t>* copy, int64_t batch,
                    int64_t seq, int64_t pairs, const Coeffs& coeffs) {
   const int64_t tokens = batch * seq;
-  int64_t units = copy != nullptr ? copy->heads * copy->head_dim / V : 0;  // a token's units in its largest chunk
-  for (const auto& v : views) units += v.heads * std::max(std::min(pairs, kChunkPairs), v.head_dim - 2 * pairs) / V;
-  const int64_t wanted = ceil_div(int64_t{multiprocessors()} * 8, tokens);
-  const int64_t split = std::clamp<int64_t>(std::min(wanted, ceil_div(units, kThreads)), 1, 65535);
-  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>(tokens, 0x7FFFFFFF)), static_cast<unsigned int>(split));
+  // A token's units in its largest chunk, then the grid (geometry.h).
+  int64_t units = copy != nullptr ? geometry::rotary_copy_token_units(copy->heads, copy->head_dim, V) : 0;
+  for (const auto& v : views) units += geometry::rotary_token_units(v.heads, v.head_dim, pairs, V);
+  const auto plan = geometry::rotary_grid(tokens, units, multiprocessors());
+  const dim3 grid(static_cast<unsigned int>(plan.x), static_cast<unsigned int>(plan.y));
   const auto& v1 = views.size() > 1 ? views[1] : views[0];
   const int n_views = static_cast<int>(views.size());
   const auto& copied = copy != nullptr ? *copy : views[0];
@@ -365,43 +354,116 @@ NormRopeView<scalar_t> norm_rope_view(const at::Tensor& in, const at::Tensor& ou
   return view;
 }
 
-// rope_qk_cache_'s slots on the device, [seq] shared by the batch rows or [batch * seq], with whether they are shared:
-// read and checked on the host as the CPU checks them (one read-back of the index tensors), or under graph capture
-// formed on the device unchecked, where the kernel stores no token whose slot is out of range.
+// Each cache row's first token at each slot: first[row * S_max + slot] is the smallest token n of the row stored
+// there (tokens at a slot out of range are the range check's failure, skipped here). A row holds per_row tokens; a
+// token's slot is slots[n % seq] when shared by the batch rows.
+__global__ void first_token_kernel(const int64_t* slots, int64_t tokens, int64_t seq, bool shared, int64_t per_row,
+                                   int64_t cache_seq, unsigned long long* first) {
+  for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < tokens; n += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t slot = slots[shared ? n % seq : n];
+    if (slot >= 0 && slot < cache_seq) atomicMin(&first[n / per_row * cache_seq + slot], static_cast<unsigned long long>(n));
+  }
+}
+
+// A token that is not the first at its slot repeats it: the smallest such row * S_max + slot is the CPU's first
+// repeat (rows in order, then slots in order); `second` gets the smallest other token there.
+__global__ void repeated_slot_kernel(const int64_t* slots, int64_t tokens, int64_t seq, bool shared, int64_t per_row,
+                                     int64_t cache_seq, const unsigned long long* first, unsigned long long* first_bad) {
+  for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < tokens; n += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t slot = slots[shared ? n % seq : n];
+    const int64_t key = n / per_row * cache_seq + slot;
+    if (slot >= 0 && slot < cache_seq && first[key] != static_cast<unsigned long long>(n)) {
+      atomicMin(first_bad, static_cast<unsigned long long>(key));
+    }
+  }
+}
+
+__global__ void second_token_kernel(const int64_t* slots, int64_t tokens, int64_t seq, bool shared, int64_t per_row,
+                                    int64_t cache_seq, const unsigned long long* first, const unsigned long long* repeat,
+                                    unsigned long long* second) {
+  const unsigned long long key = *repeat;
+  if (key == kNoFailure) return;
+  for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < tokens; n += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t slot = slots[shared ? n % seq : n];
+    if (slot >= 0 && slot < cache_seq && static_cast<unsigned long long>(n / per_row * cache_seq + slot) == key &&
+        first[key] != static_cast<unsigned long long>(n)) {
+      atomicMin(second, static_cast<unsigned long long>(n));
+    }
+  }
+}
+
+struct RepeatedSlotAt {
+  const unsigned long long* first;
+  const unsigned long long* second;
+  __device__ FailureValues operator()(int64_t key) const {
+    return {static_cast<int64_t>(first[key]), static_cast<int64_t>(*second)};
+  }
+};
+
+// No two tokens of one cache row (a batch row, or every token for a pool) at one slot: read_cache_slots' check on
+// the device, with a word per slot of each row (rows * S_max).
+void check_repeated_slots(const Rotation& r, const at::Tensor& slots, bool shared, int64_t cache_seq) {
+  const bool pooled = r.cache->format == RopeFormat::THD;
+  const int64_t rows = pooled || shared ? 1 : r.batch;
+  const int64_t per_row = pooled ? r.batch * r.seq : r.seq;
+  if (per_row <= 1) return;
+  const int64_t tokens = rows * per_row;
+  auto words = at::empty({rows * cache_seq + 1}, slots.options());
+  C10_CUDA_CHECK(cudaMemsetAsync(words.mutable_data_ptr<int64_t>(), 0xFF, words.nbytes(), current_stream()));
+  auto* first = reinterpret_cast<unsigned long long*>(words.mutable_data_ptr<int64_t>());
+  auto* second = first + rows * cache_seq;
+  const DeviceCheck check(slots);
+  const auto blocks = grid_size(tokens, kThreads);
+  const auto* s = slots.const_data_ptr<int64_t>();
+  first_token_kernel<<<blocks, kThreads, 0, current_stream()>>>(s, tokens, r.seq, shared, per_row, cache_seq, first);
+  POSENC_CUDA_LAUNCH_CHECK();
+  repeated_slot_kernel<<<blocks, kThreads, 0, current_stream()>>>(s, tokens, r.seq, shared, per_row, cache_seq, first,
+                                                                   check.word());
+  POSENC_CUDA_LAUNCH_CHECK();
+  second_token_kernel<<<blocks, kThreads, 0, current_stream()>>>(s, tokens, r.seq, shared, per_row, cache_seq, first,
+                                                                  check.word(), second);
+  POSENC_CUDA_LAUNCH_CHECK();
+  check.report(RepeatedSlotAt{first, second}, [op = std::string(r.op), cache_seq, pooled](const CheckFailure& f) {
+    repeated_slot_error(op.c_str(), f.value, f.other, f.index % cache_seq, pooled);
+  });
+}
+
+// rope_qk_cache_'s slots on the device, [seq] shared by the batch rows or [batch * seq], with whether they are shared,
+// checked on the device as read_cache_slots checks them on the CPU. The kernel stores no token whose slot is out of
+// range, so an unreported failure writes nothing outside the caches.
 std::pair<at::Tensor, bool> device_slots(const Rotation& r) {
   const auto& cache_positions = r.cache->cache_positions;
-  const auto device = r.inputs[0].device();
-  if (!capturing()) {
-    const auto host = [](const std::optional<at::Tensor>& t) {
-      return t ? std::optional<at::Tensor>(t->cpu()) : std::nullopt;
-    };
-    const auto slots = read_cache_slots(r, host(cache_positions), host(r.positions), host(r.cu_seqlens));
-    return {at::tensor(slots.values, at::kLong).to(device), slots.shared};
+  const int64_t cache_seq = rope_sizes(r.outputs[1], r.cache->format)[1].expect_int();
+  const auto domain = slot_domain(cache_seq);
+  at::Tensor slots;
+  bool shared = r.args.shared_positions;
+  if (cache_positions) {
+    shared = cache_positions->dim() == 1;
+    slots = checked_indices(*cache_positions, 0, 0, cache_seq - 1, at::kLong,
+                            [op = std::string(r.op), cache_seq](int64_t n, int64_t value) {
+                              cache_position_error(op.c_str(), n, value, cache_seq);
+                            });
+  } else if (r.positions) {
+    slots = table_rows(r.op, r.positions, 0, r.offset, domain);
+  } else if (r.cu_seqlens) {
+    slots = packed_positions(r.op, *r.cu_seqlens, r.seq, r.offset, domain, at::kLong);
+  } else {
+    check_arange<int64_t>(r.op, r.seq, r.seq, r.offset, domain);
+    slots = at::arange(r.offset, r.offset + r.seq, r.inputs[0].options().dtype(at::kLong));
   }
-  if (cache_positions) return {cache_positions->to(at::kLong).contiguous(), cache_positions->dim() == 1};
-  if (r.positions) return {r.positions->to(at::kLong).add(r.offset).contiguous(), r.args.shared_positions};
-  TORCH_CHECK(!r.cu_seqlens, "posenc.", r.op, ": under CUDA graph capture, packed sequences need cache_positions");
-  return {at::arange(r.offset, r.offset + r.seq, at::TensorOptions(at::kLong).device(device)), true};
+  check_repeated_slots(r, slots, shared, cache_seq);
+  return {slots, shared};
 }
 
 struct CudaRope : CudaDevice {
 
   static void rotate(const Rotation& r) {
-    const int64_t n_axes = r.pair_axis ? r.positions->size(0) : 1;
-    // The CPU's checks in the CPU's order (cu_seqlens, pair_axis, positions), on host copies of the small index
-    // tensors; none can be read under graph capture.
-    if (r.pair_axis && !capturing()) {
-      if (r.cu_seqlens) check_cu_seqlens_values(r.op, r.cu_seqlens->cpu(), r.seq);
-      read_pair_axis(r.op, r.pair_axis->cpu(), n_axes);
-    }
-    auto pos = angle_positions(r.op, r.positions, r.seq, r.offset, r.cu_seqlens, rotary_domain());
-    // Multi-axis positions as given, axis by axis, reordered token by token: a token's positions side by side.
-    if (n_axes > 1) pos = pos.view({n_axes, -1}).t().contiguous();
+    const auto [pos, n_axes, axes] =
+        axis_positions(r.op, r.positions, r.seq, r.offset, rotary_domain(), r.pair_axis, r.cu_seqlens);
     const auto [slots, shared_slots] = r.cache != nullptr ? device_slots(r) : std::pair<at::Tensor, bool>();
     bool empty = true;
     for (const auto& t : r.inputs) empty = empty && t.numel() == 0;
     if (empty) return;
-    const auto axes = r.pair_axis ? r.pair_axis->to(at::kInt).contiguous() : at::Tensor();
     const auto freq = r.inv_freq.to(at::kDouble).contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, r.inputs[0].scalar_type(), "posenc_rope_cuda", [&] {
       using opmath = opmath_t<scalar_t>;

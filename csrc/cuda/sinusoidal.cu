@@ -24,21 +24,15 @@ __global__ void half_per_axis_codes_kernel(const int32_t* pair_axis, int64_t pai
 
 struct CudaSinusoidal : CudaDevice {
 
-  // Positions as the kernel reads them: a token's n_axes positions side by side; pair_axis as int32.
+  // Positions as the kernel reads them, with the offset it adds to s where they are absent.
   struct Positions {
-    DevicePositions values;
-    int64_t n_axes;
-    at::Tensor pair_axis;
+    DeviceAxisPositions axes;
+    int64_t offset;
   };
 
   static Positions read_positions(const char* op, const std::optional<at::Tensor>& positions, int64_t count,
                                   int64_t offset, const std::optional<at::Tensor>& pair_axis) {
-    const int64_t n_axes = pair_axis ? positions->size(0) : 1;
-    // The CPU's checks in the CPU's order (pair_axis, then positions); pair_axis is read on a host copy.
-    if (pair_axis && !capturing()) read_pair_axis(op, pair_axis->cpu(), n_axes);
-    auto values = angle_positions(op, positions, count, offset);
-    if (n_axes > 1) values = values.view({n_axes, -1}).t().contiguous();
-    return {{values, count, offset}, n_axes, pair_axis ? pair_axis->to(at::kInt).contiguous() : at::Tensor()};
+    return {axis_positions(op, positions, count, offset, angle_domain(), pair_axis), offset};
   }
 
   static constexpr auto check_indices = &check_device_indices_in_range;
@@ -50,23 +44,23 @@ struct CudaSinusoidal : CudaDevice {
     const auto freq = inv_freq.to(at::kDouble).contiguous();
     const int64_t pairs = freq.numel();
     at::Tensor codes;
-    if (layout == SinusoidalLayout::HalfPerAxis && pos.pair_axis.defined()) {
-      codes = at::empty({2 * pairs}, pos.pair_axis.options());
+    if (layout == SinusoidalLayout::HalfPerAxis && pos.axes.pair_axis.defined()) {
+      codes = at::empty({2 * pairs}, pos.axes.pair_axis.options());
       half_per_axis_codes_kernel<<<ceil_div(pairs, int64_t{kThreads}), kThreads, 0, current_stream()>>>(
-          pos.pair_axis.const_data_ptr<int32_t>(), pairs, codes.mutable_data_ptr<int32_t>());
+          pos.axes.pair_axis.const_data_ptr<int32_t>(), pairs, codes.mutable_data_ptr<int32_t>());
       POSENC_CUDA_LAUNCH_CHECK();
     }
     // "half_per_axis" on one axis is "half".
     const auto kernel_layout = layout == SinusoidalLayout::HalfPerAxis && !codes.defined() ? SinusoidalLayout::Half : layout;
     const SinusoidalEncoding<opmath_t<scalar_t>> encoding{
-        pos.values.values.defined() ? pos.values.values.const_data_ptr<double>() : nullptr,
-        pos.values.offset,
+        pos.axes.values.defined() ? pos.axes.values.const_data_ptr<double>() : nullptr,
+        pos.offset,
         freq.const_data_ptr<double>(),
         pairs,
         kernel_layout,
         rows.sequence,
-        pos.n_axes,
-        pos.pair_axis.defined() ? pos.pair_axis.const_data_ptr<int32_t>() : nullptr,
+        pos.axes.n_axes,
+        pos.axes.pair_axis.defined() ? pos.axes.pair_axis.const_data_ptr<int32_t>() : nullptr,
         codes.defined() ? codes.const_data_ptr<int32_t>() : nullptr};
     launch_additive(additive_rows<scalar_t>(in, ids, out, rows.num_positions, 2 * pairs), scale, encoding, true);
   }

@@ -9,6 +9,7 @@
 // gathered once, every output row is a slice of them; the backward sums every diagonal over its rows in row
 // order, then each bucket its diagonals in diagonal order, in float64: the CPU's sums, the CPU's bits.
 #include "common/t5.h"
+#include "cuda/geometry.h"
 #include "cuda/utils.cuh"
 #include "portable/t5.h"
 
@@ -17,6 +18,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 namespace posenc::cuda {
 namespace {
@@ -45,6 +50,27 @@ struct T5Thresholds {
   at::Tensor storage;
 };
 
+// Thresholds past the kernel parameters, in device memory: copied once per (table, device) from pinned memory that
+// is kept too, and reused, so that no call waits for the GPU and a copy captured in a CUDA graph reads a live buffer.
+at::Tensor spilled_thresholds(const std::vector<int64_t>& values, const at::Device& device) {
+  static std::mutex mutex;
+  using Key = std::pair<std::vector<int64_t>, c10::DeviceIndex>;
+  static auto* tables = new std::map<Key, std::pair<at::Tensor, at::Tensor>>();  // never freed: used until exit
+  static auto* captured = new std::vector<std::pair<at::Tensor, at::Tensor>>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto copy = [&] {
+    auto host = at::tensor(values, at::TensorOptions(at::kLong)).pin_memory();
+    auto on_device = host.to(device, /*non_blocking=*/true);
+    return std::make_pair(host, on_device);
+  };
+  const auto found = tables->find({values, device.index()});
+  if (found != tables->end()) return found->second.second;
+  if (capturing()) {  // a captured copy runs at replays only: kept for the graph, not cached for eager calls
+    return captured->emplace_back(copy()).second;
+  }
+  return tables->emplace(Key{values, device.index()}, copy()).first->second.second;
+}
+
 T5Thresholds tabulate(bool bidirectional, int64_t num_buckets, int64_t max_distance, const at::Device& device) {
   T5Thresholds out{};
   out.table.t5 = portable::make_t5_buckets(bidirectional, num_buckets, max_distance);
@@ -53,7 +79,7 @@ T5Thresholds tabulate(bool bidirectional, int64_t num_buckets, int64_t max_dista
   if (out.table.count <= kInlineThresholds) {
     std::copy(values.begin(), values.end(), out.table.inline_values);
   } else {
-    out.storage = at::tensor(values, at::TensorOptions(at::kLong)).to(device);
+    out.storage = spilled_thresholds(values, device);
     out.table.spilled = out.storage.const_data_ptr<int64_t>();
   }
   return out;
@@ -62,7 +88,8 @@ T5Thresholds tabulate(bool bidirectional, int64_t num_buckets, int64_t max_dista
 template <typename index_t>
 __global__ void relative_bucket_kernel(const __grid_constant__ T5Table table, const index_t* relative_position,
                                        int64_t numel, int64_t* out) {
-  for (int64_t n = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; n < numel; n += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t n = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); n < numel;
+       n += geometry::stride_step(gridDim.x, blockDim.x)) {
     out[n] = table.bucket(static_cast<int64_t>(relative_position[n]));
   }
 }
@@ -70,7 +97,8 @@ __global__ void relative_bucket_kernel(const __grid_constant__ T5Table table, co
 // Bucket of diagonal r = j - i + (q_len - 1), whose relative position is first + r, first = -(q_len - 1) - q_offset.
 __global__ void diagonal_buckets_kernel(const __grid_constant__ T5Table table, int64_t diagonals, int64_t first,
                                         int64_t* buckets) {
-  for (int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; r < diagonals; r += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t r = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); r < diagonals;
+       r += geometry::stride_step(gridDim.x, blockDim.x)) {
     buckets[r] = table.bucket(first + r);
   }
 }
@@ -80,9 +108,9 @@ template <typename scalar_t>
 __global__ void diagonal_values_kernel(const scalar_t* weight, int64_t stride_bucket, int64_t stride_head,
                                        int64_t heads, const int64_t* buckets, int64_t diagonals, scalar_t* diag) {
   const int64_t total = heads * diagonals;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t h = e / diagonals;
-    const int64_t r = e - h * diagonals;
+  for (int64_t e = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); e < total;
+       e += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [h, r] = geometry::split(e, diagonals);
     diag[e] = weight[buckets[r] * stride_bucket + h * stride_head];
   }
 }
@@ -94,12 +122,11 @@ __global__ void __launch_bounds__(kThreads)
     bias_rows_kernel(const scalar_t* __restrict__ diag, int64_t diagonals, int64_t heads, int64_t q_len,
                      int64_t k_len, int64_t chunks, scalar_t* __restrict__ out) {
   const int64_t work = heads * q_len * chunks;
-  for (int64_t w = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; w < work; w += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t n = w / chunks;  // row h * q_len + i
-    const int64_t j0 = (w - n * chunks) * V;
-    const int64_t h = n / q_len;
-    const int64_t i = n - h * q_len;
-    const scalar_t* src = diag + h * diagonals + (q_len - 1 - i) + j0;
+  for (int64_t w = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); w < work;
+       w += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [n, j0] = geometry::row_piece(w, chunks, V);  // row h * q_len + i
+    const auto [h, i] = geometry::split(n, q_len);
+    const scalar_t* src = diag + h * diagonals + geometry::row_first_diagonal(i, q_len) + j0;
     Vec<scalar_t, V> y;
 #pragma unroll
     for (int k = 0; k < V; ++k) y.v[k] = src[k];
@@ -114,15 +141,14 @@ __global__ void __launch_bounds__(kThreads)
     diagonal_sums_kernel(const scalar_t* __restrict__ grad, int64_t heads, int64_t q_len, int64_t k_len,
                          int64_t diagonals, double* __restrict__ sums) {
   const int64_t total = heads * diagonals;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t h = e / diagonals;
-    const int64_t r = e - h * diagonals;
-    const int64_t i_begin = q_len - 1 - r > 0 ? q_len - 1 - r : 0;
-    const int64_t i_end = q_len - 1 - r + k_len < q_len ? q_len - 1 - r + k_len : q_len;
+  for (int64_t e = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); e < total;
+       e += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [h, r] = geometry::split(e, diagonals);
+    const auto rows = geometry::diagonal_rows(r, q_len, k_len);
     const scalar_t* head = grad + h * q_len * k_len;
     double sum = 0.0;
-    for (int64_t i = i_begin; i < i_end; ++i) {
-      sum += static_cast<double>(portable::to_opmath(head[i * k_len + r - (q_len - 1 - i)]));
+    for (int64_t i = rows.begin; i < rows.end; ++i) {
+      sum += static_cast<double>(portable::to_opmath(head[i * k_len + geometry::diagonal_key(r, i, q_len)]));
     }
     sums[e] = sum;
   }
@@ -132,9 +158,9 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void bucket_sums_kernel(const double* sums, const int64_t* buckets, int64_t heads, int64_t diagonals,
                                    int64_t num_buckets, double* grad_weight) {
   const int64_t total = heads * num_buckets;
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t h = e / num_buckets;
-    const int64_t b = e - h * num_buckets;
+  for (int64_t e = geometry::stride_first(blockIdx.x, blockDim.x, threadIdx.x); e < total;
+       e += geometry::stride_step(gridDim.x, blockDim.x)) {
+    const auto [h, b] = geometry::split(e, num_buckets);
     double sum = 0.0;
     for (int64_t r = 0; r < diagonals; ++r) {
       if (buckets[r] == b) sum += sums[h * diagonals + r];
@@ -179,9 +205,10 @@ struct CudaT5 : CudaDevice {
         buckets.const_data_ptr<int64_t>(), diagonals, diag.mutable_data_ptr<scalar_t>());
     POSENC_CUDA_LAUNCH_CHECK();
     constexpr int V = kMaxVec<scalar_t>;
-    const bool vectorized = k_len % V == 0 && aligned(out.const_data_ptr());
-    const int64_t chunks = vectorized ? k_len / V : k_len;
-    const auto blocks = grid_size(heads * q_len * chunks, kThreads);
+    const bool vectorized = geometry::bias_rows_vectorizable(k_len, out.const_data_ptr(), V);
+    const auto plan = geometry::rows_launch(heads * q_len, k_len, vectorized, V, multiprocessors());
+    const auto blocks = static_cast<unsigned int>(plan.blocks);
+    const int64_t chunks = plan.chunks;
     if (vectorized) {
       bias_rows_kernel<V, scalar_t><<<blocks, kThreads, 0, current_stream()>>>(
           diag.const_data_ptr<scalar_t>(), diagonals, heads, q_len, k_len, chunks, out.mutable_data_ptr<scalar_t>());

@@ -2,6 +2,7 @@
 // What every CUDA op file shares: launch geometry, 16-byte vector access, the current stream and device, and
 // whether the stream is being captured into a CUDA graph. Only c10's CUDA parts (c10_cuda, the CUDA runtime):
 // no cuBLAS or other toolkit headers, which a partial CUDA toolkit may lack.
+#include "cuda/geometry.h"
 #include "portable/convert.h"
 
 #include <ATen/core/Tensor.h>
@@ -18,20 +19,28 @@
 
 namespace posenc::cuda {
 
+// Raises the failure a device check recorded on the current device since the last one raised (cuda/checks.cuh).
+void raise_recorded_failure();
+
+// The guard of every posenc CUDA op: makes the inputs' device current, then raises what an earlier call's device
+// checks found, if anything (a load from host memory, no synchronization).
+struct CheckingGuard : c10::cuda::CUDAGuard {
+  explicit CheckingGuard(at::Device device) : c10::cuda::CUDAGuard(device) { raise_recorded_failure(); }
+};
+
 // What every family's CUDA device struct shares: the guard that makes the inputs' device current for a call, and
 // outputs allocated through the dispatcher (CUDA's caching allocator).
 struct CudaDevice {
-  using Guard = c10::cuda::CUDAGuard;
+  using Guard = CheckingGuard;
 
   static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) { return at::empty(sizes, options); }
 };
 
-constexpr int kThreads = 256;     // threads per block of the elementwise kernels
-constexpr int kVectorBytes = 16;  // one global load or store per thread: 128 bits
-
-// Elements of T in one 16-byte access: 8 for fp16/bf16, 4 for float32, 2 for float64.
+// The launch constants and index maths of cuda/geometry.h, which tests/cpp/test_cuda_geometry.cpp checks on the host.
+constexpr int kThreads = geometry::kThreads;
+constexpr int kVectorBytes = geometry::kVectorBytes;
 template <typename T>
-constexpr int kMaxVec = kVectorBytes / static_cast<int>(sizeof(T));
+constexpr int kMaxVec = geometry::kMaxVec<T>;
 
 // N values of T that load and store as one 16-byte instruction when the address is 16-byte aligned (N = 1:
 // a plain scalar access).
@@ -59,9 +68,9 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& value) {
   }
 }
 
-inline bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0; }
+inline bool aligned(const void* p) { return geometry::aligned(p); }
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using geometry::ceil_div;
 
 // Multiprocessors of the current device, read once per device.
 int multiprocessors();
@@ -69,20 +78,18 @@ int multiprocessors();
 // Blocks for a grid-stride loop over `work` items of `per_block` each: enough to fill the device several
 // times over, no more (the loop covers the rest).
 inline unsigned int grid_size(int64_t work, int64_t per_block) {
-  const int64_t wanted = std::max<int64_t>(1, ceil_div(work, per_block));
-  return static_cast<unsigned int>(std::min<int64_t>(wanted, int64_t{multiprocessors()} * 32));
+  return static_cast<unsigned int>(geometry::grid_size(work, per_block, multiprocessors()));
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// A stream being captured into a CUDA graph may not synchronize or copy to the host: the checks that read
-// index data back (positions.cuh) are skipped then, and the kernels stay in bounds by themselves.
+// A stream being captured into a CUDA graph may not synchronize, copy to the host or allocate pinned memory.
 inline bool capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
-// A quiet NaN in maths precision: what a kernel writes for a row that an out-of-range index names, which only
-// a graph capture (no host check) lets through.
+// A quiet NaN in maths precision: what a kernel writes for a row that an out-of-range index names (the device
+// check's failure is raised after the kernel has run).
 template <typename T>
 __device__ __forceinline__ T quiet_nan() {
   return static_cast<T>(__longlong_as_double(0x7FF8000000000000LL));

@@ -246,3 +246,21 @@ TEST(Domain, ScriptedRotaryModuleFromCppRefusesPositionsOutsideTheDomain) {
 }
 
 }  // namespace
+
+// The CUDA ops' check switches exist in every build: the C++ functions and the ops posenc_cuda::* (what Python's
+// posenc.cuda and TorchScript call) read and set the same state; without a GPU that has run a check, check_errors()
+// has nothing to wait for or raise.
+TEST(Domain, CudaCheckSwitchesAreOneStateInEveryBuild) {
+  const bool before = posenc::cuda::sync_checks();
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("posenc_cuda::sync_checks", "");
+  const auto sync_checks = op.typed<bool()>();
+  const auto set = c10::Dispatcher::singleton().findSchemaOrThrow("posenc_cuda::set_sync_checks", "").typed<void(bool)>();
+  for (const bool enabled : {true, false}) {
+    posenc::cuda::set_sync_checks(enabled);
+    EXPECT_EQ(sync_checks.call(), enabled);
+    set.call(!enabled);
+    EXPECT_EQ(posenc::cuda::sync_checks(), !enabled);
+  }
+  posenc::cuda::set_sync_checks(before);
+  if (!torch::cuda::is_available()) EXPECT_NO_THROW(posenc::cuda::check_errors());
+}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-import posenc  # noqa: F401  (loads libposenc.so: torch.ops.posenc.*)
+import posenc  # loads libposenc.so: torch.ops.posenc.*
 from helpers import same_bits
 
 # Outputs of more than 2^31 elements need up to 9 GiB of memory and minutes: collected on request only.
@@ -148,8 +148,14 @@ class ShadowDevice(TorchDispatchMode):
         try:
             expected = func(*args, **kwargs)
         except Exception as error:
-            with pytest.raises(type(error)) as raised:
-                func(*shadow_args, **shadow_kwargs)
+            # The CPU raises at the call; the CUDA ops do in synchronous mode (by default, at a later check).
+            asynchronous = not posenc.cuda.sync_checks()
+            posenc.cuda.set_sync_checks(True)
+            try:
+                with pytest.raises(type(error)) as raised:
+                    func(*shadow_args, **shadow_kwargs)
+            finally:
+                posenc.cuda.set_sync_checks(not asynchronous)
             assert _first_line(raised.value) == _first_line(error), f"{func}: the {self.device} error differs"
             raise
         actual = func(*shadow_args, **shadow_kwargs)

@@ -1,17 +1,25 @@
 """CUDA kernels against the CPU kernels: every op's registry samples (op_registry.SAMPLES), then every op, forward
 and backward, over dtypes, layouts, formats, strides, alignments and position kinds, with the CPU's bits (far
-angles and float64 data included: both devices run posenc's own sin/cos); the CPU's errors for bad index data;
-streams and CUDA-graph capture. The comparisons need a GPU and skip without one; opcheck, torch.compile and
-torch.export run on every device of the `device` fixture (the CPU everywhere, CUDA where present)."""
+angles and float64 data included: both devices run posenc's own sin/cos); no op waiting for the GPU; the CPU's
+errors for bad index data, at the call (synchronous checks) or from posenc.cuda.check_errors() (the default);
+streams and CUDA-graph capture, a patched Hugging Face Llama's training and decoding steps included. The comparisons
+need a GPU and skip without one; opcheck, torch.compile and torch.export run on every device of the `device` fixture
+(the CPU everywhere, CUDA where present), and posenc.cuda's switches on any machine."""
+import contextlib
+import inspect
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import _disable_current_modes
 
 import posenc  # noqa: F401
 from helpers import first_difference
-from op_registry import SAMPLES, SIZES, sample_outputs, tensor_ops, uses_dtype
+from op_registry import SAMPLES, SIZES, outputs_and_grads, sample_outputs, tensor_ops, uses_dtype
 from posenc import frequencies as FQ
 from posenc import functional as PF
 
@@ -65,6 +73,7 @@ def test_every_op_has_a_cuda_kernel():
 
 def test_every_op_has_a_sample_to_compare():
     assert set(tensor_ops()) <= set(SAMPLES), set(tensor_ops()) - set(SAMPLES)
+    assert READ_ON_THE_HOST <= set(tensor_ops())  # the ops left out of test_no_op_waits_for_the_gpu
 
 
 @cuda_only
@@ -78,6 +87,71 @@ def test_every_sample_on_cuda_equals_the_cpu(name):
             actual = sample_outputs(name, dtype=dtype, size=size, device="cuda", requires_grad=True)
             assert len(actual) == len(expected), (size, dtype)
             same(actual, expected)
+
+
+# The ops whose output size depends on their data: they read it on the host (csrc/cuda/host.cu runs them on host
+# copies), by design, and so synchronize.
+READ_ON_THE_HOST = {
+    "mrope_positions",  # one position per token of the image and video grids its token types and grid sizes describe
+    "zigzag_positions_varlen",  # as many positions as cu_seqlens' last value
+}
+
+
+@cuda_only
+@pytest.mark.parametrize("name", sorted(set(SAMPLES) - READ_ON_THE_HOST))
+def test_no_op_waits_for_the_gpu(name, asynchronous):
+    """Each op's registry samples (as test_every_sample_on_cuda_equals_the_cpu builds them: both sizes, every dtype,
+    with their positions, cu_seqlens and pair_axis), forward and backward, under torch.cuda.set_sync_debug_mode
+    ("error"), which raises at any call that makes the host wait for the GPU (.item(), a copy to the host, a
+    synchronize): the asynchronous checks read nothing back. Then, outside that mode (the comparison copies to the
+    host), nothing recorded and the CPU's bits."""
+    for size in SIZES:
+        for dtype in FLOATS if uses_dtype(name) else FLOATS[:1]:
+            cpu_sample = SAMPLES[name](dtype=dtype, size=size, requires_grad=True)
+            expected = outputs_and_grads(cpu_sample)
+            sample = SAMPLES[name](dtype=dtype, size=size, device="cuda", requires_grad=True)
+            # outputs_and_grads makes each output gradient once, on the output's device: a copy from the host, which
+            # waits. The CPU run's, copied now, are the ones it then finds made.
+            sample.output_gradients.update({key: g.cuda() for key, g in cpu_sample.output_gradients.items()})
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                actual = outputs_and_grads(sample)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            posenc.cuda.check_errors()
+            assert len(actual) == len(expected), (size, dtype)
+            same(actual, expected)
+
+
+@cuda_only
+def test_calls_return_while_the_gpu_is_busy(asynchronous):
+    """set_sync_debug_mode sees the waits that PyTorch makes, not those of posenc's own CUDA runtime calls (a
+    cudaStreamSynchronize, a cudaMemcpy to the host). Behind a GPU kernel that sleeps half a second, every op's small
+    sample, then a call with a bad token id, returns while that kernel still runs: no call waited for the GPU, and
+    the failure is raised only by check_errors(). A first run of the same calls loads their kernels, allocates the
+    failure record and caches the memory they take, any of which could wait once."""
+    names = sorted(set(SAMPLES) - READ_ON_THE_HOST)
+    samples = [SAMPLES[name](device="cuda") for name in names]
+    bad_op, bad_args = bad_index_calls()["token id past the vocabulary"]
+    expected = cpu_error(bad_op, bad_args)
+    bad_args = [to_cuda(a) for a in bad_args]
+    for sample in samples:
+        sample.run()
+    bad_op(*bad_args)
+    with pytest.raises(RuntimeError):
+        posenc.cuda.check_errors()
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # clock cycles: about half a second
+    asleep = torch.cuda.Event()
+    asleep.record()
+    for sample in samples:
+        sample.run()
+    bad_op(*bad_args)
+    assert not asleep.query(), "a call waited for the GPU"
+    with pytest.raises(RuntimeError) as raised:
+        posenc.cuda.check_errors()
+    assert message(raised.value) == message(expected)
 
 
 # ---------------------------------------------------------------- rotary
@@ -597,6 +671,26 @@ def test_t5_buckets_and_bias(bidirectional, num_buckets, max_distance):
                  max_distance, -4)
 
 
+@cuda_only
+def test_t5_device_memory_table_waits_for_nothing_and_replays():
+    """A table past the kernel parameters (1200 bidirectional buckets) is copied to the device once, without a wait,
+    and kept: calls wait for nothing, and a captured graph replays with a live table."""
+    weight = torch.randn(1200, 3)
+    weight_cuda = weight.cuda()
+    expected = ops.t5_bias(weight, 7, 12, True, 1200, 5000, 5)
+    graph, captured = captured_graph(lambda: [ops.t5_bias(weight_cuda, 7, 12, True, 1200, 6000, 5)])
+    graph.replay()
+    torch.cuda.synchronize()
+    same(captured[0], ops.t5_bias(weight, 7, 12, True, 1200, 6000, 5))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        actual = ops.t5_bias(weight_cuda, 7, 12, True, 1200, 5000, 5)
+        actual = ops.t5_bias(weight_cuda, 7, 12, True, 1200, 5000, 5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    same(actual, expected)
+
+
 # ---------------------------------------------------------------- gradients end to end
 
 @cuda_only
@@ -629,48 +723,289 @@ def test_autograd_gradients_match_the_cpu():
 
 
 # ---------------------------------------------------------------- bad index data
+# On the CPU a bad index (a position outside its domain, a token id outside the vocabulary, bad cu_seqlens, a pair_axis
+# value out of range, a cache slot out of range or taken twice) raises at the call. On the GPU the index data lives in
+# device memory, and reading it on the host would make every call wait for the GPU: by default (asynchronous checks)
+# the op checks it on the device, stays in bounds, and records the first failure there, which posenc.cuda.check_errors()
+# raises with the CPU's message word for word, as does the next posenc CUDA op called after the failing kernel has
+# run. Synchronous checks (posenc.cuda.set_sync_checks(True), or POSENC_CUDA_SYNC_CHECKS=1 when posenc loads) raise at
+# the call, as the CPU does.
 
-@cuda_only
-def test_bad_index_data_raises_the_cpu_errors():
+def bad_index_calls():
+    """name -> (op, CPU arguments): calls that the CPU refuses for their index data alone (freshly built: the in-place
+    rope_qk_cache_ writes its q and caches)."""
     inv_freq, _ = FQ.rope(8)
     x = torch.randn(2, 3, 2, 8)
     table = torch.randn(10, 8)
-    cases = [
-        (ops.rope, (x, torch.tensor([0, 2**53 + 1, 3]), inv_freq)),
-        (ops.rope, (x, None, inv_freq, 1.0, "neox", "bshd", 2**63 - 2)),
-        (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 2, 1]))),
-        (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 2]))),
-        (ops.add_learned, (torch.randn(2, 3, 8), table, torch.tensor([0, 10, 1]))),
-        (ops.add_learned, (torch.randn(2, 3, 8), table, None, 8)),
-        (ops.learned, (table, torch.tensor([[1, -1]]), 0)),
-        (ops.embed_learned, (torch.tensor([[1, 10]]), table, table, None)),
-        (ops.embed_sinusoidal, (torch.tensor([[-1, 2]]), table, None, FQ.sinusoidal(8))),
-        (ops.embedding_backward, (torch.randn(2, 8), torch.tensor([3, 10]), 10)),
-        (ops.add_sinusoidal, (torch.randn(2, 8), torch.tensor([2.0**60, 1.0]), FQ.sinusoidal(8))),
-        (ops.rope, (x, torch.tensor([0.5, float("nan"), 3.0]), inv_freq)),  # real positions: NaN refused
-        (ops.add_sinusoidal, (torch.randn(1, 4, 8), torch.zeros(2, 3), FQ.sinusoidal(8), 1.0, "half_per_axis", 0,
-                              torch.tensor([0, 1, 2, 1]), 1)),  # pair_axis beyond the 2 axes of positions
-        (ops.sinusoidal, (torch.tensor([2**62, 1]), FQ.sinusoidal(8), "interleaved", None, 2**62)),
-        # pair_axis: its values, then cu_seqlens before them, then the positions after them, as the CPU orders them.
-        (ops.rope, (x, torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox", "bshd", 0, None,
-                    torch.tensor([0, 1, 2, 1]))),
-        (ops.rope, (x[0], torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox", "thd", 0,
-                    torch.tensor([0, 2]), torch.tensor([0, 1, 2, 1]))),
-        (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0, "neox", "bshd", 1, None,
-                    torch.tensor([0, 1, -1, 1]))),
-        (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0, "neox", "bshd", 1, None,
-                    torch.tensor([0, 1, 1, 1]))),
-        (ops.mrope_positions, (torch.tensor([[0, 1, 1]]), torch.tensor([[1, 2, 2]]))),
-        (ops.mrope_positions, (torch.tensor([[0, 3]]),)),
-        (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 3]), 2, 0)),
-        (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 10]), 2, 0)),
-    ]
-    for op, args in cases:
-        with pytest.raises(Exception) as cpu_error:
-            op(*args)
-        with pytest.raises(type(cpu_error.value)) as cuda_error:
-            op(*[to_cuda(a) for a in args])
-        assert str(cuda_error.value).splitlines()[0] == str(cpu_error.value).splitlines()[0], op
+
+    def cache_call(positions=None, cache_positions=None):
+        q, k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+        return ops.rope_qk_cache_, (q, k, v, torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 8), positions, inv_freq,
+                                    cache_positions)
+
+    return {
+        "position past 2^53": (ops.rope, (x, torch.tensor([0, 2**53 + 1, 3]), inv_freq)),
+        "cu_seqlens decreasing": (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0, torch.tensor([0, 2, 1]))),
+        "cu_seqlens short of the tokens": (ops.rope, (x[0], None, inv_freq, 1.0, "neox", "thd", 0,
+                                                      torch.tensor([0, 2]))),
+        "table row past the table": (ops.add_learned, (torch.randn(2, 3, 8), table, torch.tensor([0, 10, 1]))),
+        "negative table row": (ops.learned, (table, torch.tensor([[1, -1]]), 0)),
+        "token id past the vocabulary": (ops.embed_learned, (torch.tensor([[1, 10]]), table, table, None)),
+        "negative token id": (ops.embed_sinusoidal, (torch.tensor([[-1, 2]]), table, None, FQ.sinusoidal(8))),
+        "gradient row past num_rows": (ops.embedding_backward, (torch.randn(2, 8), torch.tensor([3, 10]), 10)),
+        "real position past 2^53": (ops.add_sinusoidal, (torch.randn(2, 8), torch.tensor([2.0**60, 1.0]),
+                                                         FQ.sinusoidal(8))),
+        "NaN real position": (ops.rope, (x, torch.tensor([0.5, float("nan"), 3.0]), inv_freq)),
+        "position plus offset overflows": (ops.sinusoidal, (torch.tensor([2**62, 1]), FQ.sinusoidal(8), "interleaved",
+                                                            None, 2**62)),
+        "pair_axis past the axes of positions": (ops.add_sinusoidal, (
+            torch.randn(1, 4, 8), torch.zeros(2, 3), FQ.sinusoidal(8), 1.0, "half_per_axis", 0,
+            torch.tensor([0, 1, 2, 1]), 1)),
+        # Several bad arguments in one call: the first the CPU checks is the one raised (pair_axis's values, then
+        # cu_seqlens before them, then the positions after them), so the device must report its checks in that order.
+        "pair_axis value past the axes": (ops.rope, (x, torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox",
+                                                     "bshd", 0, None, torch.tensor([0, 1, 2, 1]))),
+        "cu_seqlens before pair_axis": (ops.rope, (x[0], torch.zeros(2, 3, dtype=torch.long), inv_freq, 1.0, "neox",
+                                                   "thd", 0, torch.tensor([0, 2]), torch.tensor([0, 1, 2, 1]))),
+        "pair_axis before positions": (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0, "neox",
+                                                  "bshd", 1, None, torch.tensor([0, 1, -1, 1]))),
+        "positions after a good pair_axis": (ops.rope, (x, torch.tensor([[0, 1, 2], [3, 2**53, 5]]), inv_freq, 1.0,
+                                                        "neox", "bshd", 1, None, torch.tensor([0, 1, 1, 1]))),
+        # Cache slots (rope_qk_cache_ into [B, H, S_max = 6, D] caches): out of range, or one slot for two tokens.
+        "cache slot past S_max": cache_call(cache_positions=torch.tensor([0, 1, 6])),
+        "cache slot taken twice": cache_call(cache_positions=torch.tensor([[0, 1, 2], [3, 4, 3]])),
+        "slot from positions past S_max": cache_call(positions=torch.tensor([0, 6, 1])),
+        "slot from positions taken twice": cache_call(positions=torch.tensor([2, 1, 2])),
+    }
+
+
+def host_checked_calls():
+    """name -> (op, CPU arguments): bad calls whose error needs no device data, raised at the call in both modes: an
+    offset that takes the absent positions (offset + arange) out of their domain, checked on the host from the
+    arguments; and the two ops whose output size depends on their data, which run on host copies of it (csrc/cuda/
+    host.cu)."""
+    inv_freq, _ = FQ.rope(8)
+    q, k, v = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+    return {
+        "offset past 2^53": (ops.rope, (torch.randn(2, 3, 2, 8), None, inv_freq, 1.0, "neox", "bshd", 2**63 - 2)),
+        "offset past the table": (ops.add_learned, (torch.randn(2, 3, 8), torch.randn(10, 8), None, 8)),
+        "offset past the cache slots": (ops.rope_qk_cache_, (q, k, v, torch.zeros(2, 2, 6, 8), torch.zeros(2, 2, 6, 8),
+                                                             None, inv_freq, None, "bhsd", 1.0, "neox", "bshd", 4)),
+        "mrope grid of another size": (ops.mrope_positions, (torch.tensor([[0, 1, 1]]), torch.tensor([[1, 2, 2]]))),
+        "mrope unknown token type": (ops.mrope_positions, (torch.tensor([[0, 3]]),)),
+        "zigzag cu_seqlens decreasing": (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 3]), 2, 0)),
+        "zigzag length not a multiple": (ops.zigzag_positions_varlen, (torch.tensor([0, 4, 10]), 2, 0)),
+    }
+
+
+def message(error):
+    """An error's message without the C++ backtrace that TORCH_SHOW_CPP_STACKTRACES=1 appends (it names the raising
+    call site, which differs between an op and check_errors())."""
+    return str(error).split("\nException raised from ")[0]
+
+
+def cpu_error(op, args):
+    """The error the CPU op raises for `args`. The suite's re-run of each CPU call on the GPU (conftest.py's
+    ShadowDevice) is off for it: in asynchronous mode that re-run would leave a failure of its own on the device."""
+    with _disable_current_modes(), pytest.raises(Exception) as raised:
+        op(*args)
+    return raised.value
+
+
+@contextlib.contextmanager
+def sync_checks_set_to(enabled):
+    """posenc.cuda's mode for the block, whatever POSENC_CUDA_SYNC_CHECKS says; the previous mode after."""
+    previous = posenc.cuda.sync_checks()
+    posenc.cuda.set_sync_checks(enabled)
+    try:
+        yield
+    finally:
+        posenc.cuda.set_sync_checks(previous)
+
+
+@pytest.fixture
+def synchronous():
+    """Synchronous checks for one test: each op waits for its own checks and raises at the call."""
+    with sync_checks_set_to(True):
+        yield
+
+
+@pytest.fixture
+def asynchronous():
+    """The default mode, for a test that reads failures with check_errors(). A failure the test left unread (it
+    failed first) is read and dropped after it, so that it does not fail the next test's first op."""
+    with sync_checks_set_to(False):
+        yield
+        try:
+            posenc.cuda.check_errors()
+        except RuntimeError:
+            pass
+
+
+def good_call_after_an_error():
+    """A call with index data on the GPU, against the CPU: it raises nothing once the failure has been raised."""
+    inv_freq, _ = FQ.rope(8)
+    run_both(ops.rope, torch.randn(2, 3, 2, 8), torch.tensor([4, 0, 2]), inv_freq)
+
+
+@cuda_only
+@pytest.mark.parametrize("name", list(bad_index_calls()))
+def test_synchronous_checks_raise_the_cpu_error_at_the_call(name, synchronous):
+    op, args = bad_index_calls()[name]
+    expected = cpu_error(op, args)
+    with pytest.raises(type(expected)) as raised:
+        op(*[to_cuda(a) for a in args])
+    assert message(raised.value) == message(expected)
+    posenc.cuda.check_errors()  # raised at the call, so not again
+    good_call_after_an_error()
+
+
+@cuda_only
+@pytest.mark.parametrize("name", list(bad_index_calls()))
+def test_asynchronous_checks_raise_the_cpu_error_at_check_errors(name, asynchronous):
+    """The call returns without waiting for the GPU and raises nothing (its kernels stay in bounds: an access out
+    of them would surface at check_errors() as a CUDA error, not the CPU's message); check_errors() raises the CPU's
+    error once, and the ops work on."""
+    op, args = bad_index_calls()[name]
+    expected = cpu_error(op, args)
+    assert type(expected) is RuntimeError
+    op(*[to_cuda(a) for a in args])
+    with pytest.raises(RuntimeError) as raised:
+        posenc.cuda.check_errors()
+    assert message(raised.value) == message(expected)
+    posenc.cuda.check_errors()
+    good_call_after_an_error()
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["synchronous", "asynchronous"])
+@pytest.mark.parametrize("name", list(host_checked_calls()))
+def test_errors_known_on_the_host_raise_at_the_call_in_both_modes(name, mode, request):
+    request.getfixturevalue(mode)
+    op, args = host_checked_calls()[name]
+    expected = cpu_error(op, args)
+    with pytest.raises(type(expected)) as raised:
+        op(*[to_cuda(a) for a in args])
+    # The first line: zigzag_positions_varlen's message goes on to print cu_seqlens, with its tensor type.
+    assert message(raised.value).splitlines()[0] == message(expected).splitlines()[0]
+    posenc.cuda.check_errors()
+
+
+@cuda_only
+def test_the_next_cuda_op_raises_a_failure_once_its_kernel_has_run(asynchronous):
+    """Without check_errors(): after the GPU has run the failing call, the next posenc CUDA op raises its error
+    (every op reads the record at its start, with no wait), once."""
+    op, args = bad_index_calls()["token id past the vocabulary"]
+    expected = cpu_error(op, args)
+    op(*[to_cuda(a) for a in args])
+    torch.cuda.synchronize()
+    inv_freq, _ = FQ.rope(8)
+    x = torch.randn(2, 3, 2, 8)
+    with pytest.raises(RuntimeError) as raised:
+        ops.rope(x.cuda(), None, inv_freq.cuda())
+    assert message(raised.value) == message(expected)
+    posenc.cuda.check_errors()
+    run_both(ops.rope, x, None, inv_freq)
+
+
+@cuda_only
+def test_the_first_of_several_failures_is_raised(asynchronous):
+    """Two failing calls in a row on one stream: the record keeps the first in call order, and the second's failure,
+    found while the record was held, is not raised later. The GPU sleeps before the first call's kernels, so that
+    neither has run when the second call starts (a call that started after the first failure had run would raise it
+    at its start instead of running); every argument is on the GPU before that, since a copy from the host waits."""
+    first_op, first_args = bad_index_calls()["negative table row"]
+    second_op, second_args = bad_index_calls()["cache slot taken twice"]
+    expected = cpu_error(first_op, first_args)
+    assert message(cpu_error(second_op, second_args)) != message(expected)
+    first_args, second_args = [to_cuda(a) for a in first_args], [to_cuda(a) for a in second_args]
+    # A first run of each loads its kernels and caches its memory (either could wait for the GPU once).
+    for op, args in ((first_op, first_args), (second_op, second_args)):
+        op(*args)
+        with pytest.raises(RuntimeError):
+            posenc.cuda.check_errors()
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # clock cycles: about a quarter of a second
+    first_op(*first_args)
+    second_op(*second_args)
+    with pytest.raises(RuntimeError) as raised:
+        posenc.cuda.check_errors()
+    assert message(raised.value) == message(expected)
+    posenc.cuda.check_errors()
+    good_call_after_an_error()
+
+
+@cuda_only
+def test_graph_replays_check_their_own_index_data(asynchronous):
+    """The checks are captured with the kernels: a replay whose static inputs hold a bad token id, or a bad pair_axis,
+    records the CPU's error for those values, as an eager call would; a replay of good values records nothing and
+    gives the CPU's bits."""
+    inv_freq, pair_axis = FQ.mrope(32, [4, 6, 6])
+    x = torch.randn(2, 5, 4, 32)
+    positions = torch.randint(0, 1000, (3, 2, 5))
+    tokens = torch.randint(0, 50, (2, 5))
+    wte, wpe = torch.randn(50, 32), torch.randn(40, 32)
+    cuda = {name: t.cuda() for name, t in dict(inv_freq=inv_freq, pair_axis=pair_axis, x=x, positions=positions,
+                                                tokens=tokens, wte=wte, wpe=wpe).items()}
+
+    def step():
+        return (ops.rope(cuda["x"], cuda["positions"], cuda["inv_freq"], 1.0, "neox", "bshd", 0, None,
+                         cuda["pair_axis"]),
+                ops.embed_learned(cuda["tokens"], cuda["wte"], cuda["wpe"], None))
+
+    graph, captured = captured_graph(step)
+    posenc.cuda.check_errors()  # the warm-up's good values
+    bad_tokens = tokens.clone()
+    bad_tokens[1, 3] = 50
+    bad_pair_axis = pair_axis.clone()
+    bad_pair_axis[9] = 3
+    for name, bad, error in [
+            ("tokens", bad_tokens, cpu_error(ops.embed_learned, (bad_tokens, wte, wpe, None))),
+            ("pair_axis", bad_pair_axis, cpu_error(ops.rope, (x, positions, inv_freq, 1.0, "neox", "bshd", 0, None,
+                                                              bad_pair_axis)))]:
+        good = cuda[name].clone()
+        cuda[name].copy_(bad)
+        graph.replay()
+        with pytest.raises(RuntimeError) as raised:
+            posenc.cuda.check_errors()
+        assert message(raised.value) == message(error), name
+        cuda[name].copy_(good)
+    graph.replay()
+    posenc.cuda.check_errors()
+    same(captured, (ops.rope(x, positions, inv_freq, 1.0, "neox", "bshd", 0, None, pair_axis),
+                    ops.embed_learned(tokens, wte, wpe, None)))
+
+
+# ---------------------------------------------------------------- posenc.cuda, on any machine
+
+def test_posenc_cuda_switches_mode_and_checks_without_a_gpu():
+    """The Python API exists on every build; the mode switch holds whether or not a GPU is there, and check_errors()
+    returns (no GPU: nothing to wait for; a GPU: nothing failed)."""
+    import posenc.cuda
+    previous = posenc.cuda.sync_checks()
+    assert isinstance(previous, bool)
+    try:
+        for enabled in (not previous, previous, True, False):
+            posenc.cuda.set_sync_checks(enabled)
+            assert posenc.cuda.sync_checks() is enabled
+    finally:
+        posenc.cuda.set_sync_checks(previous)
+    assert posenc.cuda.sync_checks() is previous
+    posenc.cuda.check_errors()
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("1", True), ("0", False)])
+def test_posenc_cuda_sync_checks_start_from_the_environment(value, expected):
+    """POSENC_CUDA_SYNC_CHECKS, read when posenc loads (a fresh process): "1" turns synchronous checks on; unset or
+    "0" leaves the default, asynchronous."""
+    env = {k: v for k, v in os.environ.items() if k != "POSENC_CUDA_SYNC_CHECKS"}
+    if value is not None:
+        env["POSENC_CUDA_SYNC_CHECKS"] = value
+    code = "import posenc.cuda; print(posenc.cuda.sync_checks())"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(expected)
 
 
 # ---------------------------------------------------------------- positions and frequencies
@@ -755,8 +1090,8 @@ def test_ops_run_on_the_current_stream_and_under_graph_capture():
 
 @cuda_only
 def test_multiaxis_rope_and_per_length_frequencies_under_graph_capture():
-    # Neither reads anything back under capture: pair_axis is checked on the host only outside it, and the
-    # frequencies for a length travel in the kernel's parameters.
+    # Neither reads anything back under capture: pair_axis is checked on the device (each replay checks its own), and
+    # the frequencies for a length travel in the kernel's parameters.
     inv_freq, pair_axis = FQ.mrope(32, [4, 6, 6])
     inv_freq, pair_axis = inv_freq.cuda(), pair_axis.cuda()
     q = torch.randn(2, 16, 4, 32, device="cuda")
@@ -781,6 +1116,137 @@ def test_multiaxis_rope_and_per_length_frequencies_under_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(captured[1].cpu(), ops.rope_inv_freq_for_length(torch.tensor(2000), 32, 1e4, rope_type,
                                                                        **keywords))
+
+
+# ---------------------------------------------------------------- a patched Hugging Face Llama under graph capture
+# posenc.integrations.transformers.patch puts rope_qk, given the model's position_ids, in place of the cos/sin tables:
+# a whole training step, or a decoding step against a StaticCache, must still capture (nothing read back, not even
+# the positions' checks) and replay with new inputs.
+
+VOCAB = 64
+# Graph and eager run the same ops on the same values, but not on the same stream: cuBLAS keeps a workspace per stream
+# and may pick another algorithm (another order of sums) on the capture stream, within a few float32 roundings.
+LLAMA_TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+GRAD_TOLERANCE = dict(atol=1e-6, rtol=1e-5)
+
+
+def patched_llama():
+    """(transformers, a patched two-layer Llama on the GPU): hidden 64, 4 query heads and 2 key/value heads of 16
+    channels, seeded random weights from a config (nothing downloaded), as test_integrations_transformers.py builds
+    them. Eager attention: SDPA would take is_causal outside capture but a materialized mask under it, another kernel.
+    Eval mode (dropout is 0 anyway): no random numbers in the graph."""
+    transformers = pytest.importorskip("transformers")
+    integration = pytest.importorskip("posenc.integrations.transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=32, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).eval()
+    record = integration.patch(model)
+    assert "model.rotary_emb" in [change.target for change in record.changes]
+    return transformers, model.cuda()
+
+
+def cache_keywords(model, cache, position_ids):
+    """model()'s keywords for a step with a StaticCache at position_ids [B, S]. transformers 5 names it `cache` and
+    takes the slots from the cache's own step counter (a device tensor that each step, and each replay, advances);
+    earlier versions name it `past_key_values` and take the slots from cache_position, given here as the positions."""
+    parameters = inspect.signature(model.forward).parameters
+    keywords = {"cache" if "cache" in parameters else "past_key_values": cache, "position_ids": position_ids,
+                "use_cache": True}
+    if "cache_position" in parameters:
+        keywords["cache_position"] = position_ids[0]
+    return keywords
+
+
+@cuda_only
+def test_patched_llama_training_step_under_graph_capture(asynchronous):
+    """Forward, loss and backward captured whole, as PyTorch's whole-network capture does it: warm-up iterations on a
+    side stream, gradients set to None before capture so that backward allocates them from the graph's pool, then
+    replays with new token ids copied into the static input. The logits, the loss and every parameter's gradient
+    follow the new ids, as an eager step on them gives."""
+    _, model = patched_llama()
+    parameters = list(model.parameters())
+    static_ids = torch.randint(0, VOCAB, (2, 8), device="cuda")
+    # Without a mask, transformers looks for packed sequences in the positions: with .all() eagerly, which it skips
+    # under capture, taking another path to the same mask. With one, both build it alike.
+    mask = torch.ones_like(static_ids)
+
+    def step():
+        output = model(input_ids=static_ids, attention_mask=mask, labels=static_ids, use_cache=False)
+        output.loss.backward()
+        return output.logits, output.loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    model.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits, loss = step()
+    assert all(p.grad is not None for p in parameters)
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, 8), device="cuda")
+        static_ids.copy_(ids)
+        graph.replay()
+        # Eager: torch.autograd.grad, since backward() would add into the .grad tensors that the graph writes.
+        output = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        grads = torch.autograd.grad(output.loss, parameters)
+        assert_close(logits, output.logits, **LLAMA_TOLERANCE)
+        assert_close(loss, output.loss, **LLAMA_TOLERANCE)
+        for (name, p), grad in zip(model.named_parameters(), grads):
+            assert_close(p.grad, grad, **GRAD_TOLERANCE, msg=name)
+    posenc.cuda.check_errors()
+
+
+@cuda_only
+def test_patched_llama_decoding_step_under_graph_capture(asynchronous):
+    """One decoding step (a new token per row at position_ids [B, 1], attending to a StaticCache) captured once and
+    replayed for each next token, as a graph-captured generation loop runs it: each replay's logits are an eager
+    step's on a second cache filled alike, and the last one those of the whole sequence run without a cache (so the
+    replays wrote each token's keys at its own slot, rotated by its own position)."""
+    transformers, model = patched_llama()
+    batch, prompt, steps = 2, 8, 4
+    tokens = torch.randint(0, VOCAB, (batch, prompt + steps), device="cuda")
+
+    def new_cache():
+        return transformers.StaticCache(config=model.config, max_cache_len=16)
+
+    def decode(cache, token, position_ids):
+        return model(input_ids=token, **cache_keywords(model, cache, position_ids)).logits
+
+    def at(position):
+        return tokens[:, position:position + 1], torch.full((batch, 1), position, device="cuda")
+
+    graph_cache, eager_cache = new_cache(), new_cache()
+    static_token, static_position = (t.clone() for t in at(prompt))
+    with torch.no_grad():
+        # The prompt, eagerly, into both caches (which allocates them: no allocation happens in the graph).
+        for cache in (graph_cache, eager_cache):
+            decode(cache, tokens[:, :prompt], torch.arange(prompt, device="cuda").expand(batch, prompt))
+        # The first new token: the warm-up, on a side stream, and the same eager step on the other cache.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            decode(graph_cache, static_token, static_position)
+        torch.cuda.current_stream().wait_stream(side)
+        decode(eager_cache, *at(prompt))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = decode(graph_cache, static_token, static_position)
+        for position in range(prompt + 1, prompt + steps):
+            token, position_ids = at(position)
+            static_token.copy_(token)
+            static_position.copy_(position_ids)
+            graph.replay()
+            assert_close(logits, decode(eager_cache, token, position_ids), **LLAMA_TOLERANCE)
+        whole = model(input_ids=tokens, use_cache=False).logits[:, -1:]
+    assert_close(logits, whole, **LLAMA_TOLERANCE)
+    posenc.cuda.check_errors()
 
 
 # ---------------------------------------------------------------- opcheck, compile, export on every device

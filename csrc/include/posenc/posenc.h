@@ -2,6 +2,7 @@
 // The public C++ API of posenc. Every function goes through the dispatcher, so autograd, tracing and
 // TorchScript see the same `posenc::` ops as Python's torch.ops.posenc.
 #include <posenc/alibi.h>
+#include <posenc/cuda.h>
 #include <posenc/embedding.h>
 #include <posenc/frequencies.h>
 #include <posenc/learned.h>
