@@ -10,9 +10,12 @@
   partial rotary), and a modeling file whose ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` gives, on random q
   and k, what ``rope_qk`` gives with layout "neox" (halves) or "gptj" (interleaved pairs: Cohere, GLM, ERNIE 4.5,
   Helium), the layout then used; rope parameters per layer type (Gemma 3) give one posenc rotary embedding per
-  type. Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and the reason
-  (multi-axis sections or positions, dynamic NTK per layer type, no rotary module, non-standard
-  apply_rotary_pos_emb, ...).
+  type; M-RoPE modules (``mrope_section``: Qwen2/2.5/3-VL, GLM-4V, ...) are probed for the axis of each
+  frequency pair and rotated with ``rope_qk``'s ``pair_axis`` on positions [3, B, S]; the MLA models'
+  ``apply_rotary_pos_emb_interleave`` (interleaved pairs in, halves out: DeepSeek V3, Mistral 4, ...) is probed
+  and wrapped too. Anything else raises :class:`NotRecognized` (a ``ValueError``) naming the model type and the
+  reason (multi-axis positions or sections it cannot read, dynamic NTK per layer type, no rotary module,
+  non-standard apply_rotary_pos_emb, ...).
   ``ROTARY_MODEL_TYPES`` (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, GPT-NeoX, StableLM) are
   the types known to work with gradients and generation tested too (so are Cohere and GLM, interleaved pairs);
   tests/python/test_transformers_coverage.py sweeps every rotary modeling file of the installed transformers.
@@ -229,6 +232,14 @@ class RotaryAngles:
         return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, self.layout,
                                         _format_of(unsqueeze_dim), 0, None, self.pair_axis)
 
+    def rotate_interleaved_to_halves(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
+        """The MLA models' ``apply_rotary_pos_emb_interleave`` (DeepSeek V3, Mistral 4, GLM-4 MoE Lite, ...): pairs
+        (2i, 2i + 1) rotated at frequency i, as one ``rope_qk`` call with layout "gptj", and returned in halves
+        (the even channels, then the odd ones), as that function returns them."""
+        q, k = torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, "gptj",
+                                        _format_of(unsqueeze_dim), 0, None, self.pair_axis)
+        return (torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1), torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1))
+
     def rotate_one(self, x: Tensor, unsqueeze_dim: int = 1) -> Tensor:
         """One ``rope`` call, for modeling files whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one
         tensor at a time (Gemma 4)."""
@@ -285,13 +296,19 @@ class RotaryPositions(_HoldsRotaryWrapper):
     (halves) or "gptj" (interleaved pairs), the rotation :func:`recognize_rotary` found in the modeling file.
     """
 
-    def __init__(self, original: torch.nn.Module, modeling: str, layout: str = "neox"):
+    def __init__(self, original: torch.nn.Module, modeling: str, layout: str = "neox",
+                 pair_axis: Optional[Any] = None):
         super().__init__()
         if layout not in ("neox", "gptj"):
             raise ValueError(f"{_NAME}: layout must be 'neox' or 'gptj', got {layout!r}")
         self.config = original.config
         self.modeling = modeling
         self.layout = layout
+        # M-RoPE: the axis of each frequency pair, a tensor, or one per layer type (a dict) where the rope
+        # parameters are per layer type (plain attributes: model.to(dtype) leaves them int64)
+        self.pair_axis = pair_axis.detach().clone() if isinstance(pair_axis, Tensor) else None
+        self.pair_axes = {t: a.detach().clone() for t, a in pair_axis.items()} if isinstance(pair_axis, dict) \
+            else None
         # Code written for Hugging Face's module (its tests, scaling checks) reads these.
         self.rope_type = original.rope_type
         self.layer_types = _layer_types(original)
@@ -341,19 +358,34 @@ class RotaryPositions(_HoldsRotaryWrapper):
 
     def forward(self, x: Tensor, position_ids: Tensor,
                 layer_type: Optional[str] = None) -> Tuple[RotaryAngles, RotaryAngles]:
-        if position_ids.dim() != 2:
-            raise ValueError(f"{_NAME}: position_ids must be [batch, seq] or [1, seq], got shape "
-                             f"{list(position_ids.shape)}")
-        # [1, S] is shared by the batch: rope_qk then forms each angle once for all rows.
-        positions = position_ids[0] if position_ids.size(0) == 1 else position_ids
+        if self.layer_types is not None and layer_type not in self.rotaries:
+            raise ValueError(f"{_NAME}: layer_type must be one of {self.layer_types}, got {layer_type!r}")
+        pair_axis = self.pair_axis if self.pair_axes is None else self.pair_axes[layer_type]
+        if pair_axis is not None:  # M-RoPE: [B, S] is every axis at once, as Hugging Face's module expands it
+            if position_ids.dim() == 2:
+                position_ids = position_ids.expand(_AXES, -1, -1)
+            if position_ids.dim() != 3 or position_ids.size(0) != _AXES:
+                raise ValueError(f"{_NAME}: position_ids of a multi-axis rotary must be [3, batch, seq] or [batch, "
+                                 f"seq], got shape {list(position_ids.shape)}")
+            if pair_axis.device != position_ids.device:
+                pair_axis = pair_axis.to(position_ids.device)
+                if self.pair_axes is None:
+                    self.pair_axis = pair_axis
+                else:
+                    self.pair_axes[layer_type] = pair_axis
+            positions = position_ids[:, 0] if position_ids.size(1) == 1 else position_ids
+        else:
+            if position_ids.dim() != 2:
+                raise ValueError(f"{_NAME}: position_ids must be [batch, seq] or [1, seq], got shape "
+                                 f"{list(position_ids.shape)}")
+            # [1, S] is shared by the batch: rope_qk then forms each angle once for all rows.
+            positions = position_ids[0] if position_ids.size(0) == 1 else position_ids
         if self.layer_types is None:
             inv_freq, scale = self._inv_freq(x, positions), self.rotary.attention_scale
         else:
-            if layer_type not in self.rotaries:
-                raise ValueError(f"{_NAME}: layer_type must be one of {self.layer_types}, got {layer_type!r}")
             rotary = self.rotaries[layer_type]
             inv_freq, scale = rotary.inv_freq_for(x, positions), rotary.attention_scale
-        angles = RotaryAngles(positions, inv_freq, scale, self.layout)
+        angles = RotaryAngles(positions, inv_freq, scale, self.layout, pair_axis)
         return angles, angles
 
     def extra_repr(self) -> str:
@@ -362,6 +394,11 @@ class RotaryPositions(_HoldsRotaryWrapper):
 
         text = describe(self.rotary) if self.layer_types is None else \
             "; ".join(f"{t}: {describe(self.rotaries[t])}" for t in self.layer_types)
+        if self.pair_axis is not None:
+            text += f", pair_axis={self.pair_axis.tolist()} (M-RoPE, {_AXES} axes)"
+        if self.pair_axes is not None:
+            text += "; " + "; ".join(f"{t}: pair_axis={a.tolist()}" for t, a in self.pair_axes.items()) + \
+                f" (M-RoPE, {_AXES} axes)"
         return text if self.layout == "neox" else f"{text}, layout=gptj (interleaved pairs)"
 
 
@@ -373,6 +410,15 @@ def _original_apply(modeling: str) -> Optional[Callable]:
     if modeling in _ROTARY_WRAPPERS:
         return _ROTARY_WRAPPERS[modeling][0]
     function = getattr(sys.modules.get(modeling), "apply_rotary_pos_emb", None)
+    return function if callable(function) else None
+
+
+def _original_interleave(modeling: str) -> Optional[Callable]:
+    """The modeling file's ``apply_rotary_pos_emb_interleave`` (the MLA models' rotation of interleaved pairs into
+    halves), where it defines one."""
+    if modeling in _ROTARY_WRAPPERS:
+        return _ROTARY_WRAPPERS[modeling][2]
+    function = getattr(sys.modules.get(modeling), "apply_rotary_pos_emb_interleave", None)
     return function if callable(function) else None
 
 
@@ -423,7 +469,18 @@ def _hold_rotary_wrapper(modeling: str) -> None:
                 return original(q, k, cos, sin, *args, **kwargs)
 
         module.apply_rotary_pos_emb = apply_rotary_pos_emb
-        _ROTARY_WRAPPERS[modeling] = [original, 0]
+        interleave = _original_interleave(modeling)
+        if interleave is not None:  # checked by _check_interleave before any model of this file is patched
+            interleave_dim_of = _unsqueeze_dim_reader(inspect.signature(interleave))
+
+            @functools.wraps(interleave)
+            def apply_rotary_pos_emb_interleave(q, k, cos, sin, *args, **kwargs):
+                if isinstance(cos, RotaryAngles):
+                    return cos.rotate_interleaved_to_halves(q, k, interleave_dim_of(q, k, cos, sin, *args, **kwargs))
+                return interleave(q, k, cos, sin, *args, **kwargs)
+
+            module.apply_rotary_pos_emb_interleave = apply_rotary_pos_emb_interleave
+        _ROTARY_WRAPPERS[modeling] = [original, 0, interleave]
     _ROTARY_WRAPPERS[modeling][1] += 1
 
 
@@ -432,6 +489,8 @@ def _release_rotary_wrapper(modeling: str) -> None:
     entry[1] -= 1
     if entry[1] == 0:  # the last holder: the modeling file gets its own function back
         sys.modules[modeling].apply_rotary_pos_emb = entry[0]
+        if entry[2] is not None:
+            sys.modules[modeling].apply_rotary_pos_emb_interleave = entry[2]
         del _ROTARY_WRAPPERS[modeling]
 
 
@@ -452,7 +511,10 @@ _PROBE_ATOL = 1e-5
 
 
 def _tables(angles: Tensor, scale: float, layout: str = "neox") -> Tuple[Tensor, Tensor]:
-    """cos/sin tables of angles [S, r/2]: "neox" holds each frequency in both halves, "gptj" twice side by side."""
+    """cos/sin tables of angles [S, r/2]: "neox" holds each frequency in both halves, "gptj" twice side by side,
+    "half" once (GPT-OSS: tables [S, r/2] that its apply_rotary_pos_emb applies to both halves)."""
+    if layout == "half":
+        return angles.cos() * scale, angles.sin() * scale
     doubled = torch.cat([angles, angles], dim=-1) if layout == "neox" else torch.repeat_interleave(angles, 2, dim=-1)
     return doubled.cos() * scale, doubled.sin() * scale
 
@@ -466,7 +528,8 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
     """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state; with the layer type
     where its parameters are per layer type), returns the tables of posenc's frequencies, [1, S, rotary_dim]: in
     neox form (each frequency in both halves; returns "neox") or GPT-J form (each frequency twice side by side, as
-    Cohere builds them; returns "gptj")."""
+    Cohere builds them; returns "gptj"), or [1, S, rotary_dim / 2] with each frequency once (GPT-OSS; returns
+    "half")."""
     device = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq").device
     positions = torch.arange(_PROBE_LENGTH, device=device)
     x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
@@ -482,7 +545,8 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
                             f"{type(tables).__name__}, not a (cos, sin) pair of tensors")
     cos, sin = tables
     expected_shape = (1, _PROBE_LENGTH, rotary.rotary_dim)
-    if tuple(cos.shape) != expected_shape:
+    half = tuple(cos.shape) == (1, _PROBE_LENGTH, rotary.rotary_dim // 2)
+    if tuple(cos.shape) != expected_shape and not half:
         category = "multi-axis positions" if cos.dim() != 3 or cos.size(0) != 1 else "cos/sin shape"
         raise NotRecognized(model_type, category, f"{name} returns cos of shape {list(cos.shape)} for position_ids "
                             f"[1, {_PROBE_LENGTH}], expected {list(expected_shape)}")
@@ -494,21 +558,70 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
             folded = copy.deepcopy(module)(x, positions[None, None].expand(2, 1, -1), *by_type)[0]
     except Exception:  # noqa: BLE001 - refusing axes is the one-axis contract
         folded = None
-    if isinstance(folded, Tensor) and tuple(folded.shape) == expected_shape:
+    if isinstance(folded, Tensor) and tuple(folded.shape) == tuple(cos.shape):
         raise NotRecognized(model_type, "multi-axis positions", f"{name} folds position_ids [2, 1, {_PROBE_LENGTH}] "
                             f"(one row per axis) into one table: positions per axis")
     angles = positions.double()[:, None] * rotary.inv_freq_for(x, positions).to(positions.device)[None, :]
     scale = rotary.attention_scale
     diffs = {}
-    for layout in ("neox", "gptj"):
+    for layout in ("half",) if half else ("neox", "gptj"):
         ref_cos, ref_sin = _tables(angles, scale, layout)
         diffs[layout] = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
         if diffs[layout] <= _PROBE_ATOL:
             return layout
     rope_type = module.rope_type if layer_type is None else f"{layer_type}: {module.rope_type[layer_type]}"
     raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({rope_type}) "
-                        f"differ from posenc's frequencies of its config by {diffs['neox']:.2e} (neox halves) and "
-                        f"{diffs['gptj']:.2e} (GPT-J pairs)")
+                        f"differ from posenc's frequencies of its config by " + " and ".join(
+                            f"{diff:.2e} ({layout})" for layout, diff in diffs.items()))
+
+
+_AXES = 3  # M-RoPE's time, height and width: position_ids [3, B, S]
+
+
+def _probe_pair_axis(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding,
+                     layout: str, layer_type: Optional[str] = None) -> Tensor:
+    """The axis that drives each frequency pair of a multi-axis (M-RoPE) rotary module, read from the module
+    itself rather than from its sections: called (on a copy) with position ids [3, 1, S] that move one axis at a
+    time, the columns of its sin table that move name that axis' pairs (in the module's table layout). Then
+    checked on positions that differ on every axis: the tables must be posenc's, angle(pair i) =
+    positions[pair_axis[i]] * inv_freq[i], to 1e-5. Consecutive sections (Qwen2-VL, GLM-4V) and Qwen3-VL's
+    interleaved ones are both just data here."""
+    device = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq").device
+    by_type = () if layer_type is None else (layer_type,)
+    positions = torch.arange(1, _PROBE_LENGTH + 1, device=device)
+    x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
+    pairs = rotary.rotary_dim // 2
+    column = torch.arange(pairs) * 2 if layout == "gptj" else torch.arange(pairs)  # the first column of pair i
+
+    def tables(position_ids: Tensor) -> Tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            return copy.deepcopy(module)(x, position_ids, *by_type)
+
+    try:
+        moved = []
+        for axis in range(_AXES):
+            position_ids = torch.zeros(_AXES, 1, _PROBE_LENGTH, dtype=torch.long, device=device)
+            position_ids[axis] = positions
+            moved.append(tables(position_ids)[1][0][:, column].abs().amax(0).cpu() > 0)
+        found = torch.stack(moved)  # [axes, pairs]
+        generator = torch.Generator().manual_seed(0)
+        mixed = torch.randint(0, 4 * _PROBE_LENGTH, (_AXES, 1, _PROBE_LENGTH), generator=generator).to(device)
+        cos, sin = tables(mixed)
+    except Exception as error:  # noqa: BLE001 - any failure means the contract is not this one
+        raise NotRecognized(model_type, "multi-axis sections", f"{name}(x, position_ids [3, 1, S]) raised "
+                            f"{type(error).__name__}") from None
+    if not bool((found.sum(0) == 1).all()):
+        raise NotRecognized(model_type, "multi-axis sections", f"{name}: not every frequency pair follows exactly "
+                            f"one of the {_AXES} position axes")
+    pair_axis = found.long().argmax(0)
+    inv_freq = rotary.inv_freq_for(x, positions).cpu()
+    angles = mixed[:, 0].cpu().double()[pair_axis].T * inv_freq[None, :]  # [S, pairs]
+    ref_cos, ref_sin = _tables(angles, rotary.attention_scale, layout)
+    diff = max(_max_diff(cos[0].cpu(), ref_cos), _max_diff(sin[0].cpu(), ref_sin))
+    if not diff <= _PROBE_ATOL:
+        raise NotRecognized(model_type, "multi-axis sections", f"{name}: the tables of positions per axis differ "
+                            f"from posenc's multi-axis ones (pair_axis {pair_axis.tolist()}) by {diff:.2e}")
+    return pair_axis
 
 
 def _check_apply(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding,
@@ -517,7 +630,8 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
     q and k [B, H, S, D] (and [B, S, H, D] where it takes unsqueeze_dim) what RotaryAngles.rotate gives in one
     of rope_qk's layouts: the neox rotation (halves) or the GPT-J one (interleaved pairs 2i, 2i + 1) of the first
     rotary_dim channels. Returns that layout. D is the head dim, or rotary_dim for files whose layers pass only
-    the rotated channels. A file whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one tensor (Gemma 4) is
+    the rotated channels (where the function cannot take the whole head: one that takes it and rotates other
+    channels is refused). A file whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one tensor (Gemma 4) is
     probed on q alone, against RotaryAngles.rotate_one (one ``rope`` call)."""
     signature = inspect.signature(function)
     tensors = _rotated_tensors(signature)
@@ -554,8 +668,32 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
                 return layout
         failures.append((head_dim, f"differs from the neox rotation by {max(diffs['neox']):.2e} and from the GPT-J "
                                    f"one (interleaved pairs) by {max(diffs['gptj']):.2e}"))
+        break  # it takes the whole head and rotates other channels (DeepSeek V4's trailing ones): not rope_qk's
     raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling}.apply_rotary_pos_emb with "
                         f"{tables} tables: " + "; ".join(f"head dim {d}: {why}" for d, why in failures))
+
+
+def _check_interleave(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding) -> None:
+    """The modeling file's ``apply_rotary_pos_emb_interleave(q, k, cos, sin, ...)``, given neox tables, gives for
+    q and k [B, H, S, rotary_dim] what ``RotaryAngles.rotate_interleaved_to_halves`` gives: pairs (2i, 2i + 1)
+    rotated at frequency i, returned in halves. Else the model is refused."""
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(_PROBE_LENGTH)
+    inv_freq = rotary.inv_freq_for(torch.zeros(1, _PROBE_LENGTH, 1), positions).cpu()
+    cos, sin = _tables(positions.double()[:, None] * inv_freq[None, :], rotary.attention_scale, "neox")
+    q = torch.randn(2, 3, _PROBE_LENGTH, rotary.rotary_dim, generator=generator)
+    k = torch.randn(2, 1, _PROBE_LENGTH, rotary.rotary_dim, generator=generator)
+    try:
+        theirs = function(q, k, cos.float()[None], sin.float()[None])
+        ours = RotaryAngles(positions, inv_freq, rotary.attention_scale).rotate_interleaved_to_halves(q, k)
+        diff = max(_max_diff(a, b) for a, b in zip(theirs, ours))
+    except Exception as error:  # noqa: BLE001
+        diff, why = float("inf"), f"raised {type(error).__name__}"
+    else:
+        why = f"differs from pairs rotated into halves by {diff:.2e}"
+    if not diff <= _PROBE_ATOL:
+        raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling}."
+                            f"apply_rotary_pos_emb_interleave with neox tables: {why}")
 
 
 def _layer_types(module: torch.nn.Module) -> Optional[List[str]]:
@@ -565,9 +703,10 @@ def _layer_types(module: torch.nn.Module) -> Optional[List[str]]:
     return list(rope_type) if isinstance(rope_type, dict) else None
 
 
-def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, str]:
-    """(modeling file, rotation layout "neox" or "gptj") of one rotary module, checked for each of its layer types
-    where its rope parameters are per layer type."""
+def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) -> Tuple[str, str, Any]:
+    """(modeling file, rotation layout "neox" or "gptj", pair axes or None) of one rotary module, checked for each
+    of its layer types where its rope parameters are per layer type. The pair axes are those of a multi-axis
+    (M-RoPE) module, found by probing it (:func:`_probe_pair_axis`): a tensor, or a dict of one per layer type."""
     modeling = type(module).__module__
     function = _original_apply(modeling)
     if function is None:
@@ -577,9 +716,8 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
     if layer_types is None and getattr(module, "layer_types", None) is not None:
         raise NotRecognized(model_type, "per-layer-type rope", f"{name} has layer types but no rope_type per type")
     params = getattr(getattr(module, "config", None), "rope_parameters", None)
-    if getattr(module, "mrope_section", None) is not None or (isinstance(params, dict) and "mrope_section" in params):
-        raise NotRecognized(model_type, "multi-axis sections", f"{name} rotates sections of the channels with "
-                            f"separate position axes (M-RoPE, position_ids [3, B, S])")
+    multi_axis = getattr(module, "mrope_section", None) is not None or (isinstance(params, dict) and
+                                                                         "mrope_section" in params)
     config = getattr(module, "config", None)
     forward = inspect.signature(type(module).forward)
     arguments = [p for p in list(forward.parameters.values())[1:]
@@ -589,7 +727,7 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
             p.default is inspect.Parameter.empty for p in arguments[len(expected):]):
         raise NotRecognized(model_type, "rotary forward", f"{type(module).__name__}.forward{forward} is not "
                             f"forward({', '.join(expected)})")
-    layouts = {}
+    layouts, pair_axes = {}, {}
     for layer_type in layer_types or [None]:
         what = name if layer_type is None else f"{name} (layer type {layer_type!r})"
         prefix = "" if layer_type is None else f"{layer_type}_"
@@ -614,11 +752,20 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
             raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {what} "
                                 f"rotates {2 * inv_freq.numel()} channels")
         tables = _check_tables(model_type, name, module, rotary, layer_type)
+        if multi_axis:
+            pair_axes[layer_type] = _probe_pair_axis(model_type, what, module, rotary, tables, layer_type)
         layouts[layer_type] = _check_apply(model_type, modeling, function, rotary, tables)
+        interleave = _original_interleave(modeling)
+        if interleave is not None:
+            if tables != "neox":
+                raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling} defines "
+                                    f"apply_rotary_pos_emb_interleave and {name} builds GPT-J style tables")
+            _check_interleave(model_type, modeling, interleave, rotary)
     if len(set(layouts.values())) != 1:
         raise NotRecognized(model_type, "per-layer-type rope", f"{name}: its layer types rotate in different "
                             f"layouts ({layouts})")
-    return modeling, next(iter(layouts.values()))
+    pair_axis = None if not multi_axis else pair_axes if layer_types is not None else pair_axes[None]
+    return modeling, next(iter(layouts.values())), pair_axis
 
 
 def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str]]:
@@ -631,8 +778,9 @@ def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module,
       knows (``frequencies.ROPE_TYPES``), a 1-D ``inv_freq``, its ``config`` (from which
       ``RotaryEmbedding.from_hf_config`` reads the same rotary dim) and ``forward(x, position_ids)``;
     - called on positions 0..11 (on a copy), it returns ``(cos, sin)`` of shape [1, S, rotary_dim] equal, to 1e-5,
-      to the neox tables of posenc's frequencies times the attention scale: this checks the rope type, its
-      parameters, partial rotary and the layout of the tables;
+      to the neox tables of posenc's frequencies times the attention scale (or [1, S, rotary_dim / 2], each
+      frequency once: GPT-OSS): this checks the rope type, its parameters, partial rotary and the layout of the
+      tables; an M-RoPE module (``mrope_section``) is then probed for the position axis of each pair;
     - the module's modeling file defines ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` which, on random q and k
       [B, H, S, D] (and [B, S, H, D] with ``unsqueeze_dim=2`` where it takes that argument), gives what
       ``rope_qk`` gives: the neox rotation of the first rotary_dim channels, the rest passed through.
@@ -642,11 +790,12 @@ def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module,
     of the first rotary_dim channels (Cohere, GLM, ERNIE 4.5, Helium): equal to ``rope_qk`` with layout "gptj".
     :func:`patch` then rotates with that layout; a file that matches neither rotation is refused.
     """
-    return [(name, module, modeling) for name, module, modeling, _ in _recognize_rotary(model)]
+    return [(name, module, modeling) for name, module, modeling, _, _ in _recognize_rotary(model)]
 
 
-def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str, str]]:
-    """:func:`recognize_rotary`'s rotary modules with the rotation layout of each: (path, module, modeling, layout)."""
+def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str, str, Any]]:
+    """:func:`recognize_rotary`'s rotary modules with the rotation layout of each and its pair axes (M-RoPE, else
+    None): (path, module, modeling, layout, pair_axis)."""
     model_type = _model_type(model)
     found = _find(model, lambda m: type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, RotaryPositions))
     if not found:
@@ -654,22 +803,27 @@ def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module
                             f"submodule, and bloom, t5 and gpt2 are the non-rotary types patch knows")
     recognized = []
     for name, module in found:
-        modeling, layout = _check_rotary_module(model_type, name, module)
-        recognized.append((name, module, modeling, layout))
+        modeling, layout, pair_axis = _check_rotary_module(model_type, name, module)
+        recognized.append((name, module, modeling, layout, pair_axis))
     return recognized
 
 
 def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
     recognized = _recognize_rotary(model)
     record = Patch(model_type, "rotary")
-    for name, original, modeling, layout in recognized:
-        replacement = RotaryPositions(original, modeling, layout).to(device=next(original.buffers()).device)
+    for name, original, modeling, layout, pair_axis in recognized:
+        replacement = RotaryPositions(original, modeling, layout, pair_axis).to(
+            device=next(original.buffers()).device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
-    for modeling in dict.fromkeys(modeling for _, _, modeling, _ in recognized):
+    for modeling in dict.fromkeys(modeling for _, _, modeling, _, _ in recognized):
         one = _rotated_tensors(inspect.signature(_original_apply(modeling))) == 1
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
                                      f"posenc: RotaryAngles -> {'rope (one tensor a call)' if one else 'rope_qk'}, "
                                      f"cos/sin tables -> the original"))
+        if _original_interleave(modeling) is not None:
+            record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb_interleave",
+                                         "posenc: RotaryAngles -> rope_qk (layout gptj) into halves, cos/sin tables "
+                                         "-> the original"))
     return record
 
 

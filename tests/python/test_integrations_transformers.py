@@ -226,6 +226,13 @@ def rotary_models():
         **common, head_dim=16, layer_types=layer_types, sliding_window=8,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    # MLA (DeepSeek V3): rope on its decoupled 8 channels, interleaved pairs rotated into halves by
+    # apply_rotary_pos_emb_interleave (rope_qk with layout="gptj", then the halves), YaRN with mscale.
+    yield "deepseek_v3", transformers.DeepseekV3Config(
+        **dict(common, num_key_value_heads=2), head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        kv_lora_rank=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        moe_intermediate_size=16, first_k_dense_replace=1, rope_interleave=True,
+        rope_parameters=dict(SCALINGS["yarn"], rope_theta=1e4, mscale=1.0, mscale_all_dim=0.707))
     yield "olmo3", transformers.Olmo3Config(
         **common, layer_types=layer_types, sliding_window=8,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
@@ -313,9 +320,49 @@ def test_dynamic_ntk_per_layer_type_is_refused():
     assert not PT.is_patched(model) and not PT._ROTARY_WRAPPERS
 
 
+MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+
+
+@pytest.mark.parametrize("model_type, layer_type, pair_axis", [
+    ("qwen2_vl_text", None, [0, 0, 1, 1, 1, 2, 2, 2]),  # consecutive sections, neox
+    ("qwen3_vl_text", None, [0, 1, 2, 0, 1, 2, 0, 1]),  # Qwen3-VL's interleaved sections
+    ("glm4v_text", None, [0, 0, 1, 1, 1, 2, 2, 2]),  # GLM-4V: sections in GPT-J style tables
+    ("cohere_compass_text", "full_attention", [0, 1, 2, 0, 1, 2, 0, 1])])  # rope parameters per layer type
+def test_mrope_with_positions_per_axis_matches_hugging_face(model_type, layer_type, pair_axis):
+    """M-RoPE (position_ids [3, B, S], one row per axis: time, height, width): the patch reads each pair's axis
+    from the rotary module and rotates with rope_qk's pair_axis; positions that differ on every axis give the
+    unpatched logits, and [B, S] position ids (every axis the same) and none too."""
+    layers = {} if layer_type is None else dict(layer_types=[layer_type] * 2)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters=MROPE if layer_type is None else {layer_type: MROPE}, **layers)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval() \
+        if type(config) in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING else \
+        transformers.AutoModel.from_config(config).eval()
+    patched, record = patched_copy(model)
+    rotary = [m for _, m in patched.named_modules() if isinstance(m, PT.RotaryPositions)]
+    found = rotary[0].pair_axis if layer_type is None else rotary[0].pair_axes[layer_type]
+    assert len(rotary) == 1 and found.tolist() == pair_axis, record
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, VOCAB, (2, 12), generator=generator)
+    positions = torch.randint(0, 40, (3, 2, 12), generator=generator)
+
+    def output(m, **inputs):
+        with torch.no_grad():
+            out = m(input_ids=tokens, **inputs)
+        return getattr(out, "logits", None) if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+    for inputs in (dict(position_ids=positions), dict(position_ids=positions[0]), {}):
+        torch.testing.assert_close(output(patched, **inputs), output(model, **inputs), atol=LOGITS_ATOL, rtol=0)
+    counts = ops_of(lambda: output(patched, position_ids=positions))
+    assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
+    PT.unpatch(patched)
+    assert not PT._ROTARY_WRAPPERS
+
+
 @pytest.mark.parametrize("model_type, category", [("nanochat", "non-standard apply_rotary_pos_emb"),
-                                                   ("neomme", "multi-axis positions"),
-                                                   ("qwen3_vl_text", "multi-axis sections")])
+                                                   ("neomme", "multi-axis positions")])
 def test_models_outside_the_contract_are_refused_unchanged(model_type, category):
     config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
