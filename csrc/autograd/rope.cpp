@@ -60,14 +60,12 @@ struct Angles {
     ctx->saved_data["q_scale_shift"] = q_scale_shift;
   }
 
+  // `saved`: ctx->get_saved_variables(), read once per backward (non-reentrant activation checkpointing refuses a
+  // second read of the same saved tensors).
   // The outputs saved with the angles (none unless inv_freq required grad).
-  static std::vector<at::Tensor> outputs(AutogradContext* ctx) {
-    const auto saved = ctx->get_saved_variables();
-    return {saved.begin() + 4, saved.end()};
-  }
+  static std::vector<at::Tensor> outputs(const variable_list& saved) { return {saved.begin() + 4, saved.end()}; }
 
-  static Angles load(AutogradContext* ctx) {
-    const auto saved = ctx->get_saved_variables();
+  static Angles load(AutogradContext* ctx, const variable_list& saved) {
     return {optional_of(saved[0]),
             saved[1],
             ctx->saved_data["attention_scale"].toDouble(),
@@ -155,9 +153,10 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto angles = Angles::load(ctx);
+    const auto saved = ctx->get_saved_variables();
+    const auto angles = Angles::load(ctx, saved);
     const auto grad_x = angles.rotate(grads[0], !kInverse);
-    const auto out = Angles::outputs(ctx);
+    const auto out = Angles::outputs(saved);
     const auto grad_w = out.empty() ? at::Tensor() : inv_freq_grad(angles, out[0], grads[0], kInverse);
     return {grad_x, at::Tensor(), grad_w, at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -190,12 +189,13 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto angles = Angles::load(ctx);
+    const auto saved = ctx->get_saved_variables();
+    const auto angles = Angles::load(ctx, saved);
     const auto [grad_q, grad_k] = rotate(angles, grads[0], grads[1], !kInverse);
     variable_list out(13);  // q, k, positions, inv_freq, then nine arguments without a gradient
     out[0] = grad_q;
     out[1] = grad_k;
-    const auto outputs = Angles::outputs(ctx);
+    const auto outputs = Angles::outputs(saved);
     if (!outputs.empty()) {
       // q's query scale (a factor of q's output, constant in the angle) is part of q's output already
       out[3] = inv_freq_grad(angles, outputs[0], grads[0], kInverse) +
@@ -236,7 +236,7 @@ struct RopeInplace : public torch::autograd::Function<RopeInplace> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto grad_x = Angles::load(ctx).rotate(grads[0], true);
+    const auto grad_x = Angles::load(ctx, ctx->get_saved_variables()).rotate(grads[0], true);
     return {grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -457,6 +457,40 @@ def test_only_positions_and_frequencies_are_saved():
     assert torch.equal(saved[0], positions) and all(torch.equal(t, inv_freq) for t in saved[1:])
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["fixed", "learned_freq"])
+def test_non_reentrant_checkpointing_recomputes_the_rotations(learned):
+    """torch.utils.checkpoint(use_reentrant=False), transformers' default for gradient checkpointing, allows each
+    saved tensor to be read once per backward: rope, rope_qk and rope_ (on a non-leaf) run under it and give the
+    inverse rotation (float64 formula) as x's gradient, and, with learned frequencies, the plain backward's."""
+    positions = torch.randint(0, 3000, (2, 5))
+    inv_freq = FQ.rope(8)[0].requires_grad_(learned)
+    q, k, v = (torch.randn(2, 5, 3, 8, requires_grad=True) for _ in range(3))
+    grads = [torch.randn(2, 5, 3, 8) for _ in range(4)]
+
+    def rotations(q, k, v, inv_freq):
+        q_out, k_out = PF.rope_qk(q, k, positions, inv_freq, 0.6, "gptj")
+        v_out = PF.rope(v, positions, inv_freq, 0.6)
+        outs = [q_out, k_out, v_out]
+        if not learned:  # rope_ takes no learned frequencies
+            outs.append(PF.rope_(v * 1.0, positions, inv_freq))
+        return sum((out * grad).sum() for out, grad in zip(outs, grads))
+
+    torch.utils.checkpoint.checkpoint(rotations, q, k, v, inv_freq, use_reentrant=False).backward()
+    assert_close(q.grad.double(), reference_rope(grads[0], positions, -inv_freq.detach(), "gptj", 0.6), atol=2e-6,
+                 rtol=0)
+    assert_close(k.grad.double(), reference_rope(grads[1], positions, -inv_freq.detach(), "gptj", 0.6), atol=2e-6,
+                 rtol=0)
+    expected_v = reference_rope(grads[2], positions, -inv_freq.detach(), "neox", 0.6)
+    if not learned:
+        expected_v = expected_v + reference_rope(grads[3], positions, -inv_freq.detach())
+    assert_close(v.grad.double(), expected_v, atol=4e-6, rtol=0)
+    if learned:
+        checkpointed = inv_freq.grad.clone()
+        inv_freq.grad = None
+        rotations(q, k, v, inv_freq).backward()
+        assert torch.equal(checkpointed, inv_freq.grad)
+
+
 @pytest.mark.parametrize("layout", ["neox", "gptj"])
 def test_gradcheck(layout):
     def f64(*shape):
