@@ -25,6 +25,8 @@ if "--no-thp" not in os.sys.argv:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import argparse
+import contextlib
+import copy
 import json
 import math
 import statistics
@@ -39,14 +41,19 @@ import posenc
 from posenc import functional as PF
 
 
-def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 2) -> Dict[str, float]:
-    """Median time of each function, measured round-robin: every repetition runs each function once."""
-    for fn in fns.values():
+def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 2,
+               prepare: Optional[Dict[str, Callable[[], object]]] = None) -> Dict[str, float]:
+    """Median time of each function, measured round-robin: every repetition runs each function once.
+    `prepare[name]`, where given, runs before each call of that function, untimed (a decode's fresh cache)."""
+    prepare = prepare or {}
+    for name, fn in fns.items():
         for _ in range(warmup):
+            prepare.get(name, lambda: None)()
             fn()
     times = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
+            prepare.get(name, lambda: None)()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -84,14 +91,17 @@ class Table:
         self.op, self.repeat, self.rows = op, repeat, []
 
     def add(self, shape: str, dtype: torch.dtype, mode: str, ours: Callable, baselines: Dict[str, Callable],
-            copy_reference: Optional[torch.Tensor] = None, copies: int = 1, fresh: bool = True, **extra):
+            copy_reference: Optional[torch.Tensor] = None, copies: int = 1, fresh: bool = True,
+            prepare: Optional[Dict[str, Callable]] = None, warmup: int = 2, **extra):
+        """`prepare`: untimed calls before each timed one, keyed "ours" or a baseline's name (see medians_ms)."""
         fns = {"ours": ours, **{f"baseline {name}": fn for name, fn in baselines.items()}}
         if copy_reference is not None:
             out = torch.empty_like(copy_reference)
             fns["copy"] = lambda: [out.copy_(copy_reference) for _ in range(copies)]
             if fresh:
                 fns["fresh"] = lambda: [copy_reference.clone() for _ in range(copies)]
-        ms = medians_ms(fns, self.repeat)
+        prepare = {("ours" if name == "ours" else f"baseline {name}"): fn for name, fn in (prepare or {}).items()}
+        ms = medians_ms(fns, self.repeat, warmup, prepare)
         row = {"op": self.op, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "mode": mode,
                "ours_ms": ms["ours"], "baselines_ms": {}, "speedup": {}}
         for name in baselines:
@@ -682,27 +692,41 @@ def bench_dinov3(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
-def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3) -> Dict[str, float]:
+def positional_ms(step: Callable[[], object], label: Callable[[], object], steps: int = 3,
+                  prepare: Callable[[], object] = lambda: None) -> Dict[str, float]:
     """Profiled steps: the medians of a step's wall time and of its positional code's time (ms), and the median
-    of their ratio per step (the share).
+    of their ratio per step (the share). `prepare()` runs before each step, outside the profile.
 
     `label()` is a context manager under which the model's positional code runs inside
     torch.profiler.record_function("positional") ranges. Forward: the elapsed time of those ranges (the ops
-    inside included). Backward: the autograd engine's evaluate_function events of the nodes those ops
-    recorded, matched by sequence number."""
+    inside included), and of any posenc op called outside them (so that a patch which moves its work elsewhere
+    is still counted). Backward: the autograd engine's evaluate_function events of the nodes those ops recorded,
+    matched by sequence number."""
     from torch.profiler import ProfilerActivity, profile
+
+    def outermost(event) -> bool:
+        """Not inside a positional range, a posenc op or a backward node: counted once."""
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name == "positional" or parent.name.startswith(("posenc::", "autograd::engine::")):
+                return False
+            parent = parent.cpu_parent
+        return True
+
     walls, positional = [], []
     with label():
+        prepare()
         step()  # the profiler's own first-call cost stays out of the measured steps
         for _ in range(steps):
+            prepare()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
                 step()
                 walls.append(time.perf_counter() - start)
             events = prof.events()
-            ranges = [e for e in events if e.name == "positional"]
+            ranges = [e for e in events if (e.name == "positional" or e.name.startswith("posenc::")) and outermost(e)]
             sequence = set()
-            pending = [child for e in ranges for child in e.cpu_children]
+            pending = list(ranges)
             while pending:
                 event = pending.pop()
                 if event.sequence_nr >= 0:
@@ -715,76 +739,183 @@ def positional_ms(step: Callable[[], object], label: Callable[[], object], steps
             "share": statistics.median(p / (w * 1e3) for p, w in zip(positional, walls))}
 
 
-def bench_model(repeat: int, quick: bool) -> List[dict]:
-    """A small Llama-shaped model, forward + backward (a training step: gradients into every parameter),
-    patched with posenc.integrations.transformers against the same model unpatched (Hugging Face eager rotary:
-    cos/sin tables once per step, apply_rotary_pos_emb in every layer), with the share of the step spent in
-    positional code before and after (torch.profiler)."""
+MODELS = None  # --models: the families --ops model runs (None: all of MODEL_FAMILIES)
+MODEL_FAMILIES = ("llama", "qwen3", "gemma3")
+
+
+def model_families(quick: bool) -> Dict[str, tuple]:
+    """name -> (row label, Auto class, config, decode rows or not). A training step runs the decoder stack (a
+    causal LM's .model), so every family's training row measures the same thing as Llama's LlamaModel."""
+    import transformers
+    layers, hidden, heads, seq = (2, 256, 2, 512) if quick else (4, 1024, 8, 2048)
+    size = dict(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                num_attention_heads=heads, max_position_embeddings=seq)
+    gqa = dict(size, num_key_value_heads=heads // 2, head_dim=hidden // heads)
+    window = seq // 4
+    # Gemma 3's own pattern (five sliding layers, then a full one) would leave a 4-layer model without a full
+    # layer; its released configs scale the global layers' rope linearly (factor 8): both per-layer ropes differ.
+    gemma3 = transformers.Gemma3TextConfig(
+        **gqa, query_pre_attn_scalar=hidden // heads, sliding_window=window,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    return {
+        "llama": (f"Llama {layers}x{hidden}, {heads} heads, seq {seq}", transformers.AutoModel,
+                  transformers.LlamaConfig(**size, num_key_value_heads=heads, rope_parameters={
+                      "rope_type": "default", "rope_theta": 500000.0}), False),
+        "qwen3": (f"Qwen3 {layers}x{hidden}, {heads}/{heads // 2} heads, seq {seq}",
+                  transformers.AutoModelForCausalLM,
+                  transformers.Qwen3Config(**gqa, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+                  True),
+        "gemma3": (f"Gemma 3 {layers}x{hidden}, {heads}/{heads // 2} heads, seq {seq}, window {window}",
+                   transformers.AutoModelForCausalLM, gemma3, True),
+    }
+
+
+@contextlib.contextmanager
+def positional_ranges(model: torch.nn.Module):
+    """record_function("positional") ranges around what the patch replaces or may fuse, patched or not: the rotary
+    module, the modeling file's apply_rotary_pos_emb (Hugging Face's or posenc's wrapper), and the attention
+    layers' q_norm and k_norm where the model has them (Qwen3, Gemma 3): qk_norm_rope fuses those norms into the
+    rotation, so both sides count them and the comparison holds with or without that fusion. Modules are labelled
+    by hooks, which stay around whatever forward a patch installs."""
+    from torch.profiler import record_function
+    modeling = sys.modules[type(model).__module__]
+    decoder = getattr(model, "model", model)
+    modules = [decoder.rotary_emb] + [m for name, m in model.named_modules() if name.endswith((".q_norm", ".k_norm"))]
+    open_ranges = []
+
+    def enter(*_):
+        open_ranges.append(record_function("positional").__enter__())
+
+    def leave(*_):
+        open_ranges.pop().__exit__(None, None, None)
+
+    handles = [h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    apply = modeling.apply_rotary_pos_emb
+
+    def labelled(*args, **kwargs):
+        with record_function("positional"):
+            return apply(*args, **kwargs)
+
+    modeling.apply_rotary_pos_emb = labelled
     try:
-        import contextlib
-        import copy
+        yield
+    finally:
+        modeling.apply_rotary_pos_emb = apply
+        for handle in handles:
+            handle.remove()
+
+
+class Decode:
+    """Greedy decoding of `steps` tokens one at a time, batch `batch`, after a prompt prefilled once into a
+    DynamicCache. prepare() (untimed) hands the next run a copy of the prefilled cache; run() decodes."""
+
+    def __init__(self, model: torch.nn.Module, prompt: torch.Tensor, steps: int):
         import transformers
-        import transformers.models.llama.modeling_llama as modeling
+        self.model, self.steps = model, steps
+        self.prefilled = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = model(input_ids=prompt, cache=self.prefilled, use_cache=True, logits_to_keep=1).logits
+        self.first = logits[:, -1:].argmax(-1)
+        self.cache = None
+
+    def prepare(self) -> None:
+        self.cache = copy.deepcopy(self.prefilled)
+
+    def run(self) -> None:
+        token = self.first
+        with torch.no_grad():
+            for _ in range(self.steps):
+                token = self.model(input_ids=token, cache=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def bench_model(repeat: int, quick: bool) -> List[dict]:
+    """Small Llama-, Qwen3- (QK-norm) and Gemma 3-shaped (a rope per layer type) models, patched with
+    posenc.integrations.transformers against the same models unpatched (Hugging Face eager rotary: cos/sin tables
+    once per forward, apply_rotary_pos_emb in every layer). For each: a training step (forward + backward, gradients
+    into every parameter) and, for Qwen3 and Gemma 3, a decode step (tokens generated one at a time after a
+    prefilled prompt, tokens per second), with the share of the step spent in positional code before and after
+    (torch.profiler)."""
+    try:
+        import transformers  # noqa: F401
         from posenc.integrations import transformers as posenc_hf
     except ImportError:
         print("model: transformers is not installed (pip install transformers); skipped")
         return []
-    layers, hidden, heads, seq = (2, 256, 2, 512) if quick else (4, 1024, 8, 2048)
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                                      max_position_embeddings=seq, rope_parameters={"rope_type": "default",
-                                                                                    "rope_theta": 500000.0})
+    families = model_families(quick)
+    unknown = sorted(set(MODELS or ()) - set(families))
+    if unknown:
+        raise SystemExit(f"bench.py --models: got {', '.join(unknown)}; choose from {', '.join(MODEL_FAMILIES)}")
+    seq, batch, steps = (512, 4, 16) if quick else (2048, 4, 32)
     table = Table("model", repeat)
-    tokens = torch.randint(0, config.vocab_size, (1, seq))
-    for dtype in (torch.float32, torch.bfloat16):
-        torch.manual_seed(0)
-        unpatched = transformers.LlamaModel(config).to(dtype).train()
-        patched = copy.deepcopy(unpatched)
-        posenc_hf.patch(patched)
-        grad = torch.randn(1, seq, hidden, dtype=dtype)
+    for family in MODELS or MODEL_FAMILIES:
+        label, auto, config, decode = families[family]
+        tokens = torch.randint(0, config.vocab_size, (1, seq))
+        prompt = torch.randint(0, config.vocab_size, (batch, seq))
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            # built in `dtype`, as from_pretrained(dtype=...) loads a model: the rotary frequencies stay float32
+            # (model.to(dtype) would round them, and patch refuses tables that no longer match the config)
+            models = {"unpatched": auto.from_config(config, dtype=dtype)}
+            models["patched"] = copy.deepcopy(models["unpatched"])
+            posenc_hf.patch(models["patched"])
+            grad = torch.randn(1, seq, config.hidden_size, dtype=dtype)
 
-        def step(model):
-            def run():
+            def train(model):
+                decoder = getattr(model, "model", model)
+
+                def run():
+                    decoder.zero_grad(set_to_none=True)
+                    decoder(input_ids=tokens).last_hidden_state.backward(grad)
+                return run
+
+            for model in models.values():
+                model.train()
+            model_rows(table, label, dtype, models, {name: train(m) for name, m in models.items()}, {}, "fwd+bwd",
+                       repeat)
+            if not decode:
+                continue
+            for model in models.values():
                 model.zero_grad(set_to_none=True)
-                model(input_ids=tokens).last_hidden_state.backward(grad)
-            return run
-
-        @contextlib.contextmanager
-        def label(model):
-            """record_function ranges around the rotary module and apply_rotary_pos_emb (either version)."""
-            from torch.profiler import record_function
-            rotary, apply = model.rotary_emb, modeling.apply_rotary_pos_emb
-            rotary_forward = rotary.forward
-
-            def labelled(fn):
-                def call(*args, **kwargs):
-                    with record_function("positional"):
-                        return fn(*args, **kwargs)
-                return call
-
-            rotary.forward, modeling.apply_rotary_pos_emb = labelled(rotary_forward), labelled(apply)
-            try:
-                yield
-            finally:
-                del rotary.forward
-                modeling.apply_rotary_pos_emb = apply
-
-        ms = {"patched": step(patched), "unpatched": step(unpatched)}
-        shares = {name: positional_ms(fn, lambda m=(patched if name == "patched" else unpatched): label(m),
-                                      steps=min(3, repeat))
-                  for name, fn in ms.items()}
-        share = {name: s["share"] for name, s in shares.items()}
-        mode = f"fwd+bwd, positional {100 * share['unpatched']:.1f}% -> {100 * share['patched']:.1f}%"
-        table.add(f"Llama {layers}x{hidden}, {heads} heads, seq {seq}", dtype, mode, ms["patched"],
-                  {"HF eager": ms["unpatched"]},
-                  positional_ms=shares["patched"]["positional_ms"], step_ms=shares["patched"]["step_ms"],
-                  baseline_positional_ms=shares["unpatched"]["positional_ms"],
-                  baseline_step_ms=shares["unpatched"]["step_ms"],
-                  positional_share=share["patched"], baseline_positional_share=share["unpatched"])
-        print(f"{'':<22} profiled steps (medians): HF eager positional {shares['unpatched']['positional_ms']:.1f} of "
-              f"{shares['unpatched']['step_ms']:.1f} ms, posenc {shares['patched']['positional_ms']:.1f} of "
-              f"{shares['patched']['step_ms']:.1f} ms", flush=True)
+                model.eval()
+            decoders = {name: Decode(m, prompt, steps) for name, m in models.items()}
+            model_rows(table, f"{label}, decode {steps} after {seq}, batch {batch}", dtype, models,
+                       {name: d.run for name, d in decoders.items()},
+                       {name: d.prepare for name, d in decoders.items()}, "decode", repeat, tokens=batch * steps)
+            del decoders
     return table.rows
+
+
+def model_rows(table: Table, shape: str, dtype: torch.dtype, models: Dict[str, torch.nn.Module],
+               fns: Dict[str, Callable], prepare: Dict[str, Callable], what: str, repeat: int,
+               tokens: Optional[int] = None) -> None:
+    """One row: `fns["patched"]` against `fns["unpatched"]` timed round-robin, then each profiled for its
+    positional share. `tokens`: tokens generated per call, for tokens per second."""
+    none = lambda: None  # noqa: E731
+    shares = {name: positional_ms(fn, lambda m=models[name]: positional_ranges(m), steps=min(3, repeat),
+                                  prepare=prepare.get(name, none))
+              for name, fn in fns.items()}
+    share = {name: s["share"] for name, s in shares.items()}
+    extra = dict(positional_ms=shares["patched"]["positional_ms"], step_ms=shares["patched"]["step_ms"],
+                 baseline_positional_ms=shares["unpatched"]["positional_ms"],
+                 baseline_step_ms=shares["unpatched"]["step_ms"],
+                 positional_share=share["patched"], baseline_positional_share=share["unpatched"])
+    mode = f"{what}, positional {100 * share['unpatched']:.1f}% -> {100 * share['patched']:.1f}%"
+    # no warm-up calls: the profiled steps above have run each function four times
+    table.add(shape, dtype, mode, fns["patched"], {"HF eager": fns["unpatched"]},
+              prepare={"ours": prepare.get("patched", none), "HF eager": prepare.get("unpatched", none)}, warmup=0,
+              **extra)
+    row = table.rows[-1]
+    if tokens:
+        row["tokens"] = tokens
+        row["tokens_per_s"] = tokens / row["ours_ms"] * 1e3
+        row["baseline_tokens_per_s"] = tokens / row["baselines_ms"]["HF eager"] * 1e3
+        print(f"{'':<22} tokens/s: HF eager {row['baseline_tokens_per_s']:.1f}, posenc {row['tokens_per_s']:.1f}",
+              flush=True)
+    print(f"{'':<22} profiled steps (medians): HF eager positional {shares['unpatched']['positional_ms']:.1f} of "
+          f"{shares['unpatched']['step_ms']:.1f} ms, posenc {shares['patched']['positional_ms']:.1f} of "
+          f"{shares['patched']['step_ms']:.1f} ms", flush=True)
 
 
 # ---------------------------------------------------------------- GPU (--device cuda)
@@ -1137,6 +1268,8 @@ def main() -> None:
                         help="cuda: the GPU benchmark (its own shapes and baselines, CUDA-event timing)")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    parser.add_argument("--models", help="with --ops model: comma-separated, of " + ",".join(MODEL_FAMILIES)
+                        + "; default all")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-thp", action="store_true", help="do not set THP_MEM_ALLOC_ENABLE=1")
     parser.add_argument("--markdown", help="also write the rows as a markdown table to this file")
@@ -1146,6 +1279,9 @@ def main() -> None:
     parser.add_argument("--reuse-memory", action="store_true",
                         help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
     args = parser.parse_args()
+    if args.models:
+        global MODELS
+        MODELS = args.models.split(",")
     if args.reuse_memory:
         global REUSE_MEMORY
         REUSE_MEMORY = True

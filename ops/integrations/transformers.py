@@ -26,7 +26,10 @@
   YaRN, Llama 3, LongRoPE). The layers call their modeling file's ``apply_rotary_pos_emb`` by its global
   name, so that function is wrapped while a patched model of that file exists: the wrapper sends
   :class:`RotaryAngles` to ``rope_qk`` and passes real cos/sin tables, those of every unpatched model, to the
-  original function unchanged.
+  original function unchanged. Attention layers with a ``q_norm`` and a ``k_norm`` (Qwen3, Gemma 3, OLMo 2, ...)
+  get them applied by the rotation: one ``posenc.qk_norm_rope`` call per layer instead of two norms and a
+  rotation, in the norm convention found by probing the norm modules, and only where a probe call of the layer
+  gives the unfused output (:func:`_fuse_qk_norms`; the record's ``notes`` say why a layer was left unfused).
 - **BLOOM**: the model's ``build_alibi_tensor`` becomes posenc's slopes times ``positions_from_mask`` (one row
   per head, as BLOOM adds it inside ``baddbmm``), BLOOM's bias for padding anywhere in the mask; a call without
   an attention mask gets an all-ones mask, so that both of BLOOM's paths build the bias with posenc.
@@ -50,7 +53,7 @@ import sys
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -97,10 +100,12 @@ class Patch:
     family: str
     changes: List[Change] = field(default_factory=list)
     _undo: List[Tuple[str, str, Any]] = field(default_factory=list, repr=False)
+    # What was left as Hugging Face has it, and why (q_norm/k_norm that could not be fused into the rotation).
+    notes: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         return "\n".join([f"posenc patch of a {self.model_type} model ({self.family}):"]
-                         + [f"  {change}" for change in self.changes])
+                         + [f"  {change}" for change in self.changes] + [f"  note     {note}" for note in self.notes])
 
 
 def patch(model: torch.nn.Module) -> Patch:
@@ -218,24 +223,44 @@ class RotaryAngles:
     (``unsqueeze_dim=1``, Hugging Face's default) or [B, S, H, D] (``unsqueeze_dim=2``); the first ``2 *
     len(inv_freq)`` channels rotate, the others pass through (partial rotary). ``layout`` is the rotation the
     modeling file does: "neox" (halves, channel i with i + rotary_dim / 2) or "gptj" (interleaved pairs 2i,
-    2i + 1: Cohere, GLM, ERNIE 4.5, Helium), pair i at frequency ``inv_freq[i]`` in both.
+    2i + 1: Cohere, GLM, ERNIE 4.5, Helium), pair i at frequency ``inv_freq[i]`` in both. Angles that carry a
+    layer's q/k norms (``with_qk_norm``, handed to that one layer) make ``rotate`` one ``qk_norm_rope`` call.
     """
 
-    __slots__ = ("positions", "inv_freq", "attention_scale", "layout", "pair_axis")
+    __slots__ = ("positions", "inv_freq", "attention_scale", "layout", "pair_axis", "qk_norm")
 
     def __init__(self, positions: Tensor, inv_freq: Tensor, attention_scale: float, layout: str = "neox",
-                 pair_axis: Optional[Tensor] = None):
+                 pair_axis: Optional[Tensor] = None, qk_norm: Optional[tuple] = None):
         self.positions, self.inv_freq, self.attention_scale = positions, inv_freq, attention_scale
         self.layout, self.pair_axis = layout, pair_axis
+        # (q_weight, k_weight, eps, norm): the q_norm/k_norm of the one attention layer these angles were handed
+        # to, deferred to the rotation (see _fuse_qk_norms); None for a plain rotation.
+        self.qk_norm = qk_norm
+
+    def with_qk_norm(self, q_weight: Tensor, k_weight: Tensor, eps: float, norm: str) -> "RotaryAngles":
+        """The same angles, for a layer whose q_norm and k_norm ``rotate`` applies (one ``qk_norm_rope`` call)."""
+        return RotaryAngles(self.positions, self.inv_freq, self.attention_scale, self.layout, self.pair_axis,
+                            (q_weight, k_weight, eps, norm))
 
     def rotate(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
+        if self.qk_norm is not None:
+            q_weight, k_weight, eps, norm = self.qk_norm
+            return torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, self.positions, self.inv_freq, eps, norm,
+                                                 self.attention_scale, self.layout, _format_of(unsqueeze_dim), 0,
+                                                 None, self.pair_axis)
         return torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, self.layout,
                                         _format_of(unsqueeze_dim), 0, None, self.pair_axis)
+
+    def _no_qk_norm(self, method: str) -> None:
+        if self.qk_norm is not None:  # the layer's norms were deferred to rotate(q, k): this call would drop them
+            raise RuntimeError(f"{_NAME}: RotaryAngles.{method} got angles that carry a layer's q/k norm; only "
+                               f"rotate(q, k) applies it")
 
     def rotate_interleaved_to_halves(self, q: Tensor, k: Tensor, unsqueeze_dim: int = 1) -> Tuple[Tensor, Tensor]:
         """The MLA models' ``apply_rotary_pos_emb_interleave`` (DeepSeek V3, Mistral 4, GLM-4 MoE Lite, ...): pairs
         (2i, 2i + 1) rotated at frequency i, as one ``rope_qk`` call with layout "gptj", and returned in halves
         (the even channels, then the odd ones), as that function returns them."""
+        self._no_qk_norm("rotate_interleaved_to_halves")
         q, k = torch.ops.posenc.rope_qk(q, k, self.positions, self.inv_freq, self.attention_scale, "gptj",
                                         _format_of(unsqueeze_dim), 0, None, self.pair_axis)
         return (torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1), torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1))
@@ -243,13 +268,26 @@ class RotaryAngles:
     def rotate_one(self, x: Tensor, unsqueeze_dim: int = 1) -> Tensor:
         """One ``rope`` call, for modeling files whose ``apply_rotary_pos_emb(x, cos, sin, ...)`` rotates one
         tensor at a time (Gemma 4)."""
+        self._no_qk_norm("rotate_one")
         return torch.ops.posenc.rope(x, self.positions, self.inv_freq, self.attention_scale, self.layout,
                                      _format_of(unsqueeze_dim), 0, None, self.pair_axis)
 
+    def to(self, *args, **kwargs) -> "RotaryAngles":
+        """The angles on a device, as ``Tensor.to`` moves a tensor (Llama 4 and DeepSeek V2 move their complex
+        tables to q's device before rotating). A dtype changes nothing: positions stay integer, frequencies
+        float64."""
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if device is None or torch.device(device) == self.positions.device:
+            return self
+        pair_axis = None if self.pair_axis is None else self.pair_axis.to(device)
+        return RotaryAngles(self.positions.to(device), self.inv_freq.to(device), self.attention_scale, self.layout,
+                            pair_axis, self.qk_norm)
+
     def __repr__(self) -> str:
         axes = "" if self.pair_axis is None else f", {self.positions.shape[0]} axes"
+        norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm[3]!r} (eps={self.qk_norm[2]})"
         return (f"RotaryAngles(positions {list(self.positions.shape)}, {self.inv_freq.numel()} frequencies, "
-                f"attention_scale={self.attention_scale}, layout={self.layout!r}{axes})")
+                f"attention_scale={self.attention_scale}, layout={self.layout!r}{axes}{norm})")
 
 
 class _HoldsRotaryWrapper(torch.nn.Module):
@@ -274,10 +312,20 @@ class _HoldsRotaryWrapper(torch.nn.Module):
         duplicate._hold_wrapper()
         return duplicate
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # Pickled (torch.save of a patched model): the hold of this process stays behind, and the loaded module
+        # takes one of its own, so that it works in a process where nothing else holds the wrapper.
+        return {key: value for key, value in super().__getstate__().items() if key != "_release"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._hold_wrapper()
+
 
 class RotaryPositions(_HoldsRotaryWrapper):
     """Takes the place of a Hugging Face model's rotary module (``<Model>RotaryEmbedding``): ``forward(x,
-    position_ids)`` returns ``(angles, angles)`` with :class:`RotaryAngles` instead of cos/sin tables.
+    position_ids)`` returns ``(angles, angles)`` with :class:`RotaryAngles` instead of cos/sin tables (the angles
+    alone instead of complex tables, for files that rotate with ``apply_rotary_emb``: Llama 4, DeepSeek V2).
 
     Frequencies come from ``posenc.nn.RotaryEmbedding.from_hf_config`` (float64; the config's scaling). The two
     scalings whose frequencies depend on the sequence follow Hugging Face's rule with L = max(position_ids) + 1:
@@ -304,6 +352,9 @@ class RotaryPositions(_HoldsRotaryWrapper):
         self.config = original.config
         self.modeling = modeling
         self.layout = layout
+        # A file that rotates by complex tables (apply_rotary_emb: Llama 4, DeepSeek V2) takes one tensor from its
+        # rotary module, not a (cos, sin) pair: it gets the angles alone.
+        self.angles_alone = _original_apply(modeling) is None
         # M-RoPE: the axis of each frequency pair, a tensor, or one per layer type (a dict) where the rope
         # parameters are per layer type (plain attributes: model.to(dtype) leaves them int64)
         self.pair_axis = pair_axis.detach().clone() if isinstance(pair_axis, Tensor) else None
@@ -357,7 +408,7 @@ class RotaryPositions(_HoldsRotaryWrapper):
         return self._dynamic_inv_freq[1].to(self.rotary.inv_freq.device)
 
     def forward(self, x: Tensor, position_ids: Tensor,
-                layer_type: Optional[str] = None) -> Tuple[RotaryAngles, RotaryAngles]:
+                layer_type: Optional[str] = None) -> Union[RotaryAngles, Tuple[RotaryAngles, RotaryAngles]]:
         if self.layer_types is not None and layer_type not in self.rotaries:
             raise ValueError(f"{_NAME}: layer_type must be one of {self.layer_types}, got {layer_type!r}")
         pair_axis = self.pair_axis if self.pair_axes is None else self.pair_axes[layer_type]
@@ -386,7 +437,7 @@ class RotaryPositions(_HoldsRotaryWrapper):
             rotary = self.rotaries[layer_type]
             inv_freq, scale = rotary.inv_freq_for(x, positions), rotary.attention_scale
         angles = RotaryAngles(positions, inv_freq, scale, self.layout, pair_axis)
-        return angles, angles
+        return angles if self.angles_alone else (angles, angles)
 
     def extra_repr(self) -> str:
         def describe(rotary: RotaryEmbedding) -> str:
@@ -402,24 +453,36 @@ class RotaryPositions(_HoldsRotaryWrapper):
         return text if self.layout == "neox" else f"{text}, layout=gptj (interleaved pairs)"
 
 
-# Per modeling file: [its original apply_rotary_pos_emb, the number of RotaryPositions holding the wrapper].
+# Per modeling file: [{name: its original function, for each rotation wrapped}, the number of RotaryPositions
+# holding the wrappers]. Each wrapper hands RotaryAngles to posenc, anything else (cos/sin or complex tables) to
+# the original function.
 _ROTARY_WRAPPERS: Dict[str, list] = {}
+# Per modeling file that rotates by complex tables: the unsqueeze_dim of the q and k its apply_rotary_emb takes,
+# found by _check_complex_apply (1: [B, H, S, D], DeepSeek V2; 2: [B, S, H, D], Llama 4).
+_COMPLEX_UNSQUEEZE_DIM: Dict[str, int] = {}
+
+
+def _original(modeling: str, name: str) -> Optional[Callable]:
+    if modeling in _ROTARY_WRAPPERS:
+        return _ROTARY_WRAPPERS[modeling][0].get(name)
+    function = getattr(sys.modules.get(modeling), name, None)
+    return function if callable(function) else None
 
 
 def _original_apply(modeling: str) -> Optional[Callable]:
-    if modeling in _ROTARY_WRAPPERS:
-        return _ROTARY_WRAPPERS[modeling][0]
-    function = getattr(sys.modules.get(modeling), "apply_rotary_pos_emb", None)
-    return function if callable(function) else None
+    return _original(modeling, "apply_rotary_pos_emb")
 
 
 def _original_interleave(modeling: str) -> Optional[Callable]:
     """The modeling file's ``apply_rotary_pos_emb_interleave`` (the MLA models' rotation of interleaved pairs into
     halves), where it defines one."""
-    if modeling in _ROTARY_WRAPPERS:
-        return _ROTARY_WRAPPERS[modeling][2]
-    function = getattr(sys.modules.get(modeling), "apply_rotary_pos_emb_interleave", None)
-    return function if callable(function) else None
+    return _original(modeling, "apply_rotary_pos_emb_interleave")
+
+
+def _original_complex(modeling: str) -> Optional[Callable]:
+    """The modeling file's ``apply_rotary_emb(xq, xk, freqs_cis)``, where it has no ``apply_rotary_pos_emb``: the
+    rotation of pairs (2i, 2i + 1) as complex numbers times complex tables (Llama 4, DeepSeek V2)."""
+    return None if _original_apply(modeling) is not None else _original(modeling, "apply_rotary_emb")
 
 
 def _rotated_tensors(signature: inspect.Signature) -> int:
@@ -441,56 +504,79 @@ def _unsqueeze_dim_reader(signature: inspect.Signature) -> Callable[..., int]:
     required = _rotated_tensors(signature) + 2  # the tensors and the two tables: read once, not per call
 
     def read(*args, **kwargs) -> int:
-        if len(args) == required and not kwargs:
-            return default
+        # The calls of the modeling files, read without Signature.bind (which torch.compile cannot always trace).
+        if len(args) == required and kwargs.keys() <= {"unsqueeze_dim"}:
+            return kwargs.get("unsqueeze_dim", default)
         return signature.bind(*args, **kwargs).arguments.get("unsqueeze_dim", default)
 
     return read
 
 
+def _wrap_apply(modeling: str, original: Callable) -> Callable:
+    signature = inspect.signature(original)
+    unsqueeze_dim_of = _unsqueeze_dim_reader(signature)
+    if _rotated_tensors(signature) == 1:
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+            if isinstance(cos, RotaryAngles):
+                return cos.rotate_one(x, unsqueeze_dim_of(x, cos, sin, *args, **kwargs))
+            return original(x, cos, sin, *args, **kwargs)
+    else:
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            if isinstance(cos, RotaryAngles):
+                return cos.rotate(q, k, unsqueeze_dim_of(q, k, cos, sin, *args, **kwargs))
+            return original(q, k, cos, sin, *args, **kwargs)
+    return apply_rotary_pos_emb
+
+
+def _wrap_interleave(modeling: str, original: Callable) -> Callable:
+    interleave_dim_of = _unsqueeze_dim_reader(inspect.signature(original))
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb_interleave(q, k, cos, sin, *args, **kwargs):
+        if isinstance(cos, RotaryAngles):
+            return cos.rotate_interleaved_to_halves(q, k, interleave_dim_of(q, k, cos, sin, *args, **kwargs))
+        return original(q, k, cos, sin, *args, **kwargs)
+    return apply_rotary_pos_emb_interleave
+
+
+def _wrap_complex(modeling: str, original: Callable) -> Callable:
+    unsqueeze_dim = _COMPLEX_UNSQUEEZE_DIM[modeling]
+
+    @functools.wraps(original)
+    def apply_rotary_emb(xq, xk, freqs_cis, *args, **kwargs):
+        if isinstance(freqs_cis, RotaryAngles):
+            return freqs_cis.rotate(xq, xk, unsqueeze_dim)
+        return original(xq, xk, freqs_cis, *args, **kwargs)
+    return apply_rotary_emb
+
+
+_WRAP = {"apply_rotary_pos_emb": _wrap_apply, "apply_rotary_pos_emb_interleave": _wrap_interleave,
+         "apply_rotary_emb": _wrap_complex}
+
+
 def _hold_rotary_wrapper(modeling: str) -> None:
+    """Wraps the modeling file's rotations (each checked by recognize_rotary before any model of the file is
+    patched), once for all the replacement modules of that file."""
     if modeling not in _ROTARY_WRAPPERS:
         module = importlib.import_module(modeling)
-        original = module.apply_rotary_pos_emb
-        signature = inspect.signature(original)
-        unsqueeze_dim_of = _unsqueeze_dim_reader(signature)
-
-        if _rotated_tensors(signature) == 1:
-            @functools.wraps(original)
-            def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
-                if isinstance(cos, RotaryAngles):
-                    return cos.rotate_one(x, unsqueeze_dim_of(x, cos, sin, *args, **kwargs))
-                return original(x, cos, sin, *args, **kwargs)
-        else:
-            @functools.wraps(original)
-            def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-                if isinstance(cos, RotaryAngles):
-                    return cos.rotate(q, k, unsqueeze_dim_of(q, k, cos, sin, *args, **kwargs))
-                return original(q, k, cos, sin, *args, **kwargs)
-
-        module.apply_rotary_pos_emb = apply_rotary_pos_emb
-        interleave = _original_interleave(modeling)
-        if interleave is not None:  # checked by _check_interleave before any model of this file is patched
-            interleave_dim_of = _unsqueeze_dim_reader(inspect.signature(interleave))
-
-            @functools.wraps(interleave)
-            def apply_rotary_pos_emb_interleave(q, k, cos, sin, *args, **kwargs):
-                if isinstance(cos, RotaryAngles):
-                    return cos.rotate_interleaved_to_halves(q, k, interleave_dim_of(q, k, cos, sin, *args, **kwargs))
-                return interleave(q, k, cos, sin, *args, **kwargs)
-
-            module.apply_rotary_pos_emb_interleave = apply_rotary_pos_emb_interleave
-        _ROTARY_WRAPPERS[modeling] = [original, 0, interleave]
+        found = {"apply_rotary_pos_emb": _original_apply(modeling),
+                 "apply_rotary_pos_emb_interleave": _original_interleave(modeling),
+                 "apply_rotary_emb": _original_complex(modeling)}
+        originals = {name: function for name, function in found.items() if function is not None}
+        for name, original in originals.items():
+            setattr(module, name, _WRAP[name](modeling, original))
+        _ROTARY_WRAPPERS[modeling] = [originals, 0]
     _ROTARY_WRAPPERS[modeling][1] += 1
 
 
 def _release_rotary_wrapper(modeling: str) -> None:
     entry = _ROTARY_WRAPPERS[modeling]
     entry[1] -= 1
-    if entry[1] == 0:  # the last holder: the modeling file gets its own function back
-        sys.modules[modeling].apply_rotary_pos_emb = entry[0]
-        if entry[2] is not None:
-            sys.modules[modeling].apply_rotary_pos_emb_interleave = entry[2]
+    if entry[1] == 0:  # the last holder: the modeling file gets its own functions back
+        for name, original in entry[0].items():
+            setattr(sys.modules[modeling], name, original)
         del _ROTARY_WRAPPERS[modeling]
 
 
@@ -523,14 +609,27 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
 
 
+def _probe_atol(module_inv_freq: Tensor, max_position: int) -> float:
+    """How far the tables of a module may be from posenc's: 1e-5, or, for a module whose frequencies were rounded
+    to a lower precision (``model.to(torch.bfloat16)`` before ``patch``), the angle error of that rounding at
+    max_position (twice the bound, as margin). Such a module's own tables agree with the exact frequencies to
+    that rounding only; the patched model rotates with the exact ones."""
+    if module_inv_freq.dtype in (torch.float32, torch.float64):
+        return _PROBE_ATOL
+    eps = torch.finfo(module_inv_freq.dtype).eps
+    return max(_PROBE_ATOL, max_position * float(module_inv_freq.abs().max()) * eps)
+
+
 def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding,
                   layer_type: Optional[str] = None) -> str:
     """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state; with the layer type
     where its parameters are per layer type), returns the tables of posenc's frequencies, [1, S, rotary_dim]: in
     neox form (each frequency in both halves; returns "neox") or GPT-J form (each frequency twice side by side, as
     Cohere builds them; returns "gptj"), or [1, S, rotary_dim / 2] with each frequency once (GPT-OSS; returns
-    "half")."""
-    device = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq").device
+    "half"), or complex tables scale * exp(i angle), [1, S, rotary_dim / 2] (Llama 4, DeepSeek V2; returns
+    "complex")."""
+    module_inv_freq = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    device = module_inv_freq.device
     positions = torch.arange(_PROBE_LENGTH, device=device)
     x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
     by_type = () if layer_type is None else (layer_type,)
@@ -540,6 +639,9 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
     except Exception as error:  # noqa: BLE001 - any failure means the contract is not this one
         raise NotRecognized(model_type, "rotary forward", f"{name}(x, position_ids) raised {type(error).__name__}: "
                             f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    complex_tables = isinstance(tables, Tensor) and tables.is_complex()
+    if complex_tables:  # its real part is the cos table, its imaginary part the sin one, each frequency once
+        tables = (tables.real, tables.imag)
     if not (isinstance(tables, tuple) and len(tables) == 2 and all(isinstance(t, Tensor) for t in tables)):
         raise NotRecognized(model_type, "rotary forward", f"{name}(x, position_ids) returns "
                             f"{type(tables).__name__}, not a (cos, sin) pair of tensors")
@@ -555,7 +657,8 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
     # position ids only hide (it expands them to every axis).
     try:
         with torch.no_grad():
-            folded = copy.deepcopy(module)(x, positions[None, None].expand(2, 1, -1), *by_type)[0]
+            folded = copy.deepcopy(module)(x, positions[None, None].expand(2, 1, -1), *by_type)
+            folded = folded if complex_tables else folded[0]
     except Exception:  # noqa: BLE001 - refusing axes is the one-axis contract
         folded = None
     if isinstance(folded, Tensor) and tuple(folded.shape) == tuple(cos.shape):
@@ -567,8 +670,8 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
     for layout in ("half",) if half else ("neox", "gptj"):
         ref_cos, ref_sin = _tables(angles, scale, layout)
         diffs[layout] = max(_max_diff(cos[0], ref_cos), _max_diff(sin[0], ref_sin))
-        if diffs[layout] <= _PROBE_ATOL:
-            return layout
+        if diffs[layout] <= _probe_atol(module_inv_freq, _PROBE_LENGTH - 1):
+            return "complex" if complex_tables else layout
     rope_type = module.rope_type if layer_type is None else f"{layer_type}: {module.rope_type[layer_type]}"
     raise NotRecognized(model_type, "frequencies differ", f"the cos/sin tables of {name} ({rope_type}) "
                         f"differ from posenc's frequencies of its config by " + " and ".join(
@@ -618,7 +721,8 @@ def _probe_pair_axis(model_type: str, name: str, module: torch.nn.Module, rotary
     angles = mixed[:, 0].cpu().double()[pair_axis].T * inv_freq[None, :]  # [S, pairs]
     ref_cos, ref_sin = _tables(angles, rotary.attention_scale, layout)
     diff = max(_max_diff(cos[0].cpu(), ref_cos), _max_diff(sin[0].cpu(), ref_sin))
-    if not diff <= _PROBE_ATOL:
+    module_inv_freq = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    if not diff <= _probe_atol(module_inv_freq, int(mixed.max())):
         raise NotRecognized(model_type, "multi-axis sections", f"{name}: the tables of positions per axis differ "
                             f"from posenc's multi-axis ones (pair_axis {pair_axis.tolist()}) by {diff:.2e}")
     return pair_axis
@@ -673,6 +777,36 @@ def _check_apply(model_type: str, modeling: str, function: Callable, rotary: Rot
                         f"{tables} tables: " + "; ".join(f"head dim {d}: {why}" for d, why in failures))
 
 
+def _check_complex_apply(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding) -> int:
+    """The modeling file's ``apply_rotary_emb(xq, xk, freqs_cis)``, given complex tables, gives for q and k of
+    rotary_dim channels what ``RotaryAngles.rotate`` gives with layout "gptj" (pair (2i, 2i + 1) as the complex
+    number x_2i + i x_2i+1, times exp(i angle)): in [B, S, H, D] (returns unsqueeze_dim 2, Llama 4) or [B, H, S, D]
+    (returns 1, DeepSeek V2). The probe's H and S differ, so that a function broadcasting its tables on the other
+    axes fails the other layout."""
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(_PROBE_LENGTH)
+    inv_freq = rotary.inv_freq_for(torch.zeros(1, _PROBE_LENGTH, 1), positions).cpu()
+    angles = positions.double()[:, None] * inv_freq[None, :]
+    tables = torch.polar(torch.full_like(angles, rotary.attention_scale), angles).to(torch.complex64)[None]
+    q = torch.randn(2, 3, _PROBE_LENGTH, rotary.rotary_dim, generator=generator)
+    k = torch.randn(2, 1, _PROBE_LENGTH, rotary.rotary_dim, generator=generator)
+    why = {}
+    for unsqueeze_dim in (2, 1):
+        qq, kk = (q, k) if unsqueeze_dim == 1 else (q.transpose(1, 2), k.transpose(1, 2))
+        try:
+            theirs = function(qq, kk, tables)
+            ours = RotaryAngles(positions, inv_freq, rotary.attention_scale, "gptj").rotate(qq, kk, unsqueeze_dim)
+            diff = max(_max_diff(a, b) for a, b in zip(theirs, ours))
+        except Exception as error:  # noqa: BLE001 - this layout is not the function's
+            why[_format_of(unsqueeze_dim)] = f"raised {type(error).__name__}"
+            continue
+        if diff <= _PROBE_ATOL:
+            return unsqueeze_dim
+        why[_format_of(unsqueeze_dim)] = f"differs from pairs rotated as complex numbers by {diff:.2e}"
+    raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{modeling}.apply_rotary_emb with "
+                        f"complex tables: " + "; ".join(f"q and k {f}: {w}" for f, w in why.items()))
+
+
 def _check_interleave(model_type: str, modeling: str, function: Callable, rotary: RotaryEmbedding) -> None:
     """The modeling file's ``apply_rotary_pos_emb_interleave(q, k, cos, sin, ...)``, given neox tables, gives for
     q and k [B, H, S, rotary_dim] what ``RotaryAngles.rotate_interleaved_to_halves`` gives: pairs (2i, 2i + 1)
@@ -708,8 +842,8 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
     of its layer types where its rope parameters are per layer type. The pair axes are those of a multi-axis
     (M-RoPE) module, found by probing it (:func:`_probe_pair_axis`): a tensor, or a dict of one per layer type."""
     modeling = type(module).__module__
-    function = _original_apply(modeling)
-    if function is None:
+    function, complex_apply = _original_apply(modeling), _original_complex(modeling)
+    if function is None and complex_apply is None:
         raise NotRecognized(model_type, "no apply_rotary_pos_emb", f"{name} is a {type(module).__name__} of "
                             f"{modeling}, which defines no apply_rotary_pos_emb")
     layer_types = _layer_types(module)
@@ -752,6 +886,16 @@ def _check_rotary_module(model_type: str, name: str, module: torch.nn.Module) ->
             raise NotRecognized(model_type, "rotary dim", f"the config gives rotary_dim {rotary.rotary_dim}, {what} "
                                 f"rotates {2 * inv_freq.numel()} channels")
         tables = _check_tables(model_type, name, module, rotary, layer_type)
+        if (tables == "complex") != (function is None):
+            raise NotRecognized(model_type, "non-standard apply_rotary_pos_emb", f"{name} returns "
+                                f"{'complex' if tables == 'complex' else 'cos/sin'} tables, and {modeling} rotates "
+                                f"with {'apply_rotary_pos_emb' if function is not None else 'apply_rotary_emb'}")
+        if tables == "complex":
+            if multi_axis:
+                raise NotRecognized(model_type, "multi-axis sections", f"{name}: complex tables of several axes")
+            _COMPLEX_UNSQUEEZE_DIM[modeling] = _check_complex_apply(model_type, modeling, complex_apply, rotary)
+            layouts[layer_type] = "gptj"
+            continue
         if multi_axis:
             pair_axes[layer_type] = _probe_pair_axis(model_type, what, module, rotary, tables, layer_type)
         layouts[layer_type] = _check_apply(model_type, modeling, function, rotary, tables)
@@ -816,6 +960,10 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
             device=next(original.buffers()).device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
     for modeling in dict.fromkeys(modeling for _, _, modeling, _, _ in recognized):
+        if _original_complex(modeling) is not None:
+            record.changes.append(Change("function", f"{modeling}.apply_rotary_emb", "posenc: RotaryAngles -> "
+                                         "rope_qk (layout gptj), complex tables -> the original"))
+            continue
         one = _rotated_tensors(inspect.signature(_original_apply(modeling))) == 1
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
                                      f"posenc: RotaryAngles -> {'rope (one tensor a call)' if one else 'rope_qk'}, "
@@ -824,7 +972,208 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
             record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb_interleave",
                                          "posenc: RotaryAngles -> rope_qk (layout gptj) into halves, cos/sin tables "
                                          "-> the original"))
+    _fuse_qk_norms(model, record)
     return record
+
+
+# ---------------------------------------------------------------- rotary: q_norm/k_norm fused into the rotation
+
+class _Unfused(Exception):
+    """Why one attention layer's q_norm/k_norm stay Hugging Face's modules."""
+
+
+_NORM_CONVENTIONS = ("llama", "gemma", "olmo2")  # qk_norm_rope's roundings of a model's own RMSNorm
+_ATTENTION_PROBE_TOKENS = 8
+
+
+def _norm_convention(what: str, norm: torch.nn.Module) -> Tuple[str, float]:
+    """(qk_norm_rope's ``norm``, eps) that computes what this norm module computes, found from its outputs rather
+    than its class: a copy with random weights, on rows whose scales run from 3e-4 to 100 (eps decides the small
+    ones), in float32 and in bfloat16, against ``qk_norm_rope`` at angle 0 (the norm alone) in each convention.
+    float32 must agree to 1e-5 relative; bfloat16 (where the conventions round differently) picks the closest."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.numel() < 2:
+        raise _Unfused(f"{what} ({type(norm).__name__}) has no 1-D weight")
+    eps = {value for key, value in vars(norm).items() if "eps" in key.lower() and type(value) is float}
+    if len(eps) != 1:
+        raise _Unfused(f"{what} ({type(norm).__name__}) has no single float eps attribute")
+    eps = eps.pop()
+    generator = torch.Generator().manual_seed(0)
+    width = weight.numel()
+    x = torch.randn(1, 8, 1, width, generator=generator) * torch.logspace(-3.5, 2, 8)[None, :, None, None]
+    no_turn = torch.zeros(1, dtype=torch.float64)
+    diffs: Dict[str, List[float]] = {convention: [] for convention in _NORM_CONVENTIONS}
+    try:
+        with torch.no_grad():
+            probe = copy.deepcopy(norm).to("cpu", torch.float32)
+            probe.weight.copy_(torch.rand(width, generator=generator) + 0.5)
+            for dtype in (torch.float32, torch.bfloat16):
+                module, data = probe.to(dtype), x.to(dtype)
+                theirs = module(data).float()
+                scale = max(1.0, float(theirs.abs().max()))
+                for convention in _NORM_CONVENTIONS:
+                    ours = PF.qk_norm_rope(data, data, module.weight, module.weight, None, no_turn, eps, convention)[0]
+                    difference = (ours.float() - theirs).abs() / scale
+                    diffs[convention].append(float(difference.max() if dtype == torch.float32 else difference.mean()))
+    except Exception as error:  # noqa: BLE001 - a module that does not take [..., width] is not an RMSNorm
+        raise _Unfused(f"{what} ({type(norm).__name__}) raised {type(error).__name__} on the probe") from None
+    matching = [c for c in _NORM_CONVENTIONS if diffs[c][0] <= 1e-5]
+    if not matching:
+        raise _Unfused(f"{what} ({type(norm).__name__}) is not an RMSNorm of qk_norm_rope's conventions (float32 "
+                       f"differences {', '.join(f'{c} {d[0]:.1e}' for c, d in diffs.items())})")
+    return min(matching, key=lambda c: diffs[c][1]), eps
+
+
+def _deferred_norm(self, hidden_states: Tensor) -> Tensor:
+    """A fused layer's q_norm/k_norm: the input as it is; qk_norm_rope normalizes it in the rotation."""
+    return hidden_states
+
+
+def _qk_norm_attention_forward(self, *args, **kwargs):
+    """The attention's own forward, with position_embeddings that carry this layer's q_norm and k_norm weights
+    (``RotaryAngles.with_qk_norm``): its apply_rotary_pos_emb then normalizes and rotates q and k in one
+    ``qk_norm_rope`` call, while its norm modules pass their input through."""
+    index, eps, norm = self._posenc_qk_norm
+    by_name = "position_embeddings" in kwargs
+    pair = kwargs["position_embeddings"] if by_name else args[index] if len(args) > index else None
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], RotaryAngles)):
+        return _forward_with_norms(self, args, kwargs)
+    angles = pair[0].with_qk_norm(self.q_norm.weight, self.k_norm.weight, eps, norm)
+    if by_name:
+        kwargs = dict(kwargs, position_embeddings=(angles, angles))
+    else:
+        args = args[:index] + ((angles, angles),) + args[index + 1:]
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _forward_with_norms(attention: torch.nn.Module, args: tuple, kwargs: dict):
+    """A call that brings cos/sin tables (or no angles): the rotation cannot normalize, so the norm modules run
+    as Hugging Face's for this call."""
+    shadows = [(norm, norm.__dict__.pop("forward")) for norm in (attention.q_norm, attention.k_norm)]
+    try:
+        return type(attention).forward(attention, *args, **kwargs)
+    finally:
+        for norm, shadow in shadows:
+            norm.forward = shadow
+
+
+def _probe_angles(attention: torch.nn.Module, rotaries: List[RotaryPositions], device) -> RotaryAngles:
+    """Angles of positions 0..7 from the patched rotary module of the attention's modeling file (its layer type
+    where the rope parameters are per type), as the layer gets them."""
+    modeling = type(attention).__module__
+    mine = [r for r in rotaries if r.modeling == modeling]
+    if not mine:
+        raise _Unfused(f"no rotary module of {modeling} was patched")
+    rotary = copy.deepcopy(mine[0])  # a dynamic NTK module keeps state
+    by_type = ()
+    if rotary.layer_types is not None:
+        layer_type = getattr(attention, "layer_type", None)
+        if layer_type not in rotary.layer_types:
+            layer_types = getattr(getattr(attention, "config", None), "layer_types", None)
+            index = getattr(attention, "layer_idx", None)
+            layer_type = layer_types[index] if isinstance(index, int) and layer_types and index < len(layer_types) \
+                else None
+        by_type = (layer_type if layer_type in rotary.layer_types else rotary.layer_types[0],)
+    positions = torch.arange(_ATTENTION_PROBE_TOKENS, device=device)[None]
+    return rotary(torch.zeros(1, _ATTENTION_PROBE_TOKENS, 1, device=device), positions, *by_type)[0]
+
+
+def _attention_output(attention: torch.nn.Module, angles: RotaryAngles, hidden: Tensor) -> Tensor:
+    """The attention layer's output for one probe call (in eval mode: no dropout), without a mask or cache."""
+    modes = [(module, module.training) for module in attention.modules()]
+    attention.eval()
+    try:
+        with torch.no_grad():
+            out = attention(hidden_states=hidden, position_embeddings=(angles, angles), attention_mask=None)
+    finally:
+        for module, training in modes:
+            module.training = training
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _fuse_qk_norm(model: torch.nn.Module, record: Patch, path: str, attention: torch.nn.Module,
+                  rotaries: List[RotaryPositions], uses: Dict[int, int]) -> None:
+    """Fuses one attention layer's q_norm and k_norm into its rotation, when a probe call of the layer gives the
+    unfused output (to 1e-5 relative in float32, 1e-2 in 16-bit dtypes); raises _Unfused otherwise, with nothing
+    left changed."""
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    if q_norm is k_norm or uses[id(q_norm)] != 1 or uses[id(k_norm)] != 1:
+        raise _Unfused("its q_norm or k_norm module is used elsewhere too")
+    parameters = [p for p in inspect.signature(type(attention).forward).parameters.values()][1:]
+    names = [p.name for p in parameters]
+    if "position_embeddings" not in names:
+        raise _Unfused(f"{type(attention).__name__}.forward takes no position_embeddings")
+    index = names.index("position_embeddings")
+    q_convention, q_eps = _norm_convention("q_norm", q_norm)
+    k_convention, k_eps = _norm_convention("k_norm", k_norm)
+    if (q_convention, q_eps) != (k_convention, k_eps):
+        raise _Unfused(f"q_norm ({q_convention}, eps={q_eps}) and k_norm ({k_convention}, eps={k_eps}) differ")
+    parameter = q_norm.weight
+    hidden_size = getattr(getattr(attention, "config", None), "hidden_size", None)
+    projection = getattr(attention, "q_proj", None)
+    if isinstance(projection, torch.nn.Linear):
+        hidden_size = projection.in_features
+    if not isinstance(hidden_size, int):
+        raise _Unfused(f"no hidden size for a probe of {type(attention).__name__}")
+    dtype = next((p.dtype for p in attention.parameters() if p.is_floating_point()), parameter.dtype)
+    generator = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-1, 2, _ATTENTION_PROBE_TOKENS)[None, :, None]  # missing norms show on every scale
+    hidden = (torch.randn(1, _ATTENTION_PROBE_TOKENS, hidden_size, generator=generator) * scales).to(
+        parameter.device, dtype)
+    try:
+        angles = _probe_angles(attention, rotaries, parameter.device)
+        expected = _attention_output(attention, angles, hidden)
+    except _Unfused:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise _Unfused(f"the probe call of {type(attention).__name__} raised {type(error).__name__}") from None
+    scratch = Patch(record.model_type, record.family)
+    what = f"q_norm and k_norm ({q_convention} convention, eps={q_eps}) applied by the rotation: one qk_norm_rope"
+    _shadow_method(scratch, attention, path, "forward", _qk_norm_attention_forward, f"posenc: its {what}")
+    attention._posenc_qk_norm = (index, q_eps, q_convention)
+    scratch._undo.append(("attribute", path, "_posenc_qk_norm"))
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _shadow_method(scratch, norm, f"{path}.{name}", "forward", _deferred_norm,
+                       "the input unchanged: qk_norm_rope normalizes it in the rotation")
+    try:
+        fused = _attention_output(attention, angles, hidden)
+        diff = _max_diff(fused, expected) / max(1.0, float(expected.abs().max()))
+        why = f"the fused layer's probe output differs from the unfused one by {diff:.1e} (relative)"
+    except Exception as error:  # noqa: BLE001
+        diff, why = float("inf"), f"the fused layer's probe call raised {type(error).__name__}: {error}"
+    if not diff <= (1e-5 if dtype in (torch.float32, torch.float64) else 1e-2):
+        for _, owner, attribute in reversed(scratch._undo):
+            model.get_submodule(owner).__dict__.pop(attribute, None)
+        raise _Unfused(why.splitlines()[0])
+    record.changes.extend(scratch.changes)
+    record._undo.extend(scratch._undo)
+
+
+def _fuse_qk_norms(model: torch.nn.Module, record: Patch) -> None:
+    """Every attention layer with a q_norm and a k_norm (Qwen3, Gemma 3, OLMo 2, ...) gets them applied by its
+    rotation, ``qk_norm_rope`` in one pass over q and k instead of two norms and a rotation, where the norms are
+    RMSNorms of a convention the op has and a probe call of the layer gives what the unfused layer gives. The
+    others keep their norm modules; ``record.notes`` says why."""
+    rotaries = [module for module in model.modules() if isinstance(module, RotaryPositions)]
+    uses: Dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        uses[id(module)] = uses.get(id(module), 0) + 1
+    unfused: Dict[str, List[str]] = {}
+    fused_files = set()
+    for path, attention in list(model.named_modules()):
+        if not all(isinstance(getattr(attention, name, None), torch.nn.Module) for name in ("q_norm", "k_norm")):
+            continue
+        try:
+            _fuse_qk_norm(model, record, path, attention, rotaries, uses)
+            fused_files.add(f"{type(attention).__module__}.apply_rotary_pos_emb")
+        except _Unfused as why:
+            unfused.setdefault(str(why), []).append(path)
+    for change in record.changes:
+        if change.kind == "function" and change.target in fused_files:
+            change.replacement = change.replacement.replace(
+                "RotaryAngles -> rope_qk,", "RotaryAngles -> rope_qk (qk_norm_rope with a layer's q/k norms),")
+    for why, paths in unfused.items():
+        record.notes.append(f"q_norm/k_norm of {', '.join(paths)} left to Hugging Face: {why}")
 
 
 # ---------------------------------------------------------------- DINOv3: rotary by patch centres

@@ -34,6 +34,15 @@ def _flatten(result):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread than on two (the suite's cost stays small)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
 def same_bits_for_any_thread_count():
     """Runs fn with 1, 2, 3, 1, 2 and 3 threads, asserts that every run gives the same bits (each tensor of a
     result, nested tuples and lists included), returns the first result. Shapes must be large enough that 2 and

@@ -25,13 +25,7 @@ LOGITS_ATOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # measured: at most 5e-8 apart (gradients up to 0.3)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The models are tiny: one thread runs them faster than two (the suite's cost stays small)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OpCounter(TorchDispatchMode):
@@ -237,9 +231,22 @@ def rotary_models():
         **common, layer_types=layer_types, sliding_window=8,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
                          "full_attention": dict(SCALINGS["yarn"], rope_theta=5e5)})
+    # Complex tables (the rotary module returns scale * exp(i angle); apply_rotary_emb multiplies pairs as complex
+    # numbers): rope_qk with layout="gptj". Llama 4: q and k [B, S, H, D], Llama 3 scaling, a NoPE layer with the
+    # query temperature, chunked attention, the L2 norm after the rotation; DeepSeek V2: [B, H, S, D] (MLA).
+    yield "llama4_text", transformers.Llama4TextConfig(
+        **common, head_dim=16, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=4,
+        attn_scale=0.1, attention_chunk_size=8, use_qk_norm=True,
+        rope_parameters=dict(SCALINGS["llama3"], rope_theta=5e5))
+    yield "deepseek_v2", transformers.DeepseekV2Config(
+        **dict(common, num_key_value_heads=2), qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        kv_lora_rank=16, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=16, first_k_dense_replace=1)
 
 
-INTERLEAVED = ("cohere", "glm")
+INTERLEAVED = ("cohere", "glm", "llama4_text", "deepseek_v2")
+ROTARY_LAYERS = {"llama4_text": 1}  # of 2: the other is a NoPE layer
 
 
 @pytest.mark.parametrize("model_type, config", list(rotary_models()), ids=lambda v: v if isinstance(v, str) else "")
@@ -255,7 +262,9 @@ def test_rotary_model_types_match_hugging_face(model_type, config):
     assert_same_model_outputs(reference, patched, dict(input_ids=tokens), dict(input_ids=tokens, labels=tokens),
                               dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
     counts = ops_of(lambda: patched(input_ids=tokens))
-    assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
+    # one rotation per layer: rope_qk, or qk_norm_rope where the layer's q/k norms are fused into it
+    assert counts["posenc.rope_qk.default"] + counts["posenc.qk_norm_rope.default"] == ROTARY_LAYERS.get(model_type, 2)
+    assert counts["aten.cos.default"] == counts["aten.polar.default"] == 0
 
 
 def test_rope_parameters_per_layer_type():
@@ -356,7 +365,8 @@ def test_mrope_with_positions_per_axis_matches_hugging_face(model_type, layer_ty
     for inputs in (dict(position_ids=positions), dict(position_ids=positions[0]), {}):
         torch.testing.assert_close(output(patched, **inputs), output(model, **inputs), atol=LOGITS_ATOL, rtol=0)
     counts = ops_of(lambda: output(patched, position_ids=positions))
-    assert counts["posenc.rope_qk.default"] == 2 and counts["aten.cos.default"] == 0
+    assert counts["posenc.rope_qk.default"] + counts["posenc.qk_norm_rope.default"] == 2
+    assert counts["aten.cos.default"] == 0
     PT.unpatch(patched)
     assert not PT._ROTARY_WRAPPERS
 
@@ -629,6 +639,190 @@ def test_patched_models_compile_fullgraph(build):
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=tokens).logits, logits(reference, input_ids=tokens),
                                    atol=LOGITS_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- rotary: q_norm/k_norm fused into the rotation
+
+QK_NORM_CONVENTIONS = {"qwen3": "llama", "qwen3_moe": "llama", "gemma3_text": "gemma", "olmo2": "olmo2",
+                       "olmo3": "olmo2"}
+
+
+def qk_norm_model(model_type, **changes):
+    """A tiny model with q_norm and k_norm whose weights are random: at their initial ones (zeros for Gemma's
+    1 + w) a wrong weight convention would go unseen."""
+    if model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=SEQ_LIMIT, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    else:
+        config = dict(rotary_models())[model_type]
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+    return model
+
+
+def fused_layers(record):
+    return [c.target.rpartition(".")[0] for c in record.changes if "applied by the rotation" in c.replacement]
+
+
+@pytest.mark.parametrize("model_type", list(QK_NORM_CONVENTIONS))
+def test_qk_norm_models_fuse_the_norms_into_the_rotation(model_type):
+    """Qwen3, Qwen3-MoE, Gemma 3, OLMo 2 and OLMo 3: each layer's q_norm, k_norm and rotation are one
+    qk_norm_rope call (forward and backward) in the convention of the model's norm, with the unpatched logits,
+    gradients (the norm weights' included) and greedy generation."""
+    reference = qk_norm_model(model_type)
+    patched, record = patched_copy(reference)
+    attentions = [path for path, m in patched.named_modules() if hasattr(m, "q_norm")]
+    assert fused_layers(record) == attentions and len(attentions) == 2 and not record.notes, record
+    assert f"({QK_NORM_CONVENTIONS[model_type]} convention" in str(record)
+    assert {f"{path}.{norm}.forward" for path in attentions for norm in ("q_norm", "k_norm")} <= {
+        c.target for c in record.changes}
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    prompt = tokens[:, :12]
+    assert_same_model_outputs(reference, patched, dict(input_ids=tokens), dict(input_ids=tokens, labels=tokens),
+                              dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10))
+    step = ops_of(lambda: patched(input_ids=tokens, labels=tokens).loss.backward())
+    assert step["posenc.qk_norm_rope.default"] == step["posenc.qk_norm_rope_backward.default"] == 2
+    assert step["posenc.rope_qk.default"] == step["aten.cos.default"] == 0
+    ours, theirs = [ops_of(lambda m=m: logits(m, input_ids=tokens)) for m in (patched, reference)]
+    for op in ("aten.rsqrt.default", "aten.pow.Tensor_Scalar", "aten.mean.dim"):
+        assert ours[op] == theirs[op] - 4, op  # two norms a layer run no more: the other RMSNorms still do
+
+
+def test_fused_qk_norms_in_bfloat16():
+    """A bfloat16 model with fused norms rounds differently from Hugging Face's (one rounding after the rotation
+    where it rounds three times): its logits are within bfloat16's rounding of the unpatched ones, and no farther
+    from the float32 model's."""
+    for model_type in ("qwen3", "gemma3_text", "olmo2"):
+        exact = qk_norm_model(model_type)
+        reference = copy.deepcopy(exact).to(torch.bfloat16)
+        patched, record = patched_copy(reference)
+        assert len(fused_layers(record)) == 2 and not record.notes, record
+        tokens = torch.randint(3, VOCAB, (2, 20))
+        truth = logits(exact, input_ids=tokens)
+        ours, theirs = logits(patched, input_ids=tokens).float(), logits(reference, input_ids=tokens).float()
+        torch.testing.assert_close(ours, theirs, atol=0.01, rtol=0, msg=model_type)  # measured: 0.004
+        assert (ours - truth).abs().mean() <= 1.25 * (theirs - truth).abs().mean(), model_type
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+def test_fused_qk_norms_compile_fullgraph(model_type):
+    """torch.compile(fullgraph=True) traces the fused layers: one graph holding one qk_norm_rope per layer, the
+    eager logits, and a compiled training step gives the unpatched gradients."""
+    reference = qk_norm_model(model_type)
+    patched, _ = patched_copy(reference)
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.backends.debugging.aot_eager(graph, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=tokens).logits, logits(reference, input_ids=tokens),
+                                   atol=LOGITS_ATOL, rtol=0)
+    assert len(graphs) == 1
+    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert sum("qk_norm_rope" in call for call in calls) == 2 and not any("rope_qk" in call for call in calls)
+    patched.train()
+    compiled(input_ids=tokens, labels=tokens).loss.backward()
+    ours = {name: p.grad for name, p in patched.named_parameters()}
+    theirs = training_grads(reference, input_ids=tokens, labels=tokens)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=name)
+
+
+def test_unpatch_restores_a_model_with_fused_qk_norms():
+    """unpatch gives back the norm modules and attention forwards (no attribute left behind), the state dict is
+    the same throughout, and a deep copy of the patched model stays fused on its own weights."""
+    model = qk_norm_model("olmo2")
+    tokens = torch.randint(3, VOCAB, (2, 9))
+    expected = logits(model, input_ids=tokens)
+
+    def state():
+        return {name: (type(m), set(vars(m))) for name, m in model.named_modules()}
+
+    before, weights = state(), {k: v.clone() for k, v in model.state_dict().items()}
+    PT.patch(model)
+    assert model.state_dict().keys() == weights.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    duplicate = copy.deepcopy(model)
+    model(input_ids=tokens, labels=tokens).loss.backward()  # a call in between
+    model.zero_grad(set_to_none=True)
+    PT.unpatch(model)
+    assert state() == before and torch.equal(logits(model, input_ids=tokens), expected)
+    with torch.no_grad():  # the copy reads its own weights, not the original's
+        model.model.layers[0].self_attn.q_norm.weight.mul_(3.0)
+    counts = ops_of(lambda: logits(duplicate, input_ids=tokens))
+    assert counts["posenc.qk_norm_rope.default"] == 2
+    torch.testing.assert_close(logits(duplicate, input_ids=tokens), expected, atol=LOGITS_ATOL, rtol=0)
+    PT.unpatch(duplicate)
+    assert all("forward" not in vars(m) for m in duplicate.modules())
+
+
+def _qwen3_attention_doubling_q_after_its_norm(self, hidden_states, position_embeddings, attention_mask=None,
+                                               **kwargs):
+    """Qwen3's attention, but q doubled between q_norm and the rotation: a norm moved into the rotation would
+    normalize the doubling away."""
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2) * 2
+    k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    q, k = transformers.models.qwen3.modeling_qwen3.apply_rotary_pos_emb(q, k, *position_embeddings)
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                                           v.repeat_interleave(groups, 1), is_causal=True)
+    return self.o_proj(out.transpose(1, 2).flatten(2)), None
+
+
+def test_qk_norms_that_cannot_move_into_the_rotation_are_left_with_the_reason():
+    """The probe call refuses a layer whose fused output is not the unfused one (the rest of the model is fused),
+    and norms that are not RMSNorms (Cohere's LayerNorm per head) are left as they are; the record says why."""
+    qwen3 = transformers.models.qwen3.modeling_qwen3
+    reference = qk_norm_model("qwen3")
+    reference.model.layers[1].self_attn.__class__ = type(
+        "DoublingAttention", (qwen3.Qwen3Attention,),
+        {"forward": _qwen3_attention_doubling_q_after_its_norm, "__module__": qwen3.__name__})
+    patched, record = patched_copy(reference)
+    assert fused_layers(record) == ["model.layers.0.self_attn"]
+    assert len(record.notes) == 1 and re.fullmatch(
+        r"q_norm/k_norm of model.layers.1.self_attn left to Hugging Face: the fused layer's probe output differs "
+        r"from the unfused one by \d\.\de-0[12] \(relative\)", record.notes[0]), record.notes
+    assert "_posenc_qk_norm" not in vars(patched.model.layers[1].self_attn)
+    tokens = torch.randint(3, VOCAB, (2, 20))
+    torch.testing.assert_close(logits(patched, input_ids=tokens), logits(reference, input_ids=tokens),
+                               atol=LOGITS_ATOL, rtol=0)
+    counts = ops_of(lambda: logits(patched, input_ids=tokens))
+    assert counts["posenc.qk_norm_rope.default"] == counts["posenc.rope_qk.default"] == 1
+    cohere = qk_norm_model("cohere", use_qk_norm=True)
+    patched, record = patched_copy(cohere)
+    assert not fused_layers(record) and record.notes == [
+        "q_norm/k_norm of model.layers.0.self_attn, model.layers.1.self_attn left to Hugging Face: q_norm "
+        "(CohereLayerNorm) has no 1-D weight"]
+    torch.testing.assert_close(logits(patched, input_ids=tokens), logits(cohere, input_ids=tokens),
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_fused_attention_given_cos_sin_tables_runs_its_own_norms():
+    """Angles carry the layer's norms; cos/sin tables from elsewhere cannot, so that call runs the norm modules."""
+    reference = qk_norm_model("gemma3_text")
+    patched, _ = patched_copy(reference)
+    hidden = torch.randn(2, 6, 32)
+    tables = reference.model.rotary_emb(hidden, torch.arange(6)[None], "sliding_attention")
+    with torch.no_grad():
+        ours = patched.model.layers[0].self_attn(hidden, tables, None)[0]
+        theirs = reference.model.layers[0].self_attn(hidden, tables, None)[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    assert "forward" in vars(patched.model.layers[0].self_attn.q_norm)  # fused again for the angles
 
 
 # ---------------------------------------------------------------- unpatch, records, errors
