@@ -848,6 +848,14 @@ def good_call_after_an_error():
     run_both(ops.rope, torch.randn(2, 3, 2, 8), torch.tensor([4, 0, 2]), inv_freq)
 
 
+def check_errors_raises_once(expected):
+    """posenc.cuda.check_errors() raises the CPU's error `expected`, then nothing: the failure is raised once."""
+    with pytest.raises(RuntimeError) as raised:
+        posenc.cuda.check_errors()
+    assert message(raised.value) == message(expected)
+    posenc.cuda.check_errors()
+
+
 @cuda_only
 @pytest.mark.parametrize("name", list(bad_index_calls()))
 def test_synchronous_checks_raise_the_cpu_error_at_the_call(name, synchronous):
@@ -870,10 +878,7 @@ def test_asynchronous_checks_raise_the_cpu_error_at_check_errors(name, asynchron
     expected = cpu_error(op, args)
     assert type(expected) is RuntimeError
     op(*[to_cuda(a) for a in args])
-    with pytest.raises(RuntimeError) as raised:
-        posenc.cuda.check_errors()
-    assert message(raised.value) == message(expected)
-    posenc.cuda.check_errors()
+    check_errors_raises_once(expected)
     good_call_after_an_error()
 
 
@@ -929,10 +934,7 @@ def test_the_first_of_several_failures_is_raised(asynchronous):
     torch.cuda._sleep(500_000_000)  # clock cycles: about a quarter of a second
     first_op(*first_args)
     second_op(*second_args)
-    with pytest.raises(RuntimeError) as raised:
-        posenc.cuda.check_errors()
-    assert message(raised.value) == message(expected)
-    posenc.cuda.check_errors()
+    check_errors_raises_once(expected)
     good_call_after_an_error()
 
 
@@ -967,9 +969,7 @@ def test_graph_replays_check_their_own_index_data(asynchronous):
         good = cuda[name].clone()
         cuda[name].copy_(bad)
         graph.replay()
-        with pytest.raises(RuntimeError) as raised:
-            posenc.cuda.check_errors()
-        assert message(raised.value) == message(error), name
+        check_errors_raises_once(error)
         cuda[name].copy_(good)
     graph.replay()
     posenc.cuda.check_errors()
