@@ -620,6 +620,11 @@ def _probe_atol(module_inv_freq: Tensor, max_position: int) -> float:
     return max(_PROBE_ATOL, max_position * float(module_inv_freq.abs().max()) * eps)
 
 
+def _module_inv_freq(module: torch.nn.Module, layer_type: Optional[str]) -> Tensor:
+    """Hugging Face's frequencies of a rotary module (of one layer type, where its parameters are per type)."""
+    return getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+
+
 def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: RotaryEmbedding,
                   layer_type: Optional[str] = None) -> str:
     """Hugging Face's module, called as the model calls it (on a copy: dynamic NTK keeps state; with the layer type
@@ -628,7 +633,7 @@ def _check_tables(model_type: str, name: str, module: torch.nn.Module, rotary: R
     Cohere builds them; returns "gptj"), or [1, S, rotary_dim / 2] with each frequency once (GPT-OSS; returns
     "half"), or complex tables scale * exp(i angle), [1, S, rotary_dim / 2] (Llama 4, DeepSeek V2; returns
     "complex")."""
-    module_inv_freq = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
+    module_inv_freq = _module_inv_freq(module, layer_type)
     device = module_inv_freq.device
     positions = torch.arange(_PROBE_LENGTH, device=device)
     x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
@@ -689,7 +694,8 @@ def _probe_pair_axis(model_type: str, name: str, module: torch.nn.Module, rotary
     checked on positions that differ on every axis: the tables must be posenc's, angle(pair i) =
     positions[pair_axis[i]] * inv_freq[i], to 1e-5. Consecutive sections (Qwen2-VL, GLM-4V) and Qwen3-VL's
     interleaved ones are both just data here."""
-    device = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq").device
+    module_inv_freq = _module_inv_freq(module, layer_type)
+    device = module_inv_freq.device
     by_type = () if layer_type is None else (layer_type,)
     positions = torch.arange(1, _PROBE_LENGTH + 1, device=device)
     x = torch.zeros(1, _PROBE_LENGTH, rotary.head_dim, dtype=torch.float32, device=device)
@@ -721,7 +727,6 @@ def _probe_pair_axis(model_type: str, name: str, module: torch.nn.Module, rotary
     angles = mixed[:, 0].cpu().double()[pair_axis].T * inv_freq[None, :]  # [S, pairs]
     ref_cos, ref_sin = _tables(angles, rotary.attention_scale, layout)
     diff = max(_max_diff(cos[0].cpu(), ref_cos), _max_diff(sin[0].cpu(), ref_sin))
-    module_inv_freq = getattr(module, "inv_freq" if layer_type is None else f"{layer_type}_inv_freq")
     if not diff <= _probe_atol(module_inv_freq, int(mixed.max())):
         raise NotRecognized(model_type, "multi-axis sections", f"{name}: the tables of positions per axis differ "
                             f"from posenc's multi-axis ones (pair_axis {pair_axis.tolist()}) by {diff:.2e}")
@@ -959,20 +964,24 @@ def _patch_rotary(model: torch.nn.Module, model_type: str) -> Patch:
         replacement = RotaryPositions(original, modeling, layout, pair_axis).to(
             device=next(original.buffers()).device)
         _swap_module(record, model, name, replacement, f"posenc RotaryPositions ({replacement.extra_repr()})")
+    fused, fused_files = _fuse_qk_norms(model, model_type)
     for modeling in dict.fromkeys(modeling for _, _, modeling, _, _ in recognized):
         if _original_complex(modeling) is not None:
             record.changes.append(Change("function", f"{modeling}.apply_rotary_emb", "posenc: RotaryAngles -> "
                                          "rope_qk (layout gptj), complex tables -> the original"))
             continue
         one = _rotated_tensors(inspect.signature(_original_apply(modeling))) == 1
+        rotation = "rope (one tensor a call)" if one else "rope_qk (qk_norm_rope with a layer's q/k norms)" \
+            if modeling in fused_files else "rope_qk"
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
-                                     f"posenc: RotaryAngles -> {'rope (one tensor a call)' if one else 'rope_qk'}, "
-                                     f"cos/sin tables -> the original"))
+                                     f"posenc: RotaryAngles -> {rotation}, cos/sin tables -> the original"))
         if _original_interleave(modeling) is not None:
             record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb_interleave",
                                          "posenc: RotaryAngles -> rope_qk (layout gptj) into halves, cos/sin tables "
                                          "-> the original"))
-    _fuse_qk_norms(model, record)
+    record.changes.extend(fused.changes)
+    record._undo.extend(fused._undo)
+    record.notes.extend(fused.notes)
     return record
 
 
@@ -1149,11 +1158,13 @@ def _fuse_qk_norm(model: torch.nn.Module, record: Patch, path: str, attention: t
     record._undo.extend(scratch._undo)
 
 
-def _fuse_qk_norms(model: torch.nn.Module, record: Patch) -> None:
+def _fuse_qk_norms(model: torch.nn.Module, model_type: str) -> Tuple[Patch, set]:
     """Every attention layer with a q_norm and a k_norm (Qwen3, Gemma 3, OLMo 2, ...) gets them applied by its
     rotation, ``qk_norm_rope`` in one pass over q and k instead of two norms and a rotation, where the norms are
     RMSNorms of a convention the op has and a probe call of the layer gives what the unfused layer gives. The
-    others keep their norm modules; ``record.notes`` says why."""
+    others keep their norm modules, and the notes say why. Returns (the changes, undo steps and notes; the
+    modeling files with a fused layer)."""
+    record = Patch(model_type, "rotary")
     rotaries = [module for module in model.modules() if isinstance(module, RotaryPositions)]
     uses: Dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
@@ -1165,15 +1176,12 @@ def _fuse_qk_norms(model: torch.nn.Module, record: Patch) -> None:
             continue
         try:
             _fuse_qk_norm(model, record, path, attention, rotaries, uses)
-            fused_files.add(f"{type(attention).__module__}.apply_rotary_pos_emb")
+            fused_files.add(type(attention).__module__)
         except _Unfused as why:
             unfused.setdefault(str(why), []).append(path)
-    for change in record.changes:
-        if change.kind == "function" and change.target in fused_files:
-            change.replacement = change.replacement.replace(
-                "RotaryAngles -> rope_qk,", "RotaryAngles -> rope_qk (qk_norm_rope with a layer's q/k norms),")
     for why, paths in unfused.items():
         record.notes.append(f"q_norm/k_norm of {', '.join(paths)} left to Hugging Face: {why}")
+    return record, fused_files
 
 
 # ---------------------------------------------------------------- DINOv3: rotary by patch centres
