@@ -25,18 +25,26 @@
   X(A, add_sinusoidal, "(Tensor x, Tensor? positions, Tensor inv_freq, float x_scale=1.0, str layout=\"interleaved\", int offset=0, Tensor? pair_axis=None, int num_prefix_tokens=0) -> Tensor") \
   X(A, embed_sinusoidal, "(Tensor tokens, Tensor token_weight, Tensor? positions, Tensor inv_freq, float token_scale=1.0, int? padding_idx=None, str layout=\"interleaved\", int offset=0) -> Tensor")
 
-// Learned absolute.
+// Learned absolute. resample_learned: a [P + Hs * Ws, D] table of a source_grid (Hs, Ws) resampled to grid (H, W)
+// as F.interpolate resamples an image (P = num_prefix_tokens rows kept as they are); add_resampled_learned adds it
+// to x [..., P + H * W, D]; resample_learned_backward is its adjoint (grad's leading dimensions summed).
+#define POSENC_RESAMPLE_ARGS \
+  ", str mode=\"bicubic\", bool align_corners=False, bool antialias=False, float[]? scale_factor=None, int num_prefix_tokens=0"
 #define POSENC_LEARNED_OPS(X, A) \
   X(A, learned, "(Tensor weight, Tensor positions, int offset=0, int? padding_idx=None) -> Tensor") \
   X(A, add_learned, "(Tensor x, Tensor weight, Tensor? positions=None, int offset=0, int? padding_idx=None) -> Tensor") \
   X(A, embed_learned, "(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions=None, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor") \
   X(A, make_positions, "(Tensor tokens, int padding_idx) -> Tensor") \
-  X(A, positions_from_mask, "(Tensor attention_mask, int pad_position=0) -> Tensor")
+  X(A, positions_from_mask, "(Tensor attention_mask, int pad_position=0) -> Tensor") \
+  X(A, resample_learned, "(Tensor weight, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
+  X(A, add_resampled_learned, "(Tensor x, Tensor weight, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
+  X(A, resample_learned_backward, "(Tensor grad, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor")
 
 // Under autocast, the ops that cast their floating arguments as torch.add casts its operands (to their promoted
 // dtype), with the arguments they cast: x + embedding(weight), embedding(token_weight) + embedding(pos_weight).
 // Every other op runs in the dtypes it is given (autocast/autocast.cpp says why).
-#define POSENC_AUTOCAST_PROMOTED(X) X(add_learned, "x", "weight") X(embed_learned, "token_weight", "pos_weight")
+#define POSENC_AUTOCAST_PROMOTED(X) \
+  X(add_learned, "x", "weight") X(embed_learned, "token_weight", "pos_weight") X(add_resampled_learned, "x", "weight")
 
 // The query scale of rope_qk and qk_norm_rope (Llama 4's attention temperature, Ministral 3's llama_4_scaling_beta):
 // q, and only q, times 1 + q_scale_beta * log(1 + floor((p + q_scale_shift) / q_scale_length)) at position p.

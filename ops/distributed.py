@@ -272,6 +272,24 @@ def _embedding_backward_rule(a: Dict[str, Any]) -> List[_Strategy]:
     return strategies
 
 
+def _resampled_rule(data: str, a: Dict[str, Any]) -> List[_Strategy]:
+    """resample_learned (weight [P + Hs * Ws, D] -> [P + H * W, D]), add_resampled_learned (x [..., P + H * W, D])
+    and resample_learned_backward (grad [..., P + H * W, D] -> [P + Hs * Ws, D]): every output token reads tokens
+    of the whole grid, so the token dimension is never sharded and the table is replicated; the batch dims of x go
+    with the output's (grad's give each rank a partial sum), and the channels, independent, may be sharded."""
+    if data == "weight":
+        return [(Replicate(), {"weight": Replicate()}), (Shard(1), {"weight": Shard(1)})]
+    tensor = a[data]
+    lead = tensor.ndim - 2
+    table = {"weight": Replicate()} if data == "x" else {}
+    strategies = [(Replicate(), {data: Replicate(), **table})]
+    for dim in range(lead):
+        strategies.append((Shard(dim) if data == "x" else Partial(), {data: Shard(dim), **table}))
+    strategies.append((Shard(tensor.ndim - 1) if data == "x" else Shard(1),
+                       {data: Shard(tensor.ndim - 1), **({"weight": Shard(1)} if data == "x" else {})}))
+    return strategies
+
+
 def _replicated_rule(a: Dict[str, Any]) -> List[_Strategy]:
     """Builders of positions and frequencies whose result depends on the whole input: mrope_positions hands the
     grids to the rows in order and numbers each row along its sequence, zigzag_positions_varlen reads every
@@ -295,6 +313,9 @@ _RULES = {
     "learned": _learned_rule,
     "add_learned": lambda a: _per_token_rule("x", a["x"].ndim - 2, a, ["weight"]),
     "embed_learned": lambda a: _per_token_rule("tokens", a["tokens"].ndim - 1, a, ["token_weight", "pos_weight"]),
+    "resample_learned": lambda a: _resampled_rule("weight", a),
+    "add_resampled_learned": lambda a: _resampled_rule("x", a),
+    "resample_learned_backward": lambda a: _resampled_rule("grad", a),
     "make_positions": lambda a: _elementwise_rule("tokens", a, skip_last=True),
     "positions_from_mask": lambda a: _elementwise_rule("attention_mask", a, skip_last=True),
     "relative_position_bucket": lambda a: _elementwise_rule("relative_position", a),

@@ -7,8 +7,8 @@ from torch import Tensor
 __all__ = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backward"]
 
 
-def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved",
-               dtype: Optional[torch.dtype] = None, offset: int = 0, pair_axis: Optional[Tensor] = None) -> Tensor:
+def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved", dtype: Optional[torch.dtype] = None,
+               offset: int = 0, pair_axis: Optional[Tensor] = None) -> Tensor:
     """The encoding of ``positions + offset``: shape ``positions.shape + [2F]``, F = len(inv_freq).
 
     ``layout="interleaved"`` gives [sin t0, cos t0, sin t1, cos t1, ...]; ``"half"`` gives
@@ -84,8 +84,8 @@ def embed_learned(tokens: Tensor, token_weight: Tensor, pos_weight: Tensor, posi
     Differentiable w.r.t. both tables; ``padding_idx`` (a token row) and ``pos_padding_idx`` (a position
     row) receive no gradient. ``token_scale`` (e.g. ``sqrt(d_model)``) scales the token part only.
     """
-    return torch.ops.posenc.embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx,
-                                          offset, pos_padding_idx)
+    return torch.ops.posenc.embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
+                                          pos_padding_idx)
 
 
 def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
@@ -105,7 +105,51 @@ def positions_from_mask(attention_mask: Tensor, pad_position: int = 0) -> Tensor
     return torch.ops.posenc.positions_from_mask(attention_mask, pad_position)
 
 
-__all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask"]
+def resample_learned(weight: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
+                     align_corners: bool = False, antialias: bool = False, scale_factor: Optional[List[float]] = None,
+                     num_prefix_tokens: int = 0) -> Tensor:
+    """A learned table of a ``source_grid`` (Hs, Ws) of patches resampled to ``grid`` (H, W), as vision
+    transformers resize theirs to an image's grid (ViT, DINOv2, SigLIP; timm's ``resample_abs_pos_embed``).
+
+    ``weight`` ``[P + Hs * Ws, D]``: ``P = num_prefix_tokens`` rows (cls, registers) kept as they are, then the grid
+    rows, row-major. Returns ``[P + H * W, D]``: the grid rows are
+    ``F.interpolate(table[None].permute(0, 3, 1, 2), size=grid, mode=mode, align_corners=align_corners,
+    antialias=antialias)`` of ``table = weight[P:].view(Hs, Ws, D)``, back in rows. ``mode``: ``"bicubic"`` or
+    ``"bilinear"``. ``scale_factor`` ``[sh, sw]``: the source coordinates of
+    ``F.interpolate(scale_factor=..., recompute_scale_factor=False)`` (a step of ``1 / scale``: DINOv2's original
+    ``+ 0.1``), the output still ``grid``. Weights and sums in float64, rounded once to weight's dtype.
+    Differentiable w.r.t. weight (:func:`resample_learned_backward`), twice.
+    """
+    return torch.ops.posenc.resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                             num_prefix_tokens)
+
+
+def add_resampled_learned(x: Tensor, weight: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
+                          align_corners: bool = False, antialias: bool = False,
+                          scale_factor: Optional[List[float]] = None, num_prefix_tokens: int = 0) -> Tensor:
+    """``x + resample_learned(weight, source_grid, grid, ...)`` for x ``[..., P + H * W, D]`` of weight's dtype, the
+    table broadcast over x's leading dimensions: Hugging Face's ``x + pos.to(x.dtype)`` after an interpolation in
+    float32, in one pass (float32 maths of x and the rounded table, rounded once; float64 for float64).
+    Differentiable w.r.t. x (the identity) and weight (:func:`resample_learned_backward`).
+    """
+    return torch.ops.posenc.add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias,
+                                                  scale_factor, num_prefix_tokens)
+
+
+def resample_learned_backward(grad: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
+                              align_corners: bool = False, antialias: bool = False,
+                              scale_factor: Optional[List[float]] = None, num_prefix_tokens: int = 0) -> Tensor:
+    """The adjoint of :func:`resample_learned`: ``grad [..., P + H * W, D]`` summed over its leading dimensions, then
+    the transposed interpolation, to ``[P + Hs * Ws, D]`` (the prefix rows summed straight through). Float64 sums
+    in a fixed order, rounded once: the same bits for any thread count. Differentiable (its derivative is
+    :func:`resample_learned`).
+    """
+    return torch.ops.posenc.resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias,
+                                                      scale_factor, num_prefix_tokens)
+
+
+__all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask", "resample_learned",
+            "add_resampled_learned", "resample_learned_backward"]
 
 
 # ---------------------------------------------------------------- ALiBi
@@ -198,9 +242,9 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
 
 # Rotary. inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
 
-def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
-         layout: str = "neox", format: str = "bshd", offset: int = 0,
-         cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tensor:
+def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0, layout: str = "neox",
+         format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+         pair_axis: Optional[Tensor] = None) -> Tensor:
     """x rotated by angle(p, i) = p * inv_freq[i], cos and sin scaled by ``attention_scale``.
 
     ``layout``: ``"neox"`` pairs (x_i, x_{i+r/2}) (Hugging Face ``rotate_half``), ``"gptj"`` pairs
@@ -217,22 +261,21 @@ def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_sca
     Qwen2-VL's ``[3, batch, seq]``) or ``[n_axes, T]`` for thd: angle(i) = positions[pair_axis[i], ...] *
     inv_freq[i]. :mod:`posenc.frequencies` builds (inv_freq, pair_axis) for M-RoPE and axial schemes.
     """
-    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                                 pair_axis)
+    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
 
 
 def rope_backward(grad: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
-                  layout: str = "neox", format: str = "bshd", offset: int = 0,
-                  cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None) -> Tensor:
+                  layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+                  pair_axis: Optional[Tensor] = None) -> Tensor:
     """The gradient of :func:`rope`: ``grad`` rotated by -angle (times attention_scale)."""
     return torch.ops.posenc.rope_backward(grad, positions, inv_freq, attention_scale, layout, format, offset,
                                           cu_seqlens, pair_axis)
 
 
 def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
-            layout: str = "neox", format: str = "bshd", offset: int = 0,
-            cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0,
-            q_scale_length: int = 1, q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
+            layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+            pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
+            q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`rope` of q and k in one pass (each angle formed once for both). q and k share the format,
     batch and sequence sizes and dtype; their head counts (GQA/MQA) and head dims may differ.
 
@@ -245,13 +288,11 @@ def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
 
 def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
                      attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd", offset: int = 0,
-                     cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None,
-                     q_scale_beta: float = 0.0, q_scale_length: int = 1,
-                     q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
+                     cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0,
+                     q_scale_length: int = 1, q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """The gradient of :func:`rope_qk`."""
     return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                                             offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
-                                             q_scale_shift)
+                                             offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
@@ -279,8 +320,8 @@ def qk_norm_rope_backward(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, 
                           q_scale_shift: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`qk_norm_rope` for q, k, q_weight and k_weight (the norm recomputed from q and k)."""
     return torch.ops.posenc.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps,
-                                                  norm, attention_scale, layout, format, offset, cu_seqlens,
-                                                  pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+                                                  norm, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                                                  q_scale_beta, q_scale_length, q_scale_shift)
 
 
 def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
@@ -325,8 +366,8 @@ def qk_norm_rope_packed(qkv: Tensor, num_q_heads: int, num_kv_heads: int, q_weig
     return q, k, v
 
 
-def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
-          layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
+def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0, layout: str = "neox",
+          format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
           pair_axis: Optional[Tensor] = None) -> Tensor:
     """:func:`rope` in place (x keeps its strides), for inference paths; returns x.
 
@@ -366,14 +407,12 @@ def rope_cos_sin(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", form
     return torch.ops.posenc.rope_cos_sin(x, cos, sin, layout, format)
 
 
-def rope_cos_sin_backward(grad: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox",
-                          format: str = "bshd") -> Tensor:
+def rope_cos_sin_backward(grad: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", format: str = "bshd") -> Tensor:
     """The gradient of :func:`rope_cos_sin` (its transpose)."""
     return torch.ops.posenc.rope_cos_sin_backward(grad, cos, sin, layout, format)
 
 
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int,
-                     device: Optional[torch.device] = None) -> Tensor:
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None) -> Tensor:
     """Positions of this rank's tokens under the dual-chunk (zigzag) context-parallel split, int64.
 
     The sequence is cut into 2 * cp_size chunks; rank r holds chunks r and 2 * cp_size - 1 - r, which
@@ -415,7 +454,7 @@ def video_positions(frames: int, height: int, width: int, time_interval: float =
     """Positions of a video's patches, frame by frame in row-major order, int64 ``[3, frames * height * width]``:
     (time, row, column) with time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second times the
     seconds of a temporal patch)."""
-    return torch.ops.posenc.video_positions(frames, height, width, float(time_interval), device)
+    return torch.ops.posenc.video_positions(frames, height, width, time_interval, device)
 
 
 def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
@@ -449,7 +488,7 @@ def grid_positions(grid: List[int], crop_from: Optional[List[int]] = None, scale
     cropped one ``crop_from=[M, M], scale=[M / base_size] * 2``, CogVideoX's 3-D one
     ``grid_positions([t, h, w], scale=[temporal_scale, spatial_scale, spatial_scale])``.
     """
-    return torch.ops.posenc.grid_positions(grid, crop_from, scale, float(interpolation_scale), device)
+    return torch.ops.posenc.grid_positions(grid, crop_from, scale, interpolation_scale, device)
 
 
 def patch_center_positions(height: int, width: int, num_prefix_tokens: int = 0, shift: Optional[float] = None,

@@ -24,7 +24,9 @@ are read from a table of ``max_distance + 1`` entries computed at export time by
 match exactly. The ops without a tensor argument (frequencies, ALiBi slopes, position grids) become constants that
 the op itself computes at export time; ``rope_inv_freq_for_length`` switches to (LongRoPE) or computes (dynamic
 NTK) its frequencies in float64 from the length in the graph; ``mrope_positions`` walks Qwen2-VL's runs of tokens
-with sorts and sums. Sequence lengths, batch sizes and positions stay dynamic; head counts and channel widths are
+with sorts and sums; ``resample_learned`` and ``add_resampled_learned`` use ``Resize`` (opset 18, with antialias),
+or two MatMuls by constant per-axis weights where Resize cannot say ATen's interpolation. Sequence lengths, batch
+sizes and positions stay dynamic; head counts and channel widths are
 fixed at export. The ops' argument checks (position ranges, shapes) are not repeated in the graph: ONNX Runtime
 reports an out-of-range index in its own words.
 
@@ -236,6 +238,79 @@ def embed_learned(tokens, token_weight, pos_weight, positions=None, token_scale:
     return _to(op.Add(token_rows, position_rows), token_weight.dtype)
 
 
+def _axis_weights(size_in: int, size_out: int, mode: str, align_corners: bool, antialias: bool,
+                  scale: Optional[float], dtype: torch.dtype):
+    """An axis's interpolation weights [size_out, size_in] as a constant, computed by the op itself at export time
+    (resampling an identity table) in float64, then rounded to the maths type."""
+    eye = torch.eye(size_in, dtype=torch.float64)
+    weights = torch.ops.posenc.resample_learned(eye, [size_in, 1], [size_out, 1], mode, align_corners, antialias,
+                                                None if scale is None else [scale, 1.0], 0)
+    return op.Constant(value=ir.tensor(weights.to(dtype).numpy()))
+
+
+def _resampled_table(weight, source_grid, grid, mode: str, align_corners: bool, antialias: bool, scale_factor,
+                     num_prefix_tokens: int, op_name: str):
+    """weight's grid rows resampled by ONNX's Resize on [1, D, Hs, Ws] (cubic_coeff_a -0.75, or antialias's -0.5
+    with its filter widened by the downscale and normalized; coordinates half_pixel, align_corners, or the scale's
+    with ``scales`` from scale_factor), the prefix rows in front; in float32 (float64 for float64 weights). What
+    Resize cannot say, two MatMuls by the axes' weights (constants the op computes at export time): ATen's
+    antialiased align_corners (a filter centred at scale * (o + 0.5) with scale (n - 1) / (m - 1)), a
+    scale_factor whose floor(source_grid * scale) is not grid (Resize's output size follows its scales), and what
+    ONNX Runtime's Resize refuses: a bicubic shrink without antialias, float64."""
+    if mode not in ("bicubic", "bilinear"):
+        raise ValueError(f'posenc.onnx: {op_name}: mode must be "bicubic" or "bilinear", got "{mode}"')
+    (hs, ws), (h, w) = source_grid, grid
+    prefix = num_prefix_tokens
+    width = _static(weight, 1, op_name, "channel count")
+    maths = _maths_type(weight.dtype)
+    table = op.Slice(weight, op.Constant(value_ints=[prefix]), op.Constant(value_ints=[prefix + hs * ws]),
+                     op.Constant(value_ints=[0]))
+    image = op.Transpose(op.Reshape(_to(table, maths), op.Constant(value_ints=[1, hs, ws, width])), perm=[0, 3, 1, 2])
+    scales_fit = scale_factor is None or [int(hs * scale_factor[0]), int(ws * scale_factor[1])] == [h, w]
+    # ONNX Runtime refuses Resize's cubic mode that shrinks an axis without antialias, and float64 data
+    runtime_refuses = (mode == "bicubic" and not antialias and (h < hs or w < ws)) or maths == _DOUBLE
+    if (antialias and align_corners) or not (scales_fit or align_corners) or runtime_refuses:
+        dtype = torch.float64 if maths == _DOUBLE else torch.float32
+        sh, sw = (None, None) if scale_factor is None or align_corners else scale_factor
+        rows = _axis_weights(hs, h, mode, align_corners, antialias, sh, dtype)  # [H, Hs]
+        cols = _axis_weights(ws, w, mode, align_corners, antialias, sw, dtype)  # [W, Ws]
+        resized = op.MatMul(op.MatMul(rows, image), op.Transpose(cols, perm=[1, 0]))  # [1, D, H, W]
+    else:
+        attributes = dict(mode="cubic" if mode == "bicubic" else "linear",
+                          cubic_coeff_a=-0.5 if antialias else -0.75, antialias=int(antialias),
+                          exclude_outside=int(antialias),
+                          coordinate_transformation_mode="align_corners" if align_corners else "half_pixel")
+        if scale_factor is not None and not align_corners:
+            scales = op.Constant(value_floats=[1.0, 1.0, float(scale_factor[0]), float(scale_factor[1])])
+            resized = op.Resize(image, None, scales, **attributes)
+        else:
+            resized = op.Resize(image, None, None, op.Constant(value_ints=[1, width, h, w]), **attributes)
+    rows = op.Reshape(op.Transpose(resized, perm=[0, 2, 3, 1]), op.Constant(value_ints=[h * w, width]))
+    if prefix == 0:
+        return rows
+    prefix_rows = op.Slice(weight, op.Constant(value_ints=[0]), op.Constant(value_ints=[prefix]),
+                           op.Constant(value_ints=[0]))
+    return op.Concat(_to(prefix_rows, maths), rows, axis=0)
+
+
+def resample_learned(weight, source_grid: Sequence[int], grid: Sequence[int], mode: str = "bicubic",
+                     align_corners: bool = False, antialias: bool = False,
+                     scale_factor: Optional[Sequence[float]] = None, num_prefix_tokens: int = 0):
+    table = _resampled_table(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                             num_prefix_tokens, "resample_learned")
+    return _to(table, weight.dtype)
+
+
+def add_resampled_learned(x, weight, source_grid: Sequence[int], grid: Sequence[int], mode: str = "bicubic",
+                          align_corners: bool = False, antialias: bool = False,
+                          scale_factor: Optional[Sequence[float]] = None, num_prefix_tokens: int = 0):
+    maths = _maths_type(x.dtype)
+    table = _resampled_table(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                             num_prefix_tokens, "add_resampled_learned")
+    rounded = _to(_to(table, weight.dtype), maths)  # the table rounded to weight's dtype, as the op rounds it
+    return _to(op.Add(_to(x, maths), rounded), x.dtype)
+
+
 def make_positions(tokens, padding_idx: int):
     # fairseq: padding keeps padding_idx, real tokens count padding_idx + 1, padding_idx + 2, ...
     real = op.Cast(op.Not(op.Equal(_to(tokens, _INT64), op.Constant(value_int=padding_idx))), to=_INT64)
@@ -405,9 +480,9 @@ def _rope_for_opset(opset: int):
         return _rope("rope", [x], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
                      pair_axis, opset)[0]
 
-    def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox",
-                format: str = "bshd", offset: int = 0, cu_seqlens=None, pair_axis=None, q_scale_beta: float = 0.0,
-                q_scale_length: int = 1, q_scale_shift: int = 0):
+    def rope_qk(q, k, positions, inv_freq, attention_scale: float = 1.0, layout: str = "neox", format: str = "bshd",
+                offset: int = 0, cu_seqlens=None, pair_axis=None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
+                q_scale_shift: int = 0):
         return _rope("rope_qk", [q, k], positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
                      pair_axis, opset, q_scale=(q_scale_beta, q_scale_length, q_scale_shift))
 
@@ -769,6 +844,7 @@ def _frame_times(frame, video, tokens_per_second: Optional[float], second_per_gr
 _TRANSLATIONS: Dict[str, Callable] = {
     "sinusoidal": sinusoidal, "add_sinusoidal": add_sinusoidal, "embed_sinusoidal": embed_sinusoidal,
     "learned": learned, "add_learned": add_learned, "embed_learned": embed_learned,
+    "resample_learned": resample_learned, "add_resampled_learned": add_resampled_learned,
     "make_positions": make_positions, "positions_from_mask": positions_from_mask,
     "rope": rope, "rope_qk": rope_qk, "rope_cos_sin": rope_cos_sin, "qk_norm_rope": qk_norm_rope,
     "alibi_bias": alibi_bias, "add_alibi": add_alibi,

@@ -206,6 +206,39 @@ def bench_sincos_grid(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
+def bench_resampled_learned(repeat: int, quick: bool) -> List[dict]:
+    """Learned position tables resized to the image's patch grid on every forward pass, fused with the add: ViT-B/16
+    at 384 px (a 14 x 14 table to 24 x 24, cls, D 768) and DINOv2-L at 644 px (37 x 37 to 46 x 46, cls, D 1024),
+    bicubic, against Hugging Face's eager interpolate_pos_encoding (F.interpolate of the float32 table, cat of the
+    cls row, cast, add) and the copy of x."""
+    table = Table("add_resampled_learned", repeat)
+    cases = [("ViT-B/16 384px", 8 if quick else 32, (14, 14), (24, 24), 768),
+             ("DINOv2-L 644px", 2 if quick else 8, (37, 37), (46, 46), 1024)]
+    for name, batch, source_grid, grid, dim in cases:
+        tokens = 1 + grid[0] * grid[1]
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(batch, tokens, dim, dtype=dtype)
+            weight = torch.randn(1 + source_grid[0] * source_grid[1], dim, dtype=dtype)
+
+            def eager(x, weight, dtype=dtype, source_grid=source_grid, grid=grid, dim=dim):
+                patches = weight[1:].float().reshape(1, *source_grid, dim).permute(0, 3, 1, 2)
+                patches = F.interpolate(patches, size=grid, mode="bicubic", align_corners=False)
+                pos = torch.cat([weight[:1].float(), patches.permute(0, 2, 3, 1).reshape(-1, dim)]).to(dtype)
+                return x + pos
+
+            def ours(x, weight, source_grid=source_grid, grid=grid):
+                return PF.add_resampled_learned(x, weight, list(source_grid), list(grid), "bicubic",
+                                                num_prefix_tokens=1)
+
+            shape = f"x [{batch}, {tokens}, {dim}] {name}"
+            table.add(shape, dtype, "fwd", lambda: ours(x, weight), {"HF eager": lambda: eager(x, weight)}, x)
+            xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            grad = torch.randn_like(x)
+            table.add(shape, dtype, "fwd+bwd", fwd_grads(lambda: ours(xg, wg), [xg, wg], [grad]),
+                      {"HF eager": fwd_grads(lambda: eager(xg, wg), [xg, wg], [grad])}, x, copies=2)
+    return table.rows
+
+
 def bench_embedding_backward(repeat: int, quick: bool) -> List[dict]:
     table = Table("embedding_backward", repeat)
     batch, seq, dim, vocab = (2, 512, 1024, 32000) if quick else (8, 2048, 1024, 32000)
@@ -1169,6 +1202,7 @@ BENCHMARKS = {
     "dinov3": bench_dinov3,
     "sinusoidal": bench_sinusoidal,
     "sincos_grid": bench_sincos_grid,
+    "resampled_learned": bench_resampled_learned,
     "embedding": bench_embedding_backward,
     "learned": bench_learned,
     "alibi": bench_alibi,
@@ -1216,6 +1250,8 @@ TARGETS = [
     ("sincos grids against diffusers eager", dict(op="add_sinusoidal grid"), "speedup:diffusers table+add", ">=",
      2.0),
     ("sincos grids fwd", dict(op="add_sinusoidal grid", mode="fwd"), "ours_over_copy", "<=", 1.3),
+    ("resampled tables against HF eager", dict(op="add_resampled_learned"), "speedup:HF eager", ">=", 2.0),
+    ("resampled tables over the copy", dict(op="add_resampled_learned"), "ours_over_copy", "<=", 1.3),
     ("DINOv3 rope against HF eager", dict(op="rope_qk dinov3"), "speedup:HF eager", ">=", 2.0),
     ("DINOv3 rope fwd", dict(op="rope_qk dinov3", mode="fwd"), "ours_over_copy", "<=", 1.3),
     ("embed_sinusoidal fwd bf16", dict(op="embed_sinusoidal", dtype="bfloat16", mode="fwd"), "ours_over_copy", "<=",

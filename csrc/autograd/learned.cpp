@@ -1,6 +1,7 @@
 // Autograd of the learned family: torch::autograd::Functions at the Autograd key that call the forward
-// ops below autograd and scatter gradients into the tables with the deterministic embedding_backward.
-// Only integer positions/tokens are saved, never x or a table. A call with nothing to record (grad mode
+// ops below autograd and scatter gradients into the tables with the deterministic embedding_backward (a resampled
+// table's, with resample_learned_backward). Only integer positions/tokens and arguments are saved, never x or a
+// table. A call with nothing to record (grad mode
 // off, or no table or x requiring grad) goes straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/embedding.h>
 #include <posenc/learned.h>
@@ -12,6 +13,10 @@
 #include <ATen/ops/arange.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace posenc {
 namespace {
@@ -122,6 +127,120 @@ struct EmbedLearned : public torch::autograd::Function<EmbedLearned> {
   }
 };
 constexpr auto embed_learned_autograd = POSENC_AUTOGRAD(EmbedLearned);
+
+// The arguments every resampling op takes, kept in the context for the backward.
+struct ResampleArgs {
+  std::vector<int64_t> source_grid;
+  std::vector<int64_t> grid;
+  std::string mode;
+  bool align_corners;
+  bool antialias;
+  std::optional<std::vector<double>> scale_factor;
+  int64_t num_prefix_tokens;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["source_grid"] = source_grid;
+    ctx->saved_data["grid"] = grid;
+    ctx->saved_data["mode"] = mode;
+    ctx->saved_data["align_corners"] = align_corners;
+    ctx->saved_data["antialias"] = antialias;
+    ctx->saved_data["has_scale_factor"] = scale_factor.has_value();
+    ctx->saved_data["scale_factor"] = scale_factor.value_or(std::vector<double>{});
+    ctx->saved_data["num_prefix_tokens"] = num_prefix_tokens;
+  }
+
+  static ResampleArgs load(AutogradContext* ctx) {
+    auto& saved = ctx->saved_data;
+    return {saved["source_grid"].toIntVector(), saved["grid"].toIntVector(), saved["mode"].toStringRef(),
+            saved["align_corners"].toBool(), saved["antialias"].toBool(),
+            saved["has_scale_factor"].toBool() ? std::optional(saved["scale_factor"].toDoubleVector()) : std::nullopt,
+            saved["num_prefix_tokens"].toInt()};
+  }
+
+  std::optional<at::ArrayRef<double>> scale() const {
+    return scale_factor ? std::optional<at::ArrayRef<double>>(*scale_factor) : std::nullopt;
+  }
+
+  // The table resampled from source_grid to grid (forward: true), or the adjoint back (false).
+  at::Tensor apply(const at::Tensor& t, bool forward) const {
+    return forward ? resample_learned(t, source_grid, grid, mode, align_corners, antialias, scale(), num_prefix_tokens)
+                   : resample_learned_backward(t, source_grid, grid, mode, align_corners, antialias, scale(),
+                                               num_prefix_tokens);
+  }
+};
+
+ResampleArgs resample_args(at::IntArrayRef source_grid, at::IntArrayRef grid, c10::string_view mode,
+                           bool align_corners, bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
+                           int64_t num_prefix_tokens) {
+  return {source_grid.vec(), grid.vec(), std::string(mode), align_corners, antialias,
+          scale_factor ? std::optional(scale_factor->vec()) : std::nullopt, num_prefix_tokens};
+}
+
+// Linear in weight: d/dweight = resample_learned_backward(grad). Nothing but the arguments is saved.
+struct ResampleLearned : public torch::autograd::Function<ResampleLearned> {
+  static constexpr const char* kOp = "posenc::resample_learned";
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, at::IntArrayRef source_grid,
+                            at::IntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
+                            std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
+    resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                            num_prefix_tokens);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    return {ResampleArgs::load(ctx).apply(grad_outputs[0], false), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(),  at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+constexpr auto resample_learned_autograd = POSENC_AUTOGRAD(ResampleLearned);
+
+// d/dx is the identity; d/dweight = resample_learned_backward(grad), grad's leading dimensions summed.
+struct AddResampledLearned : public torch::autograd::Function<AddResampledLearned> {
+  static constexpr const char* kOp = "posenc::add_resampled_learned";
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            at::IntArrayRef source_grid, at::IntArrayRef grid, c10::string_view mode,
+                            bool align_corners, bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
+                            int64_t num_prefix_tokens) {
+    resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                 num_prefix_tokens);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto& grad = grad_outputs[0];
+    return {ctx->needs_input_grad(0) ? grad : at::Tensor(),
+            ctx->needs_input_grad(1) ? ResampleArgs::load(ctx).apply(grad, false) : at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+constexpr auto add_resampled_learned_autograd = POSENC_AUTOGRAD(AddResampledLearned);
+
+// The adjoint is linear in grad, and its own adjoint is the resampling: d/dgrad = resample_learned(g), broadcast
+// over grad's leading dimensions. So double backward works.
+struct ResampleLearnedBackward : public torch::autograd::Function<ResampleLearnedBackward> {
+  static constexpr const char* kOp = "posenc::resample_learned_backward";
+
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, at::IntArrayRef source_grid,
+                            at::IntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
+                            std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
+    resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
+    ctx->saved_data["grad_sizes"] = grad.sym_sizes();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                     num_prefix_tokens);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto sizes = ctx->saved_data["grad_sizes"].toSymIntVector();
+    return {ResampleArgs::load(ctx).apply(grad_outputs[0], true).expand_symint(sizes), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+constexpr auto resample_learned_backward_autograd = POSENC_AUTOGRAD(ResampleLearnedBackward);
 
 // Integer outputs, even for a floating mask that requires grad.
 constexpr auto make_positions_autograd = POSENC_BELOW_AUTOGRAD(make_positions);

@@ -5,12 +5,17 @@
 #include "common/checks.h"
 #include "families.h"
 #include "common/positions.h"
+#include "portable/resample.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/ne.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <limits>
+#include <optional>
+#include <string_view>
+#include <utility>
 
 namespace posenc {
 
@@ -100,6 +105,108 @@ inline void check_positions_from_mask(const at::Tensor& attention_mask) {
   TORCH_CHECK(attention_mask.dim() >= 1, "posenc.", op, ": attention_mask must be [..., S], got a 0-d tensor");
 }
 
+// ---- resampled tables (resample_learned, add_resampled_learned, resample_learned_backward)
+
+// A grid: two positive sizes.
+inline void check_grid(const char* op, const char* arg, at::IntArrayRef grid) {
+  TORCH_CHECK(grid.size() == 2 && grid[0] > 0 && grid[1] > 0, "posenc.", op, ": ", arg,
+              " must be two positive sizes (rows, columns), got ", grid);
+}
+
+// The checks of the arguments every resampling op takes; returns the grid's description (the op layer's).
+inline ResampleGrid check_resample_args(const char* op, at::IntArrayRef source_grid, at::IntArrayRef grid,
+                                        std::string_view mode, bool align_corners, bool antialias,
+                                        const std::optional<at::ArrayRef<double>>& scale_factor,
+                                        int64_t num_prefix_tokens) {
+  check_grid(op, "source_grid", source_grid);
+  check_grid(op, "grid", grid);
+  for (const auto& [arg, g] : {std::pair{"source_grid", source_grid}, std::pair{"grid", grid}}) {
+    TORCH_CHECK(num_prefix_tokens < 0 || g[0] <= (std::numeric_limits<int64_t>::max() - num_prefix_tokens) / g[1],
+                "posenc.", op, ": ", arg, " ", g, " with num_prefix_tokens ", num_prefix_tokens,
+                " has more tokens than int64 can count");
+  }
+  TORCH_CHECK(mode == "bicubic" || mode == "bilinear", "posenc.", op,
+              ": mode must be \"bicubic\" or \"bilinear\", got \"", mode, "\"");
+  TORCH_CHECK(num_prefix_tokens >= 0, "posenc.", op, ": num_prefix_tokens must be >= 0, got ", num_prefix_tokens);
+  if (scale_factor) {
+    const auto& s = *scale_factor;
+    TORCH_CHECK(s.size() == 2 && std::isfinite(s[0]) && std::isfinite(s[1]) && s[0] > 0 && s[1] > 0, "posenc.", op,
+                ": scale_factor must be two positive finite numbers (rows, columns), got ", s);
+  }
+  const bool cubic = mode == "bicubic";
+  const auto axis = [&](int64_t a) {
+    const int64_t in = source_grid[a];
+    const int64_t out = grid[a];
+    double scale;
+    if (align_corners) {
+      scale = out > 1 ? static_cast<double>(in - 1) / static_cast<double>(out - 1) : 0.0;
+    } else {
+      scale = scale_factor ? 1.0 / (*scale_factor)[a] : static_cast<double>(in) / static_cast<double>(out);
+    }
+    const double support = (cubic ? 2.0 : 1.0) * (antialias && scale >= 1.0 ? scale : 1.0);
+    const int64_t max_taps = antialias ? static_cast<int64_t>(std::ceil(support)) * 2 + 1 : (cubic ? 4 : 2);
+    return ResampleAxis{in, out, scale, cubic, antialias, align_corners, support, max_taps};
+  };
+  return {axis(0), axis(1), num_prefix_tokens};
+}
+
+// The token count of a grid with its prefix rows, P + rows * columns.
+inline int64_t grid_tokens(at::IntArrayRef grid, int64_t num_prefix_tokens) {
+  return num_prefix_tokens + grid[0] * grid[1];
+}
+
+inline void check_grid_table(const char* op, const char* arg, const c10::SymInt& rows, at::IntArrayRef grid,
+                             const char* grid_arg, int64_t num_prefix_tokens) {
+  TORCH_CHECK(rows == grid_tokens(grid, num_prefix_tokens), "posenc.", op, ": ", arg, " has ", rows,
+              " rows but num_prefix_tokens + prod(", grid_arg, ") = ", num_prefix_tokens, " + ", grid[0], " * ",
+              grid[1], " = ", grid_tokens(grid, num_prefix_tokens));
+}
+
+inline ResampleGrid check_resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid,
+                                           at::IntArrayRef grid, std::string_view mode, bool align_corners,
+                                           bool antialias, const std::optional<at::ArrayRef<double>>& scale_factor,
+                                           int64_t num_prefix_tokens) {
+  constexpr const char* op = "resample_learned";
+  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                        num_prefix_tokens);
+  check_table(op, "weight", weight);
+  check_grid_table(op, "weight", weight.sym_size(0), source_grid, "source_grid", num_prefix_tokens);
+  return plan;
+}
+
+inline ResampleGrid check_add_resampled_learned(const at::Tensor& x, const at::Tensor& weight,
+                                                at::IntArrayRef source_grid, at::IntArrayRef grid,
+                                                std::string_view mode, bool align_corners, bool antialias,
+                                                const std::optional<at::ArrayRef<double>>& scale_factor,
+                                                int64_t num_prefix_tokens) {
+  constexpr const char* op = "add_resampled_learned";
+  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                        num_prefix_tokens);
+  check_floating(op, "x", x);
+  TORCH_CHECK(x.dim() >= 2, "posenc.", op, ": x must be [..., S, D], got shape ", x.sym_sizes());
+  check_table(op, "weight", weight);
+  check_same_device(op, "weight", weight, x);
+  check_same_dtype(op, "weight", weight, x, "x");
+  check_same_width(op, "x", x.sym_size(-1), weight, "weight");
+  check_grid_table(op, "weight", weight.sym_size(0), source_grid, "source_grid", num_prefix_tokens);
+  check_grid_table(op, "x", x.sym_size(-2), grid, "grid", num_prefix_tokens);
+  return plan;
+}
+
+inline ResampleGrid check_resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid,
+                                                    at::IntArrayRef grid, std::string_view mode, bool align_corners,
+                                                    bool antialias,
+                                                    const std::optional<at::ArrayRef<double>>& scale_factor,
+                                                    int64_t num_prefix_tokens) {
+  constexpr const char* op = "resample_learned_backward";
+  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                        num_prefix_tokens);
+  check_floating(op, "grad", grad);
+  TORCH_CHECK(grad.dim() >= 2, "posenc.", op, ": grad must be [..., S, D], got shape ", grad.sym_sizes());
+  check_grid_table(op, "grad", grad.sym_size(-2), grid, "grid", num_prefix_tokens);
+  return plan;
+}
+
 // The ops of the learned family on one device: checks, allocation, table rows and dtype dispatch, the same on
 // every device. The device supplies the rest:
 //   Guard, empty            CpuDevice or CudaDevice: the guard that makes a device current for the call
@@ -115,6 +222,12 @@ inline void check_positions_from_mask(const at::Tensor& attention_mask) {
 //   count_positions(is_real, first, pad)
 //                           along the last dimension of a bool mask: first + (count of real entries before
 //                           each real entry), pad for the others.
+//   resample<scalar_t>(table, out, grid)
+//                           out = the contiguous table resampled to grid.*.out (portable/resample.h), prefix rows
+//                           copied, float64 sums rounded once;
+//   resample_adjoint<scalar_t>(grad, out, grid)
+//                           out = the adjoint applied to the contiguous grad's rows summed over its leading
+//                           dimensions in order, float64 sums rounded once, the same bits for any thread count.
 template <typename Device>
 struct LearnedOps {
   static at::Tensor learned(const at::Tensor& weight, const at::Tensor& positions, int64_t offset,
@@ -190,8 +303,66 @@ struct LearnedOps {
     return Device::count_positions(at::ne(attention_mask, 0), 0, pad_position);
   }
 
+  static at::Tensor resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid, at::IntArrayRef grid,
+                                     c10::string_view mode, bool align_corners, bool antialias,
+                                     std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
+    const auto plan = check_resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+                                             num_prefix_tokens);
+    const typename Device::Guard guard(weight.device());
+    return resampled(weight, plan, grid_tokens(grid, num_prefix_tokens));
+  }
+
+  // x + the resampled table, by the additive kernel of add_learned (rows arange(S) of the resampled table).
+  static at::Tensor add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
+                                          at::IntArrayRef grid, c10::string_view mode, bool align_corners,
+                                          bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
+                                          int64_t num_prefix_tokens) {
+    constexpr const char* op = "add_resampled_learned";
+    const auto plan = check_add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias,
+                                                  scale_factor, num_prefix_tokens);
+    const typename Device::Guard guard(x.device());
+    const int64_t tokens = grid_tokens(grid, num_prefix_tokens);
+    const auto input = x.contiguous();
+    auto out = Device::empty(input.sizes(), input.options());
+    if (out.numel() == 0) return out;
+    const auto table = resampled(weight, plan, tokens);
+    const auto rows = Device::read_table_rows(op, std::nullopt, tokens, 0, table_domain(tokens, "the resampled table"));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_resampled_learned", [&] {
+      Device::template add_rows<scalar_t>(input, {}, out, table, rows, 1.0);
+    });
+    return out;
+  }
+
+  static at::Tensor resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid,
+                                              at::IntArrayRef grid, c10::string_view mode, bool align_corners,
+                                              bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
+                                              int64_t num_prefix_tokens) {
+    const auto plan = check_resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias,
+                                                      scale_factor, num_prefix_tokens);
+    const typename Device::Guard guard(grad.device());
+    const int64_t width = grad.size(-1);
+    auto out = Device::empty({grid_tokens(source_grid, num_prefix_tokens), width}, grad.options());
+    if (out.numel() == 0) return out;
+    if (grad.numel() == 0) return out.zero_();
+    const auto input = grad.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_resample_learned_backward",
+                                    [&] { Device::template resample_adjoint<scalar_t>(input, out, plan); });
+    return out;
+  }
+
   static void register_kernels(torch::Library& m) {
     POSENC_LEARNED_OPS(POSENC_IMPL_MEMBER, LearnedOps)
+  }
+
+ private:
+  // weight [P + Hs * Ws, D] resampled to [tokens, D] (tokens = P + H * W).
+  static at::Tensor resampled(const at::Tensor& weight, const ResampleGrid& plan, int64_t tokens) {
+    auto out = Device::empty({tokens, weight.size(1)}, weight.options());
+    if (out.numel() == 0) return out;
+    const auto table = weight.contiguous();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, table.scalar_type(), "posenc_resample_learned",
+                                    [&] { Device::template resample<scalar_t>(table, out, plan); });
+    return out;
   }
 };
 

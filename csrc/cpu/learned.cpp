@@ -1,9 +1,11 @@
 // The learned family on the CPU: how table rows are read and the kernels called under the op layer of
-// common/learned.h; the loops are in cpu/kernels/additive.cpp.
+// common/learned.h; the loops are in cpu/kernels/additive.cpp (table rows added) and cpu/kernels/resample.cpp
+// (tables resampled to a new grid).
 #include "common/learned.h"
 #include "common/positions.h"
 #include "cpu/device.h"
 #include "cpu/kernels/additive.h"
+#include "cpu/kernels/resample.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -33,6 +35,19 @@ struct CpuLearned : CpuDevice {
     cpu::learned_stub<scalar_t>({rows, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
                                  table.const_data_ptr<scalar_t>(), table_rows.data(), table_rows.first,
                                  table_rows.count, scale});
+  }
+
+  template <typename scalar_t>
+  static void resample(const at::Tensor& table, const at::Tensor& out, const ResampleGrid& grid) {
+    cpu::resample_stub<scalar_t>(
+        {table.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), out.size(1), grid});
+  }
+
+  template <typename scalar_t>
+  static void resample_adjoint(const at::Tensor& grad, const at::Tensor& out, const ResampleGrid& grid) {
+    const int64_t width = grad.size(-1);
+    cpu::resample_adjoint_stub<scalar_t>({grad.const_data_ptr<scalar_t>(), grad.numel() / (width * grad.size(-2)),
+                                          out.mutable_data_ptr<scalar_t>(), width, grid});
   }
 
   // Each row of a [..., S] mask is scanned along S.

@@ -40,6 +40,11 @@
   :class:`PatchCenterAngles`, which hands the layers DINOv3's patch centres (its training augmentations included)
   and float64 frequencies as :class:`RotaryAngles`; the modeling file's ``apply_rotary_pos_emb`` is wrapped as for
   the rotary family, one ``rope_qk`` call with ``pair_axis``, the cls and register tokens at angle 0.
+- **Learned tables resized to the image grid** (ViT, DINOv2, SigLIP, CLIP, ... and dual encoders holding them;
+  models without a rotary module): an embeddings module with ``interpolate_pos_encoding(embeddings, height, width)``
+  and a learned table, recognized by probing (:func:`recognize_resized_tables`), gets its forward's
+  ``embeddings + self.interpolate_pos_encoding(...)`` done by one ``posenc.add_resampled_learned`` call: the
+  shadowed method returns a :class:`ResampledTable`, which that ``+`` turns into the op.
 
 Everything else is per instance: a swapped submodule, or an instance attribute that shadows its class's method
 on that one object. No class is modified, and the state dict is unchanged.
@@ -62,8 +67,9 @@ from .. import frequencies
 from .. import functional as PF
 from ..nn import RotaryEmbedding
 
-__all__ = ["patch", "unpatch", "is_patched", "recognize_rotary", "NotRecognized", "Patch", "Change", "RotaryAngles",
-           "RotaryPositions", "PatchCenterAngles", "SUPPORTED_MODEL_TYPES", "ROTARY_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "recognize_rotary", "recognize_resized_tables", "NotRecognized", "Patch",
+           "Change", "RotaryAngles", "RotaryPositions", "PatchCenterAngles", "ResampledTable", "SUPPORTED_MODEL_TYPES",
+           "ROTARY_MODEL_TYPES"]
 
 # The types known to work (tested with gradients and generation); patch recognizes rotary models by contract.
 ROTARY_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox",
@@ -112,10 +118,12 @@ def patch(model: torch.nn.Module) -> Patch:
     """Switches the positional code of a Hugging Face model to posenc, in place; returns the :class:`Patch`
     listing the changes.
 
-    BLOOM, T5 and GPT-2 are recognized by ``config.model_type``, DINOv3 by its rotary module; any other model is
-    patched when it follows the rotary contract (see :func:`recognize_rotary`), whatever its type. Logits, gradients and greedy generation
-    stay those of the unpatched model (up to the rounding of its float32 cos/sin tables, which posenc forms in
-    float64). Raises ``ValueError`` naming the model type and the reason for a model it does not recognize,
+    BLOOM, T5 and GPT-2 are recognized by ``config.model_type``, DINOv3 by its rotary module, a vision model
+    without a rotary module by its embeddings' resized learned table (see :func:`recognize_resized_tables`); any
+    other model is patched when it follows the rotary contract (see :func:`recognize_rotary`), whatever its type.
+    Logits, gradients and greedy generation stay those of the unpatched model (up to the rounding of its float32
+    cos/sin tables, which posenc forms in float64; of a resized table, which posenc resamples in float64).
+    Raises ``ValueError`` naming the model type and the reason for a model it does not recognize,
     ``RuntimeError`` if the model is already patched.
     """
     model_type = _model_type(model)
@@ -129,6 +137,8 @@ def patch(model: torch.nn.Module) -> Patch:
         record = _patch_gpt2(model)
     elif _find(model, _is_dinov3_rope):
         record = _patch_dinov3(model, model_type)
+    elif _find(model, _has_resized_table) and not _find(model, _is_rotary_module):
+        record = _patch_resized_tables(model, model_type)
     else:
         record = _patch_rotary(model, model_type)
     model._posenc_patch = record
@@ -942,11 +952,15 @@ def recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module,
     return [(name, module, modeling) for name, module, modeling, _, _ in _recognize_rotary(model)]
 
 
+def _is_rotary_module(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("RotaryEmbedding") and not isinstance(module, RotaryPositions)
+
+
 def _recognize_rotary(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str, str, Any]]:
     """:func:`recognize_rotary`'s rotary modules with the rotation layout of each and its pair axes (M-RoPE, else
     None): (path, module, modeling, layout, pair_axis)."""
     model_type = _model_type(model)
-    found = _find(model, lambda m: type(m).__name__.endswith("RotaryEmbedding") and not isinstance(m, RotaryPositions))
+    found = _find(model, _is_rotary_module)
     if not found:
         raise NotRecognized(model_type, "no rotary module", f"this {type(model).__name__} has no *RotaryEmbedding "
                             f"submodule, and bloom, t5 and gpt2 are the non-rotary types patch knows")
@@ -1235,6 +1249,360 @@ def _patch_dinov3(model: torch.nn.Module, model_type: str) -> Patch:
         record.changes.append(Change("function", f"{modeling}.apply_rotary_pos_emb",
                                      "posenc: RotaryAngles -> rope_qk (prefix tokens at angle 0), cos/sin tables -> "
                                      "the original"))
+    return record
+
+
+# ---------------------------------------------------------------- learned position tables resized to the image grid
+
+# F.interpolate settings a ViT-style interpolate_pos_encoding may use, tried in this order by the probe:
+# (mode, align_corners, antialias).
+_TABLE_MODES = (("bicubic", False, False), ("bicubic", False, True), ("bilinear", False, False),
+                ("bilinear", False, True), ("bicubic", True, False), ("bilinear", True, False))
+_TABLE_PROBE_RTOL = 1e-5
+
+
+def _table_attribute(module: torch.nn.Module) -> Optional[str]:
+    """Where a ViT-style embeddings module keeps its learned table: ``position_embeddings`` or
+    ``position_embedding``, a tensor [1, R, D] or [R, D] (ViT, DINOv2, BEiT, ...) or an ``nn.Embedding`` (CLIP,
+    SigLIP, ...)."""
+    for attribute in ("position_embeddings", "position_embedding"):
+        table = getattr(module, attribute, None)
+        if isinstance(table, torch.nn.Embedding):
+            return attribute
+        if isinstance(table, Tensor) and (table.dim() == 2 or (table.dim() == 3 and table.shape[0] == 1)):
+            return attribute
+    return None
+
+
+def _table_rows(module: torch.nn.Module, attribute: str) -> Tensor:
+    """The table as rows [R, D], the parameter or a view of it (its gradient reaches the parameter)."""
+    table = getattr(module, attribute)
+    if isinstance(table, torch.nn.Embedding):
+        return table.weight
+    return table[0] if table.dim() == 3 else table
+
+
+def _has_resized_table(module: torch.nn.Module) -> bool:
+    method = getattr(type(module), "interpolate_pos_encoding", None)
+    if not callable(method) or _table_attribute(module) is None:
+        return False
+    parameters = list(inspect.signature(method).parameters)
+    return parameters[1:4] == ["embeddings", "height", "width"]
+
+
+def _pair(value: Any) -> Optional[Tuple[int, int]]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def _module_pairs(module: torch.nn.Module, name: str) -> List[Tuple[int, int]]:
+    """The values of ``name`` on the module, its ``patch_embeddings`` and its ``config``, as (height, width)."""
+    owners = (module, getattr(module, "patch_embeddings", None), getattr(module, "config", None))
+    pairs = [_pair(getattr(owner, name, None)) for owner in owners if owner is not None]
+    return list(dict.fromkeys(pair for pair in pairs if pair is not None))
+
+
+@dataclass(frozen=True)
+class _TableSpec:
+    """What the probe found about one embeddings module's table and how Hugging Face resizes it."""
+
+    attribute: str
+    num_prefix_tokens: int
+    source_grid: Tuple[int, int]
+    patch_size: Tuple[int, int]
+    mode: str
+    align_corners: bool
+    antialias: bool
+    image_size: Optional[Tuple[int, int]]  # where interpolate_pos_encoding=False adds the table as it is
+    flag: Optional[Tuple[int, str, bool]]  # forward's interpolate_pos_encoding: (position, name, default)
+    pixel_values: Tuple[int, str]  # forward's first argument
+
+    def describe(self) -> str:
+        options = f"mode={self.mode}" + (", align_corners=True" if self.align_corners else "") + (
+            ", antialias=True" if self.antialias else "")
+        return (f"{self.attribute} ({self.num_prefix_tokens} prefix rows, grid {self.source_grid[0]}x"
+                f"{self.source_grid[1]}, patch {self.patch_size[0]}x{self.patch_size[1]}, {options})")
+
+
+class ResampledTable:
+    """What a patched ``interpolate_pos_encoding`` returns inside its embeddings' forward, in place of the table
+    resized to the image's patch grid: the table, its grid and the image's. The embeddings' own
+    ``embeddings + position_embeddings`` becomes one ``posenc.add_resampled_learned`` call, the resize and the
+    add in one pass; any other use of it raises ``TypeError``."""
+
+    def __init__(self, weight: Tensor, spec: _TableSpec, grid: Tuple[Any, Any]):
+        self.weight, self.spec, self.grid = weight, spec, grid
+
+    def _arguments(self) -> tuple:
+        spec = self.spec
+        return (self.weight, spec.source_grid, self.grid, spec.mode, spec.align_corners, spec.antialias, None,
+                spec.num_prefix_tokens)
+
+    def add_to(self, x: Tensor) -> Tensor:
+        return PF.add_resampled_learned(x, *self._arguments())
+
+    def rows(self) -> Tensor:
+        """The resized table [P + H * W, D] (``posenc.resample_learned``)."""
+        return PF.resample_learned(*self._arguments())
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, torch.add) and len(args) == 2 \
+                and not kwargs:
+            table, x = (args[0], args[1]) if isinstance(args[0], cls) else (args[1], args[0])
+            if isinstance(x, Tensor) and isinstance(table, cls):
+                return table.add_to(x)
+        raise TypeError(f"{_NAME}: the resized position table of a patched embeddings module is added by "
+                        f"posenc.add_resampled_learned; only adding it to a tensor is supported, got "
+                        f"{getattr(func, '__name__', func)}")
+
+
+def _table_interpolate(self, spec: _TableSpec, embeddings: Tensor, height: int, width: int) -> Any:
+    """``interpolate_pos_encoding(embeddings, height, width)``: inside the embeddings' forward, a
+    :class:`ResampledTable` that their ``embeddings + ...`` adds with one ``add_resampled_learned``; called from
+    elsewhere, the resized table itself, [1, P + H * W, D] as Hugging Face returns it."""
+    grid = (height // spec.patch_size[0], width // spec.patch_size[1])
+    table = ResampledTable(_table_rows(self, spec.attribute), spec, grid)
+    if self.__dict__.get("_posenc_adding"):
+        return table
+    return table.rows().unsqueeze(0)
+
+
+def _table_forward(self, spec: _TableSpec, *args, **kwargs):
+    """The embeddings' own forward, whose ``embeddings + self.interpolate_pos_encoding(...)`` becomes one
+    ``add_resampled_learned`` call. ``interpolate_pos_encoding=False`` with an image of the configured size becomes
+    True: both add the table as it is (the resize to the same grid is the identity, bit for bit). At any other size
+    Hugging Face's False path runs as it is (it raises, or adds the table unresized where the token count allows)."""
+    if spec.flag is not None:
+        position, name, default = spec.flag
+        if name in kwargs:
+            flag = kwargs[name]
+        else:
+            flag = args[position] if len(args) > position else default
+        index, pixel_name = spec.pixel_values
+        pixels = args[index] if len(args) > index else kwargs.get(pixel_name)
+        if not flag and isinstance(pixels, Tensor) and tuple(pixels.shape[-2:]) == spec.image_size:
+            if len(args) > position:
+                args = args[:position] + (True,) + args[position + 1:]
+            else:
+                kwargs = {**kwargs, name: True}
+    self._posenc_adding = True
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:  # also when the call raised before the add
+        self._posenc_adding = False
+
+
+def _table_methods(spec: _TableSpec, calls: Optional[list] = None) -> Tuple[Callable, Callable]:
+    """The two methods a recognized embeddings module gets, bound to its probe's findings (``calls`` counts the
+    probe's calls of interpolate_pos_encoding)."""
+
+    def interpolate_pos_encoding(self, embeddings: Tensor, height: int, width: int) -> Any:
+        if calls is not None:
+            calls.append(1)
+        return _table_interpolate(self, spec, embeddings, height, width)
+
+    def forward(self, *args, **kwargs):
+        return _table_forward(self, spec, *args, **kwargs)
+
+    return interpolate_pos_encoding, forward
+
+
+class _TableRefused(Exception):
+    pass
+
+
+def _table_probe_grids(side: int) -> List[Tuple[int, int]]:
+    # non-square, larger on one axis and smaller on the other (antialias shows when shrinking)
+    return [(side + 2, max(side - 1, 1)), (max(side // 2, 1), side + 1)]
+
+
+def _table_probe_diff(rows: Tensor, spec: _TableSpec, grid: Tuple[int, int], expected: Tensor) -> float:
+    try:
+        with torch.no_grad():
+            return _max_diff(ResampledTable(rows, spec, grid).rows(), expected)
+    except RuntimeError:  # a setting the op refuses (antialias with aligned corners, ...) is not the one
+        return math.inf
+
+
+def _probe_table(name: str, module: torch.nn.Module) -> _TableSpec:
+    """Runs the module's own ``interpolate_pos_encoding`` on a float32 copy with a random table and finds the
+    ``resample_learned`` call that gives its result (prefix rows, square source grid, patch size, interpolation),
+    then checks that the patched forward gives the unpatched one's output."""
+    attribute = _table_attribute(module)
+    probe = copy.deepcopy(module).float().eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        table = _table_rows(probe, attribute)
+        table.copy_(torch.randn(table.shape, generator=generator).to(table.device))
+    rows = _table_rows(probe, attribute).detach()
+    total, dim = rows.shape
+    patch_sizes = _module_pairs(module, "patch_size")
+    if not patch_sizes:
+        raise _TableRefused(f"{name} ({type(module).__name__}) has no patch_size")
+    # the grid before the probe tells the prefix rows: the first split into a few rows and a square (Hugging Face
+    # reads the table the same way); the probe grids only need to differ from the table's
+    guesses = [(prefix, math.isqrt(total - prefix)) for prefix in range(min(total, 9))]
+    guesses = [(prefix, side) for prefix, side in guesses if side > 1 and side * side == total - prefix]
+    if not guesses:
+        raise _TableRefused(f"{name}.{attribute}: {total} rows are not a few prefix rows and a square grid")
+    guess_prefix, guess_side = guesses[0]
+    found = None
+    for patch in patch_sizes:
+        outputs = {}
+        try:
+            for grid in _table_probe_grids(guess_side):
+                height, width = grid[0] * patch[0] + patch[0] - 1, grid[1] * patch[1] + patch[1] - 1
+                embeddings = torch.zeros(1, guess_prefix + grid[0] * grid[1], dim, device=rows.device)
+                with torch.no_grad():
+                    out = probe.interpolate_pos_encoding(embeddings, height, width)
+                outputs[grid] = out.reshape(-1, out.shape[-1]) if isinstance(out, Tensor) else None
+        except Exception as error:  # noqa: BLE001 - any failure of the original is a refusal reason
+            raise _TableRefused(f"{name}.interpolate_pos_encoding raised {type(error).__name__}: {error}") from None
+        if any(out is None or out.shape[-1] != dim for out in outputs.values()):
+            raise _TableRefused(f"{name}.interpolate_pos_encoding does not return a table [.., rows, {dim}]")
+        grid = next(iter(outputs))
+        prefix = outputs[grid].shape[0] - grid[0] * grid[1]
+        side = math.isqrt(max(total - prefix, 0))
+        if prefix < 0 or side * side != total - prefix:
+            continue
+        scale = 1.0 + float(rows.abs().max())
+        for mode, align_corners, antialias in _TABLE_MODES:
+            spec = _TableSpec(attribute, prefix, (side, side), patch, mode, align_corners, antialias, None, None,
+                              (0, "pixel_values"))
+            if all(out.shape[0] == prefix + g[0] * g[1] and _table_probe_diff(rows, spec, g, out) <= _TABLE_PROBE_RTOL
+                   * scale for g, out in outputs.items()):
+                found = spec
+                break
+        if found is not None:
+            break
+    if found is None:
+        raise _TableRefused(f"{name}.interpolate_pos_encoding differs from resample_learned in every mode "
+                            f"(bicubic and bilinear, aligned corners or not, antialias or not), patch size "
+                            f"{' or '.join(f'{p[0]}x{p[1]}' for p in patch_sizes)}")
+    return _check_table_forward(name, module, probe, found)
+
+
+def _tensors_of(output: Any) -> List[Tensor]:
+    """The tensors a forward returns: itself, or those of a tuple (Swin returns the grid's size beside them)."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    return [item.float() for item in items if isinstance(item, Tensor) and item.is_floating_point()]
+
+
+def _check_table_forward(name: str, module: torch.nn.Module, probe: torch.nn.Module, spec: _TableSpec) -> _TableSpec:
+    """Reads forward's arguments, then runs the probe copy's forward unpatched and patched (through
+    :class:`ResampledTable`) on random pixels at the configured image size and at a non-square one."""
+    signature = inspect.signature(type(module).forward)
+    parameters = list(signature.parameters.values())[1:]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional:
+        raise _TableRefused(f"{name}.forward takes no pixel values")
+    pixel_values = (0, positional[0].name)
+    flag = None
+    for position, parameter in enumerate(positional):
+        if parameter.name == "interpolate_pos_encoding":
+            flag = (position, parameter.name, bool(parameter.default) if parameter.default is not
+                    inspect.Parameter.empty else False)
+    image_sizes = _module_pairs(module, "image_size")
+    image_size = image_sizes[0] if image_sizes else None
+    spec = _TableSpec(spec.attribute, spec.num_prefix_tokens, spec.source_grid, spec.patch_size, spec.mode,
+                      spec.align_corners, spec.antialias, image_size if flag is not None else None, flag,
+                      pixel_values)
+    channels = [c for c in (getattr(getattr(module, "config", None), "num_channels", None),
+                            getattr(getattr(module, "patch_embeddings", None), "num_channels", None))
+                if isinstance(c, int)]
+    side = spec.source_grid[0]
+    # the configured size (interpolate_pos_encoding False and True), then resized grids: the first that Hugging
+    # Face's own forward takes must give its output patched (windowed models take some grids only)
+    sizes = [((side + 2) * spec.patch_size[0], max(side - 1, 1) * spec.patch_size[1]),
+             (2 * side * spec.patch_size[0], 2 * side * spec.patch_size[1]),
+             (max(side // 2, 1) * spec.patch_size[0], max(side // 2, 1) * spec.patch_size[1])]
+    calls = []
+    patched = copy.deepcopy(probe)
+    interpolate, forward = _table_methods(spec, calls)
+    patched.interpolate_pos_encoding = types.MethodType(interpolate, patched)
+    patched.forward = types.MethodType(forward, patched)
+    generator = torch.Generator().manual_seed(1)
+    device = _table_rows(probe, spec.attribute).device
+
+    def compare(height: int, width: int, options: Dict[str, bool]) -> bool:
+        pixels = torch.randn(1, channels[0] if channels else 3, height, width, generator=generator).to(device)
+        try:
+            with torch.no_grad():
+                expected = probe(pixels, **options)
+        except Exception:  # noqa: BLE001 - Hugging Face does not take this size
+            return False
+        del calls[:]
+        try:
+            with torch.no_grad():
+                actual = patched(pixels, **options)
+        except Exception as error:  # noqa: BLE001
+            raise _TableRefused(f"{name}.forward uses the resized table other than adding it to the embeddings: "
+                                f"patched, on pixels [1, C, {height}, {width}], it raised {type(error).__name__}: "
+                                f"{error}") from None
+        expected, actual = _tensors_of(expected), _tensors_of(actual)
+        if not expected or len(actual) != len(expected):
+            raise _TableRefused(f"{name}.forward returns no tensor")
+        if not calls:
+            raise _TableRefused(f"{name}.forward does not call interpolate_pos_encoding")
+        if any(a.shape != e.shape for a, e in zip(actual, expected)):
+            raise _TableRefused(f"{name}.forward patched gives other shapes than Hugging Face's")
+        diff = max(_max_diff(a, e) for a, e in zip(actual, expected))
+        expected = expected[0]
+        if diff > _TABLE_PROBE_RTOL * (1.0 + float(expected.abs().max())):
+            raise _TableRefused(f"{name}.forward patched differs from Hugging Face's by {diff:.2e} on pixels "
+                                f"[1, C, {height}, {width}]")
+        return True
+
+    resize = {flag[1]: True} if flag is not None else {}
+    if image_size is not None:
+        for options in ([{flag[1]: False}, {flag[1]: True}] if flag is not None else [{}]):
+            if not compare(*image_size, options):
+                raise _TableRefused(f"{name}.forward does not take pixels of its image size "
+                                    f"{image_size[0]}x{image_size[1]}")
+    if not any(compare(height, width, resize) for height, width in sizes):
+        raise _TableRefused(f"{name}.forward takes pixels [1, C, H, W] of no size tried: "
+                            f"{', '.join(f'{h}x{w}' for h, w in sizes)}")
+    return spec
+
+
+def recognize_resized_tables(model: torch.nn.Module) -> Tuple[List[Tuple[str, torch.nn.Module, Any]], List[str]]:
+    """The ViT-style embeddings modules of a model, found by probing: ``(recognized, refused)``, where recognized
+    holds ``(path, module, spec)`` and refused the reason for each other candidate.
+
+    A candidate has an ``interpolate_pos_encoding(embeddings, height, width)`` method and a learned table
+    (``position_embeddings`` [1, R, D] or ``position_embedding``, an ``nn.Embedding``). It is recognized when,
+    on a float32 copy with a random table, that method gives for two non-square grids what
+    ``posenc.resample_learned`` gives for one setting of F.interpolate (bicubic or bilinear, aligned corners or
+    not, antialias or not), the table being a few prefix rows and a square grid, and the module's forward,
+    patched, gives its unpatched output at the configured image size and at a non-square one."""
+    recognized, refused = [], []
+    for name, module in _find(model, _has_resized_table):
+        try:
+            recognized.append((name, module, _probe_table(name or "model", module)))
+        except _TableRefused as reason:
+            refused.append(str(reason))
+    return recognized, refused
+
+
+def _patch_resized_tables(model: torch.nn.Module, model_type: str) -> Patch:
+    recognized, refused = recognize_resized_tables(model)
+    if not recognized:
+        raise NotRecognized(model_type, "resized learned table", "; ".join(refused))
+    record = Patch(model_type, "learned (resized to the image grid)")
+    for name, module, spec in recognized:
+        interpolate, forward = _table_methods(spec)
+        _shadow_method(record, module, name, "interpolate_pos_encoding", interpolate,
+                       f"posenc ResampledTable of {spec.describe()}")
+        _shadow_method(record, module, name, "forward", forward,
+                       "the embeddings' forward, its table added by one posenc.add_resampled_learned"
+                       + (" (interpolate_pos_encoding=False at the image size "
+                          f"{spec.image_size[0]}x{spec.image_size[1]} included)" if spec.image_size else ""))
+        record._undo.append(("attribute", name, "_posenc_adding"))
+    record.notes.extend(f"left to Hugging Face: {reason}" for reason in refused)
     return record
 
 

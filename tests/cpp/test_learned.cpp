@@ -2,10 +2,16 @@
 #include <posenc/posenc.h>
 
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/frontend/resolver.h>
+#include <torch/script.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "test_helpers.h"
 
@@ -154,4 +160,136 @@ TEST(Learned, ErrorsNameOpPositionAndLMax) {
                "posenc.add_learned: weight is Float but x is Double");
   expect_error([&] { posenc::learned(weight, torch::tensor({0.5})); },
                "posenc.learned: positions must be an int64 or int32 tensor, got Float");
+}
+
+namespace {
+
+// Keys' cubic convolution kernel with parameter a.
+double keys(double x, double a) {
+  x = std::abs(x);
+  if (x <= 1) return ((a + 2) * x - (a + 3)) * x * x + 1;
+  if (x < 2) return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a;
+  return 0;
+}
+
+// float64 [out, in]: F.interpolate's bicubic weights (A = -0.75, clamped taps, half-pixel coordinates), or the
+// antialiased bilinear triangle widened by the downscale and normalized.
+at::Tensor axis_weights(int64_t in, int64_t out, bool antialias) {
+  auto m = torch::zeros({out, in}, torch::kDouble);
+  auto a = m.accessor<double, 2>();
+  const double scale = static_cast<double>(in) / static_cast<double>(out);
+  for (int64_t o = 0; o < out; ++o) {
+    if (antialias) {
+      const double support = std::max(scale, 1.0);
+      const double inv = scale >= 1.0 ? 1.0 / scale : 1.0;
+      const double center = scale * (o + 0.5);
+      const int64_t lo = std::max<int64_t>(static_cast<int64_t>(center - support + 0.5), 0);
+      const int64_t hi = std::min<int64_t>(static_cast<int64_t>(center + support + 0.5), in);
+      double total = 0;
+      for (int64_t k = lo; k < hi; ++k) total += std::max(0.0, 1 - std::abs((k - center + 0.5) * inv));
+      for (int64_t k = lo; k < hi; ++k) a[o][k] += std::max(0.0, 1 - std::abs((k - center + 0.5) * inv)) / total;
+      continue;
+    }
+    const double source = scale * (o + 0.5) - 0.5;
+    const int64_t i = std::min<int64_t>(static_cast<int64_t>(std::floor(source)), in - 1);
+    const double t = std::clamp(source - static_cast<double>(i), 0.0, 1.0);
+    const double w[4] = {keys(t + 1, -0.75), keys(t, -0.75), keys(1 - t, -0.75), keys(2 - t, -0.75)};
+    for (int64_t k = 0; k < 4; ++k) a[o][std::clamp<int64_t>(i - 1 + k, 0, in - 1)] += w[k];
+  }
+  return m;
+}
+
+// The table resampled in float64: prefix rows, then Mh @ grid @ Mw^T per channel.
+at::Tensor resampled(const at::Tensor& weight, int64_t prefix, int64_t hs, int64_t ws, int64_t h, int64_t w,
+                     bool antialias) {
+  const auto grid = weight.slice(0, prefix).to(torch::kDouble).view({hs, ws, -1});
+  const auto rows = torch::einsum("hi,ijd,wj->hwd", {axis_weights(hs, h, antialias), grid, axis_weights(ws, w, antialias)});
+  return torch::cat({weight.slice(0, 0, prefix).to(torch::kDouble), rows.reshape({h * w, -1})});
+}
+
+}  // namespace
+
+TEST(Learned, ResampledTableAgainstFloat64Formula) {
+  const auto options = torch::dtype(torch::kDouble).requires_grad(true);
+  for (const bool antialias : {false, true}) {
+    // up (5 x 4 -> 7 x 9) and down (9 x 8 -> 3 x 5), one prefix row (cls)
+    for (const auto& [hs, ws, h, w] : {std::array<int64_t, 4>{5, 4, 7, 9}, std::array<int64_t, 4>{9, 8, 3, 5}}) {
+      auto weight = torch::randn({1 + hs * ws, 6}, options);
+      auto x = torch::randn({2, 1 + h * w, 6}, options);
+      const std::string mode = antialias ? "bilinear" : "bicubic";
+      const auto table = posenc::resample_learned(weight, {hs, ws}, {h, w}, mode, false, antialias, std::nullopt, 1);
+      const auto expected = resampled(weight.detach(), 1, hs, ws, h, w, antialias);
+      EXPECT_LT(max_abs_diff(table, expected), 1e-12);
+      EXPECT_TRUE(torch::equal(table.slice(0, 0, 1), weight.detach().slice(0, 0, 1)));
+      // float32: the float64 sum rounded once
+      const auto table32 = posenc::resample_learned(weight.detach().to(torch::kFloat), {hs, ws}, {h, w}, mode, false,
+                                                    antialias, std::nullopt, 1);
+      EXPECT_TRUE(torch::equal(table32, resampled(weight.detach().to(torch::kFloat), 1, hs, ws, h, w, antialias)
+                                            .to(torch::kFloat)));
+      // the add and its gradients: d/dx = grad, d/dweight = the adjoint of the grad summed over the batch
+      auto out = posenc::add_resampled_learned(x, weight, {hs, ws}, {h, w}, mode, false, antialias, std::nullopt, 1);
+      EXPECT_LT(max_abs_diff(out, x.detach() + expected), 1e-12);
+      const auto grad = torch::randn_like(out);
+      out.backward(grad);
+      EXPECT_TRUE(torch::equal(x.grad(), grad));
+      const auto summed = grad.sum(0);
+      const auto matrix = resampled(torch::eye(1 + hs * ws, torch::kDouble), 1, hs, ws, h, w, antialias);
+      EXPECT_LT(max_abs_diff(weight.grad(), matrix.t().mm(summed)), 1e-12);
+      EXPECT_LT(max_abs_diff(posenc::resample_learned_backward(grad, {hs, ws}, {h, w}, mode, false, antialias,
+                                                               std::nullopt, 1),
+                             weight.grad()),
+                1e-15);
+    }
+  }
+}
+
+TEST(Learned, ResampledTableErrorsNameOpArgumentAndValue) {
+  const auto weight = torch::randn({5, 3});
+  expect_error([&] { posenc::resample_learned(weight, {2, 2}, {3, 3}); },
+               "posenc.resample_learned: weight has 5 rows but num_prefix_tokens + prod(source_grid) = 0 + 2 * 2 = 4");
+  expect_error([&] { posenc::resample_learned(weight, {2, 2}, {3, 3}, "area", false, false, std::nullopt, 1); },
+               "posenc.resample_learned: mode must be \"bicubic\" or \"bilinear\", got \"area\"");
+  expect_error([&] { posenc::add_resampled_learned(torch::randn({2, 9, 3}), weight, {2, 2}, {3, 3}, "bicubic", false,
+                                                   false, std::nullopt, 1); },
+               "posenc.add_resampled_learned: x has 9 rows but num_prefix_tokens + prod(grid) = 1 + 3 * 3 = 10");
+  const std::vector<double> scale{1.5, -1.0};
+  expect_error([&] { posenc::resample_learned(weight, {2, 2}, {3, 3}, "bicubic", false, false,
+                                                          std::optional<at::ArrayRef<double>>(scale), 1); },
+               "posenc.resample_learned: scale_factor must be two positive finite numbers (rows, columns), got [1.5, -1]");
+}
+
+namespace {
+
+// TorchScript compiled and run by the C++ interpreter: the default resolver knows only `torch`; this one adds
+// `posenc` for the posenc:: ops.
+struct PosencResolver : torch::jit::Resolver {
+  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& graph,
+                                                         const torch::jit::SourceRange& loc) override {
+    if (name == "posenc") return std::make_shared<torch::jit::BuiltinModule>("posenc");
+    return torch::jit::nativeResolver()->resolveValue(name, graph, loc);
+  }
+  torch::jit::TypePtr resolveType(const std::string& name, const torch::jit::SourceRange& loc) override {
+    return nullptr;
+  }
+};
+
+}  // namespace
+
+TEST(Learned, ResampledTableThroughTorchScriptForwardAndBackward) {
+  auto unit = std::make_shared<torch::jit::CompilationUnit>();
+  unit->define(std::nullopt, R"JIT(
+def vit(x: Tensor, weight: Tensor, rows: int, cols: int):
+    return posenc.add_resampled_learned(x, weight, [4, 4], [rows, cols], "bicubic", False, True, None, 1)
+)JIT",
+               std::make_shared<PosencResolver>(), nullptr);
+  auto weight = torch::randn({1 + 16, 6}, torch::dtype(torch::kDouble).requires_grad(true));
+  const auto x = torch::randn({2, 1 + 5 * 7, 6}, torch::kDouble);
+  const auto out = unit->run_method("vit", x, weight, 5, 7).toTensor();
+  const auto expected = posenc::add_resampled_learned(x, weight.detach(), {4, 4}, {5, 7}, "bicubic", false, true,
+                                                      std::nullopt, 1);
+  EXPECT_TRUE(torch::equal(out, expected));
+  const auto grad = torch::randn_like(out);
+  out.backward(grad);
+  EXPECT_TRUE(torch::equal(weight.grad(), posenc::resample_learned_backward(grad, {4, 4}, {5, 7}, "bicubic", false,
+                                                                            true, std::nullopt, 1)));
 }

@@ -80,6 +80,8 @@ def chaos_value(draw, name, type_name):
         return draw(st.sampled_from(CHAOS_DTYPES))
     if "List[float]" in type_name:
         return [draw(st.sampled_from([1.0, 2.0, 0.0, -1.0, float("nan")])) for _ in range(draw(st.integers(0, 6)))]
+    if "List[int]" in type_name:  # grids: small sizes, so that a drawn grid never asks for a huge table
+        return [draw(st.integers(-2, 6)) for _ in range(draw(st.integers(0, 3)))]
     if "int" in type_name:
         if name in SIZE_ARGS:
             return draw(st.integers(-3, 12))

@@ -619,6 +619,26 @@ def test_learned_family(dtype):
 
 @cuda_only
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("mode, align_corners, antialias", [
+    ("bicubic", False, False), ("bicubic", True, False), ("bicubic", False, True), ("bilinear", False, False),
+    ("bilinear", True, True)])
+def test_resampled_learned_same_bits(dtype, mode, align_corners, antialias):
+    """Resampled tables, their add and the adjoint (a gather, float64 sums in the CPU's order): the CPU's bits."""
+    for (hs, ws), (h, w), scale_factor in [((14, 14), (24, 24), None), ((9, 7), (4, 5), None),
+                                            ((8, 8), (9, 9), [1.1875, 1.1875])]:
+        for width, prefix in [(64, 1), (33, 0)]:
+            weight = torch.randn(prefix + hs * ws, width, dtype=dtype)
+            x = torch.randn(3, prefix + h * w, width, dtype=dtype)
+            args = ([hs, ws], [h, w], mode, align_corners, antialias, scale_factor, prefix)
+            run_both(ops.resample_learned, weight, *args)
+            run_both(ops.add_resampled_learned, x, weight, *args)
+            run_both(ops.add_resampled_learned, x[:, :, : width - 1], weight[:, : width - 1], *args)
+            run_both(ops.resample_learned_backward, x, *args)
+            run_both(ops.resample_learned_backward, x.transpose(0, 1).contiguous().transpose(0, 1), *args)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("width", [64, 33])
 def test_embedding_backward_same_bits(dtype, width):
     grad = torch.randn(4, 50, width, dtype=dtype)

@@ -1,6 +1,10 @@
-"""Every hand-written signature of an op agrees with the op's schema, so that a schema change that misses one of
-its wrappers (or a wrapper edited on its own) fails here, not in a user's call that passes an argument by the
-wrong name or leans on a default the op does not have.
+"""Every signature of an op agrees with the op's schema, so that a schema change that misses one of its wrappers (or
+a wrapper edited on its own) fails here, not in a user's call that passes an argument by the wrong name or leans on
+a default the op does not have.
+
+- Written from the schemas: the C++ API's inline functions, the Python wrappers and the ONNX translations' parameters
+  are what scripts/write_signatures.py writes (run it after a schema change). The checks below read the files
+  independently of that script.
 
 - Python: each op with a wrapper of the same name in posenc.functional takes the schema's parameters, by name and
   in order, with the same keyword-only split and the same defaults (None, numbers, strings, booleans, lists; a
@@ -18,6 +22,7 @@ wrong name or leans on a default the op does not have.
 Differences by design, and known mismatches (reason "MISMATCH: ..."), are listed with their reason below; each
 must still be a difference, so that an entry fails once the difference is gone and has to be removed."""
 import ast
+import importlib.util
 import inspect
 import operator
 import re
@@ -36,13 +41,18 @@ HEADERS = sorted((ROOT / "csrc" / "include" / "posenc").glob("*.h"))
 # Fewer C++ functions named after an op than this means the parser, not the headers, lost them (33 today).
 MIN_CPP_OPS = 25
 
+
+def _load_writer():
+    spec = importlib.util.spec_from_file_location("write_signatures", ROOT / "scripts" / "write_signatures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WRITER = _load_writer()
 # Parameters that every wrapper, Python and C++, names differently from the schema:
 # (op, schema argument) -> (the wrappers' name, why).
-RENAMED = {
-    ("add_alibi_", "alibi_mode"): (
-        "mode", "a mutable op cannot have an argument named mode (torch.compile's auto_functionalized passes its "
-                "arguments as keywords beside a mode of its own); the wrappers keep the name add_alibi uses"),
-}
+RENAMED = WRITER.RENAMED
 
 # Python defaults that differ from the schema's: (op, argument) -> why.
 PYTHON_DEFAULTS = {
@@ -80,6 +90,39 @@ NO_FUNCTIONAL_WRAPPER = {
                                  "called by the rotary modules, so compile traces one graph for every length"),
     "sinusoidal_inv_freq": ("posenc.frequencies.sinusoidal", "a frequency builder, named by its scheme"),
 }
+
+
+def test_the_wrappers_are_written_from_the_schemas():
+    """The C++ API, the Python wrappers and the ONNX translations' parameters are what scripts/write_signatures.py
+    writes from the schemas: a schema changed without rerunning it fails here, with the diff."""
+    diffs = WRITER.stale()
+    assert not diffs, "run python scripts/write_signatures.py:\n" + "".join(diffs)
+
+
+def test_the_writer_fills_in_a_new_ops_stubs():
+    """A new op starts from stubs: the writer completes each from the op's schema (add_learned's here)."""
+    ops = WRITER.schemas()
+    header = "namespace posenc {\n// doc\ninline void add_learned();\n}\n"
+    assert WRITER.write_header(header, ops) == (
+        "namespace posenc {\n// doc\n"
+        "inline at::Tensor add_learned(const at::Tensor& x, const at::Tensor& weight,\n"
+        "                              const std::optional<at::Tensor>& positions = std::nullopt, int64_t offset = 0,\n"
+        "                              std::optional<int64_t> padding_idx = std::nullopt) {\n"
+        '  static const auto op = detail::find_op<decltype(add_learned)>("posenc::add_learned");\n'
+        "  return op.call(x, weight, positions, offset, padding_idx);\n}\n}\n")
+    python = 'def add_learned():\n    """doc"""\n    return torch.ops.posenc.add_learned()\n'
+    assert WRITER.write_functional(python, ops) == (
+        "def add_learned(x: Tensor, weight: Tensor, positions: Optional[Tensor] = None, offset: int = 0,\n"
+        "                padding_idx: Optional[int] = None) -> Tensor:\n"
+        '    """doc"""\n    return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)\n')
+    onnx = "def add_learned():\n    # fairseq\n    return x\n"
+    assert WRITER.write_onnx(onnx, ops) == (
+        "def add_learned(x, weight, positions=None, offset: int = 0, padding_idx: Optional[int] = None):\n"
+        "    # fairseq\n    return x\n")
+    # A pair for an op with SymInt arguments, from either function of it.
+    pair = WRITER.write_header("inline void t5_bias_backward();\n", ops)
+    assert "t5_bias_backward_symint(const at::Tensor& grad" in pair and "c10::SymInt(q_offset)" in pair
+    assert WRITER.write_header(pair, ops) == pair
 
 
 # ---------------------------------------------------------------- schemas and default values

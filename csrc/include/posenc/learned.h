@@ -11,6 +11,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <optional>
+#include <string_view>
 
 namespace posenc {
 
@@ -54,6 +55,46 @@ inline at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) 
 inline at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t pad_position = 0) {
   static const auto op = detail::find_op<decltype(positions_from_mask)>("posenc::positions_from_mask");
   return op.call(attention_mask, pad_position);
+}
+
+// A learned table of a source patch grid resampled to another grid, as vision transformers (ViT, DINOv2, SigLIP;
+// timm's resample_abs_pos_embed) resize theirs to an image's grid. weight [P + Hs * Ws, D]: P = num_prefix_tokens
+// rows (cls, registers) kept as they are, then the grid rows, row-major over source_grid (Hs, Ws). Returns
+// [P + H * W, D] for grid (H, W): the grid rows interpolated as F.interpolate(mode, align_corners, antialias,
+// scale_factor with recompute_scale_factor=False) interpolates an image ("bicubic": A = -0.75, clamped border taps;
+// "bilinear"; antialias: the separable filter, cubic a = -0.5 or triangle, widened by the downscale, normalized).
+// The weights and sums are float64, rounded once to weight's dtype. Gradient into weight
+// (resample_learned_backward).
+inline at::Tensor resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid, at::IntArrayRef grid,
+                                   std::string_view mode = "bicubic", bool align_corners = false,
+                                   bool antialias = false,
+                                   std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+                                   int64_t num_prefix_tokens = 0) {
+  static const auto op = detail::find_op<decltype(resample_learned)>("posenc::resample_learned");
+  return op.call(weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+}
+
+// x [..., P + H * W, D] + resample_learned(weight, ...) (broadcast over the leading dimensions), in float32 maths
+// (float64 for float64) of x and the table rounded to x's dtype, rounded once. Gradients into x and weight.
+inline at::Tensor add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
+                                        at::IntArrayRef grid, std::string_view mode = "bicubic",
+                                        bool align_corners = false, bool antialias = false,
+                                        std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+                                        int64_t num_prefix_tokens = 0) {
+  static const auto op = detail::find_op<decltype(add_resampled_learned)>("posenc::add_resampled_learned");
+  return op.call(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+}
+
+// The adjoint of resample_learned: grad [..., P + H * W, D] summed over its leading dimensions (in order), then the
+// transposed interpolation, to [P + Hs * Ws, D] (prefix rows straight through); float64, rounded once, the same bits
+// for any thread count. Differentiable (its derivative is resample_learned).
+inline at::Tensor resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid, at::IntArrayRef grid,
+                                            std::string_view mode = "bicubic", bool align_corners = false,
+                                            bool antialias = false,
+                                            std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+                                            int64_t num_prefix_tokens = 0) {
+  static const auto op = detail::find_op<decltype(resample_learned_backward)>("posenc::resample_learned_backward");
+  return op.call(grad, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
 }
 
 namespace nn {

@@ -54,8 +54,8 @@ inline void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const std::optional<at::Tensor>& pair_axis = std::nullopt, double q_scale_beta = 0.0,
                           int64_t q_scale_length = 1, int64_t q_scale_shift = 0) {
   static const auto op = detail::find_op<decltype(qk_norm_rope_)>("posenc::qk_norm_rope_");
-  op.call(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset,
-          cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
+  op.call(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout, format, offset, cu_seqlens,
+          pair_axis, q_scale_beta, q_scale_length, q_scale_shift);
 }
 
 // qk_norm_rope of a fused QKV projection qkv [B, S, (Hq + 2 Hk) * D] ("bshd"), [S, B, ...] ("sbhd") or [T, ...]

@@ -59,15 +59,12 @@ inline std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at:
                  q_scale_beta, q_scale_length, q_scale_shift);
 }
 
-inline std::tuple<at::Tensor, at::Tensor> rope_qk_backward(const at::Tensor& grad_q, const at::Tensor& grad_k,
-                                                           const std::optional<at::Tensor>& positions,
-                                                           const at::Tensor& inv_freq, double attention_scale = 1.0,
-                                                           std::string_view layout = "neox",
-                                                           std::string_view format = "bshd", int64_t offset = 0,
-                                                           const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
-                                                           const std::optional<at::Tensor>& pair_axis = std::nullopt,
-                                                           double q_scale_beta = 0.0, int64_t q_scale_length = 1,
-                                                           int64_t q_scale_shift = 0) {
+inline std::tuple<at::Tensor, at::Tensor> rope_qk_backward(
+    const at::Tensor& grad_q, const at::Tensor& grad_k, const std::optional<at::Tensor>& positions,
+    const at::Tensor& inv_freq, double attention_scale = 1.0, std::string_view layout = "neox",
+    std::string_view format = "bshd", int64_t offset = 0, const std::optional<at::Tensor>& cu_seqlens = std::nullopt,
+    const std::optional<at::Tensor>& pair_axis = std::nullopt, double q_scale_beta = 0.0, int64_t q_scale_length = 1,
+    int64_t q_scale_shift = 0) {
   static const auto op = detail::find_op<decltype(rope_qk_backward)>("posenc::rope_qk_backward");
   return op.call(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
                  q_scale_beta, q_scale_length, q_scale_shift);

@@ -1,0 +1,210 @@
+// resample_learned and its adjoint, compiled once per CPU capability: a learned table's grid rows interpolated to
+// a new grid one axis at a time (rows, then columns), the adjoint the same two passes transposed, each sum in
+// float64 in a fixed order (no thread ever adds into another's output), so the bits do not depend on the thread
+// count.
+#include "cpu/kernels/capability.h"
+#include "cpu/kernels/resample.h"
+
+POSENC_KERNELS_BEGIN
+#include "portable/convert.h"
+#include "portable/resample.h"
+#include "portable/tiling.h"
+
+namespace posenc::cpu {
+inline namespace POSENC_CPU_CAPABILITY {
+namespace {
+
+using namespace posenc::portable;
+
+// One axis's weights as runs: output o reads inputs first[o] + k with weight weights[o * max_taps + k],
+// k < count[o]. Its transpose, for the adjoint: input i is read by outputs users[user_start[i] ..
+// user_start[i + 1]), in increasing order, with weights user_weights[...].
+struct AxisTaps {
+  std::vector<int64_t> first;
+  std::vector<int64_t> count;
+  std::vector<double> weights;
+  int64_t max_taps = 0;
+  std::vector<int64_t> user_start;
+  std::vector<int64_t> users;
+  std::vector<double> user_weights;
+
+  explicit AxisTaps(const ResampleAxis& axis, bool transpose)
+      : first(axis.out), count(axis.out), weights(axis.out * axis.max_taps), max_taps(axis.max_taps) {
+    for (int64_t o = 0; o < axis.out; ++o) first[o] = resample_taps(axis, o, &count[o], &weights[o * max_taps]);
+    if (!transpose) return;
+    user_start.assign(axis.in + 1, 0);
+    for (int64_t o = 0; o < axis.out; ++o) {
+      for (int64_t k = 0; k < count[o]; ++k) ++user_start[first[o] + k + 1];
+    }
+    for (int64_t i = 0; i < axis.in; ++i) user_start[i + 1] += user_start[i];
+    users.resize(user_start[axis.in]);
+    user_weights.resize(user_start[axis.in]);
+    std::vector<int64_t> next(user_start.begin(), user_start.end() - 1);
+    for (int64_t o = 0; o < axis.out; ++o) {
+      for (int64_t k = 0; k < count[o]; ++k) {
+        const int64_t slot = next[first[o] + k]++;
+        users[slot] = o;
+        user_weights[slot] = weights[o * max_taps + k];
+      }
+    }
+  }
+};
+
+template <typename scalar_t>
+void load_row(const scalar_t* src, double* dst, int64_t width) {
+  for (int64_t d = 0; d < width; ++d) dst[d] = static_cast<double>(to_opmath(src[d]));
+}
+
+// fp16 and bf16 go through float blocks rounded to odd, then narrow's vector conversions.
+template <typename scalar_t>
+void round_row(const double* src, scalar_t* dst, int64_t width) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+    for (int64_t d = 0; d < width; ++d) dst[d] = round_from_double<scalar_t>(src[d]);
+  } else {
+    constexpr int64_t kBlock = 256;
+    float odd[kBlock];
+    for (int64_t d0 = 0; d0 < width; d0 += kBlock) {
+      const int64_t n = std::min(kBlock, width - d0);
+      for (int64_t d = 0; d < n; ++d) odd[d] = round_to_odd_float(src[d0 + d]);
+      narrow(odd, dst + d0, n);
+    }
+  }
+}
+
+template <typename scalar_t>
+void add_row(const scalar_t* x, double* acc, int64_t width) {
+  for (int64_t d = 0; d < width; ++d) acc[d] += static_cast<double>(to_opmath(x[d]));
+}
+
+inline void axpy(double weight, const double* x, double* acc, int64_t width) {
+  for (int64_t d = 0; d < width; ++d) acc[d] += weight * x[d];
+}
+
+template <typename scalar_t>
+void axpy(double weight, const scalar_t* x, double* acc, int64_t width) {
+  for (int64_t d = 0; d < width; ++d) acc[d] += weight * static_cast<double>(to_opmath(x[d]));
+}
+
+// The most outputs that read one input.
+inline int64_t max_users(const AxisTaps& taps) {
+  int64_t most = 0;
+  for (size_t i = 0; i + 1 < taps.user_start.size(); ++i) most = std::max(most, taps.user_start[i + 1] - taps.user_start[i]);
+  return most;
+}
+
+// acc[d] = 0 + sum_k weights[k] * rows[k][d] over n channels, the terms added in k order (the CUDA kernels' order),
+// four rows per sweep over acc.
+template <typename T>
+void weighted_rows(const double* weights, const T* const* rows, int64_t count, double* acc, int64_t n) {
+  std::fill_n(acc, n, 0.0);
+  int64_t k = 0;
+  for (; k + 4 <= count; k += 4) {
+    const T* a = rows[k];
+    const T* b = rows[k + 1];
+    const T* c = rows[k + 2];
+    const T* e = rows[k + 3];
+    const double wa = weights[k], wb = weights[k + 1], wc = weights[k + 2], we = weights[k + 3];
+    for (int64_t d = 0; d < n; ++d) {
+      acc[d] = (((acc[d] + wa * static_cast<double>(to_opmath(a[d]))) + wb * static_cast<double>(to_opmath(b[d]))) +
+                wc * static_cast<double>(to_opmath(c[d]))) +
+               we * static_cast<double>(to_opmath(e[d]));
+    }
+  }
+  for (; k < count; ++k) axpy(weights[k], rows[k], acc, n);
+}
+
+template <typename scalar_t>
+void resample_kernel(const ResampleProblem<scalar_t>& problem) {
+  const auto& grid = problem.grid;
+  const int64_t width = problem.width;
+  const int64_t prefix = grid.prefix;
+  const AxisTaps rows(grid.height, false);
+  const AxisTaps cols(grid.width, false);
+  const int64_t in_cols = grid.width.in;
+  const int64_t out_cols = grid.width.out;
+  const scalar_t* table = problem.table + prefix * width;
+  scalar_t* out = problem.out + prefix * width;
+  std::copy_n(problem.table, prefix * width, problem.out);
+  // One output row h at a time: along the rows first, mid[j] = sum_k rows(h, k) * table[first + k, j] (the taps
+  // are whole runs of table rows, read in order), float64 [Ws, width], which stays in L2; then along the columns,
+  // out[h, w] = sum_l cols(w, l) * mid[first + l], rounded once.
+  parallel_for(0, grid.height.out, rows_per_task(width * in_cols * rows.max_taps), [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<double[]> mid(new double[in_cols * width]);
+    std::vector<double> acc(width);
+    std::vector<const scalar_t*> row_taps(rows.max_taps);
+    std::vector<const double*> col_taps(cols.max_taps);
+    for (int64_t h = begin; h < end; ++h) {
+      for (int64_t j = 0; j < in_cols; ++j) {
+        for (int64_t k = 0; k < rows.count[h]; ++k) row_taps[k] = table + ((rows.first[h] + k) * in_cols + j) * width;
+        weighted_rows(&rows.weights[h * rows.max_taps], row_taps.data(), rows.count[h], mid.get() + j * width, width);
+      }
+      for (int64_t w = 0; w < out_cols; ++w) {
+        for (int64_t l = 0; l < cols.count[w]; ++l) col_taps[l] = mid.get() + (cols.first[w] + l) * width;
+        weighted_rows(&cols.weights[w * cols.max_taps], col_taps.data(), cols.count[w], acc.data(), width);
+        round_row(acc.data(), out + (h * out_cols + w) * width, width);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
+  const auto& grid = problem.grid;
+  const int64_t width = problem.width;
+  const int64_t prefix = grid.prefix;
+  const int64_t out_rows = grid.height.out;
+  const int64_t out_cols = grid.width.out;
+  const int64_t in_cols = grid.width.in;
+  const int64_t tokens = prefix + out_rows * out_cols;
+  const AxisTaps rows(grid.height, true);
+  const AxisTaps cols(grid.width, true);
+  // The gradient summed over its leading blocks, in block order: sum[s], float64 [tokens, width] (every row
+  // written whole before it is read). A task's rows are one contiguous run of every block, streamed block after
+  // block (rows one by one, each from its own block, would read rows a block apart, which map to the same cache
+  // sets).
+  const std::unique_ptr<double[]> sum_rows(new double[tokens * width]);
+  double* sum = sum_rows.get();
+  parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
+    const int64_t count = (end - begin) * width;
+    load_row(problem.grad + begin * width, sum + begin * width, count);
+    for (int64_t b = 1; b < problem.leads; ++b) {
+      add_row(problem.grad + (b * tokens + begin) * width, sum + begin * width, count);
+    }
+  });
+  round_row(sum, problem.out, prefix * width);
+  const double* grid_sum = sum + prefix * width;
+  scalar_t* out = problem.out + prefix * width;
+  // One table row i at a time, the forward's passes transposed in reverse: mid[w] = sum over the output rows h
+  // reading i of rows(h, i) * sum[h, w], float64 [W, width]; then out[i, j] = sum over the output columns w
+  // reading j of cols(w, j) * mid[w], rounded once.
+  const int64_t in_rows = grid.height.in;
+  parallel_for(0, in_rows, rows_per_task(width * out_cols * rows.max_taps), [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<double[]> mid(new double[out_cols * width]);
+    std::vector<double> acc(width);
+    std::vector<const double*> row_taps(max_users(rows));
+    std::vector<const double*> col_taps(max_users(cols));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t u0 = rows.user_start[i];
+      const int64_t users = rows.user_start[i + 1] - u0;
+      for (int64_t w = 0; w < out_cols; ++w) {
+        for (int64_t u = 0; u < users; ++u) row_taps[u] = grid_sum + (rows.users[u0 + u] * out_cols + w) * width;
+        weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.get() + w * width, width);
+      }
+      for (int64_t j = 0; j < in_cols; ++j) {
+        const int64_t v0 = cols.user_start[j];
+        const int64_t readers = cols.user_start[j + 1] - v0;
+        for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.get() + cols.users[v0 + v] * width;
+        weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), width);
+        round_row(acc.data(), out + (i * in_cols + j) * width, width);
+      }
+    }
+  });
+}
+
+}  // namespace
+POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
+
+POSENC_REGISTER_FLOATING_KERNELS(resample_stub, resample_kernel);
+POSENC_REGISTER_FLOATING_KERNELS(resample_adjoint_stub, resample_adjoint_kernel);
+}  // namespace POSENC_CPU_CAPABILITY
+}  // namespace posenc::cpu
