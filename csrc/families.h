@@ -27,7 +27,8 @@
 
 // Learned absolute. resample_learned: a [P + Hs * Ws, D] table of a source_grid (Hs, Ws) resampled to grid (H, W)
 // as F.interpolate resamples an image (P = num_prefix_tokens rows kept as they are); add_resampled_learned adds it
-// to x [..., P + H * W, D]; resample_learned_backward is its adjoint (grad's leading dimensions summed).
+// to x [..., P + H * W, D]; resample_learned_backward is its adjoint (grad's leading dimensions summed). grid is
+// SymInt[]: an image's patch grid stays symbolic under torch.compile and torch.export, as x's token count does.
 #define POSENC_RESAMPLE_ARGS \
   ", str mode=\"bicubic\", bool align_corners=False, bool antialias=False, float[]? scale_factor=None, int num_prefix_tokens=0"
 #define POSENC_LEARNED_OPS(X, A) \
@@ -36,9 +37,9 @@
   X(A, embed_learned, "(Tensor tokens, Tensor token_weight, Tensor pos_weight, Tensor? positions=None, float token_scale=1.0, int? padding_idx=None, int offset=0, int? pos_padding_idx=None) -> Tensor") \
   X(A, make_positions, "(Tensor tokens, int padding_idx) -> Tensor") \
   X(A, positions_from_mask, "(Tensor attention_mask, int pad_position=0) -> Tensor") \
-  X(A, resample_learned, "(Tensor weight, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
-  X(A, add_resampled_learned, "(Tensor x, Tensor weight, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
-  X(A, resample_learned_backward, "(Tensor grad, int[] source_grid, int[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor")
+  X(A, resample_learned, "(Tensor weight, int[] source_grid, SymInt[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
+  X(A, add_resampled_learned, "(Tensor x, Tensor weight, int[] source_grid, SymInt[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor") \
+  X(A, resample_learned_backward, "(Tensor grad, int[] source_grid, SymInt[] grid" POSENC_RESAMPLE_ARGS ") -> Tensor")
 
 // Under autocast, the ops that cast their floating arguments as torch.add casts its operands (to their promoted
 // dtype), with the arguments they cast: x + embedding(weight), embedding(token_weight) + embedding(pos_weight).

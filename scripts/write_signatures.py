@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Writes the argument lists of every op's wrappers from the op's schema (csrc/families.h, read from the built
-library), so that they are declared once: the C++ API's inline functions (csrc/include/posenc/*.h), the typed
+"""Writes the argument lists of every op's wrappers from the op's schema (csrc/families.h, read through the C++
+preprocessor), so that they are declared once: the C++ API's inline functions (csrc/include/posenc/*.h), the typed
 Python wrappers (ops/functional.py) and the parameters of the ONNX translations (ops/onnx.py). Everything else in
 those files (comments, docstrings, the translations' bodies) is written by hand and kept.
 
@@ -23,7 +23,9 @@ A new op starts from stubs that this script completes: `inline void <op>();` in 
 import argparse
 import ast
 import difflib
+import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,21 +74,35 @@ class Schema:
         return any(a.type.startswith("SymInt") for a in self.arguments)
 
 
+def schema_table() -> Dict[str, str]:
+    """{op: "(arguments) -> returns"}: every list of csrc/families.h expanded by the C++ preprocessor, so that the
+    script runs before the library is built (the library's own code calls the C++ API it writes)."""
+    from torch.utils.cpp_extension import include_paths
+
+    source = '#include "families.h"\nPOSENC_ALL_OPS(POSENC_WRITE_SIGNATURE, )\n'
+    command = [os.environ.get("CXX", "c++"), "-E", "-P", "-x", "c++", "-std=c++17",
+               "-DPOSENC_WRITE_SIGNATURE(A,op,schema)=POSENC_SCHEMA op schema", "-I", str(ROOT / "csrc"),
+               "-I", str(ROOT / "csrc" / "include")] + [f"-I{path}" for path in include_paths()] + ["-"]
+    expanded = subprocess.run(command, input=source, capture_output=True, text=True, check=True).stdout
+    table = {}
+    for name, literals in re.findall(r'POSENC_SCHEMA\s+(\w+)\s+((?:"(?:[^"\\]|\\.)*"\s*)+)', expanded):
+        table[name] = "".join(ast.literal_eval(literal) for literal in re.findall(r'"(?:[^"\\]|\\.)*"', literals))
+    if not table:
+        raise RuntimeError("no schema found in csrc/families.h")
+    return table
+
+
 def schemas() -> Dict[str, Schema]:
     import torch
-    import posenc  # noqa: F401  (loads the library and its schemas)
 
     found = {}
-    for schema in torch._C._jit_get_all_schemas():
-        if not schema.name.startswith("posenc::") or schema.overload_name:
-            continue
-        text = str(schema)
+    for name, text in schema_table().items():
+        schema = torch._C.parse_schema(f"posenc::{name}{text}")
         inside = text[text.index("(") + 1:text.rindex(") ->")]
         types = [re.sub(r"\([a-z]!?\)", "", part.split()[0]) for part in _split(inside) if part.strip() != "*"]
         arguments = tuple(
             Argument(t, a.name, a.default_value if a.has_default_value() else NO_DEFAULT, a.kwarg_only)
             for t, a in zip(types, schema.arguments, strict=True))
-        name = schema.name.split("::")[1]
         found[name] = Schema(name, arguments, tuple(str(r.type) for r in schema.returns))
     return found
 
@@ -132,9 +148,10 @@ _CPP_TYPES = {
     "int?": "std::optional<int64_t>", "SymInt": "c10::SymInt", "SymInt?": "std::optional<c10::SymInt>",
     "float": "double", "float?": "std::optional<double>", "bool": "bool", "str": "std::string_view",
     "ScalarType?": "std::optional<at::ScalarType>", "int[]": "at::IntArrayRef", "int[]?": "at::OptionalIntArrayRef",
-    "float[]": "at::ArrayRef<double>", "float[]?": "std::optional<at::ArrayRef<double>>",
+    "SymInt[]": "c10::SymIntArrayRef", "float[]": "at::ArrayRef<double>",
+    "float[]?": "std::optional<at::ArrayRef<double>>",
 }
-_CPP_INT64 = {"SymInt": "int64_t", "SymInt?": "std::optional<int64_t>"}
+_CPP_INT64 = {"SymInt": "int64_t", "SymInt?": "std::optional<int64_t>", "SymInt[]": "at::IntArrayRef"}
 
 
 def cpp_value(value) -> str:
@@ -175,6 +192,8 @@ def cpp_function(schema: Schema, int64: bool) -> List[str]:
         elif a.type == "SymInt?":
             arguments.append(f"{wrapper} ? std::optional<c10::SymInt>(*{wrapper}) : std::nullopt" if int64
                              else f"std::move({wrapper})")
+        elif a.type == "SymInt[]" and int64:
+            arguments.append(f"c10::fromIntArrayRefSlow({wrapper})")
         else:
             arguments.append(wrapper)
     head = f"inline {cpp_returns(schema)} {name}("
@@ -183,7 +202,9 @@ def cpp_function(schema: Schema, int64: bool) -> List[str]:
     if int64 and schema.symint:
         lines += fill(f"  {call}{schema.name}_symint(", arguments, ");")
     else:
-        lines.append(f'  static const auto op = detail::find_op<decltype({name})>("posenc::{schema.name}");')
+        find = f'detail::find_op<decltype({name})>("posenc::{schema.name}");'
+        lines += [f"  static const auto op = {find}"] if len(find) <= WIDTH - 25 else ["  static const auto op =",
+                                                                                   f"      {find}"]
         lines += fill(f"  {call}op.call(", arguments, ");")
     return lines + ["}"]
 
@@ -231,7 +252,7 @@ def _function_end(text: str, start: int) -> int:
 _PYTHON_TYPES = {
     "Tensor": "Tensor", "Tensor?": "Optional[Tensor]", "int": "int", "SymInt": "int", "int?": "Optional[int]",
     "SymInt?": "Optional[int]", "float": "float", "float?": "Optional[float]", "bool": "bool", "str": "str",
-    "ScalarType?": "Optional[torch.dtype]", "int[]": "List[int]", "int[]?": "Optional[List[int]]",
+    "ScalarType?": "Optional[torch.dtype]", "int[]": "List[int]", "SymInt[]": "List[int]", "int[]?": "Optional[List[int]]",
     "float[]": "List[float]", "float[]?": "Optional[List[float]]", "Device?": "Optional[torch.device]",
     "Generator?": "Optional[torch.Generator]",
 }
@@ -239,7 +260,8 @@ _PYTHON_TYPES = {
 _ONNX_TYPES = {
     "Tensor": None, "Tensor?": None, "SymInt": None, "int": "int", "int?": "Optional[int]",
     "SymInt?": "Optional[int]", "float": "float", "float?": "Optional[float]", "bool": "bool", "str": "str",
-    "ScalarType?": "Optional[int]", "int[]": "Sequence[int]", "int[]?": "Optional[Sequence[int]]",
+    "ScalarType?": "Optional[int]", "int[]": "Sequence[int]", "SymInt[]": "Sequence[int]",
+    "int[]?": "Optional[Sequence[int]]",
     "float[]": "Sequence[float]", "float[]?": "Optional[Sequence[float]]",
 }
 

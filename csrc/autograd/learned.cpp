@@ -131,7 +131,7 @@ constexpr auto embed_learned_autograd = POSENC_AUTOGRAD(EmbedLearned);
 // The arguments every resampling op takes, kept in the context for the backward.
 struct ResampleArgs {
   std::vector<int64_t> source_grid;
-  std::vector<int64_t> grid;
+  std::vector<c10::SymInt> grid;  // an image's grid: symbolic under torch.compile and torch.export
   std::string mode;
   bool align_corners;
   bool antialias;
@@ -140,7 +140,7 @@ struct ResampleArgs {
 
   void save(AutogradContext* ctx) const {
     ctx->saved_data["source_grid"] = source_grid;
-    ctx->saved_data["grid"] = grid;
+    ctx->saved_data["grid"] = c10::SymIntArrayRef(grid);
     ctx->saved_data["mode"] = mode;
     ctx->saved_data["align_corners"] = align_corners;
     ctx->saved_data["antialias"] = antialias;
@@ -151,7 +151,7 @@ struct ResampleArgs {
 
   static ResampleArgs load(AutogradContext* ctx) {
     auto& saved = ctx->saved_data;
-    return {saved["source_grid"].toIntVector(), saved["grid"].toIntVector(), saved["mode"].toStringRef(),
+    return {saved["source_grid"].toIntVector(), saved["grid"].toSymIntVector(), saved["mode"].toStringRef(),
             saved["align_corners"].toBool(), saved["antialias"].toBool(),
             saved["has_scale_factor"].toBool() ? std::optional(saved["scale_factor"].toDoubleVector()) : std::nullopt,
             saved["num_prefix_tokens"].toInt()};
@@ -163,13 +163,14 @@ struct ResampleArgs {
 
   // The table resampled from source_grid to grid (forward: true), or the adjoint back (false).
   at::Tensor apply(const at::Tensor& t, bool forward) const {
-    return forward ? resample_learned(t, source_grid, grid, mode, align_corners, antialias, scale(), num_prefix_tokens)
-                   : resample_learned_backward(t, source_grid, grid, mode, align_corners, antialias, scale(),
-                                               num_prefix_tokens);
+    return forward ? resample_learned_symint(t, source_grid, grid, mode, align_corners, antialias, scale(),
+                                             num_prefix_tokens)
+                   : resample_learned_backward_symint(t, source_grid, grid, mode, align_corners, antialias, scale(),
+                                                      num_prefix_tokens);
   }
 };
 
-ResampleArgs resample_args(at::IntArrayRef source_grid, at::IntArrayRef grid, c10::string_view mode,
+ResampleArgs resample_args(at::IntArrayRef source_grid, c10::SymIntArrayRef grid, c10::string_view mode,
                            bool align_corners, bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                            int64_t num_prefix_tokens) {
   return {source_grid.vec(), grid.vec(), std::string(mode), align_corners, antialias,
@@ -181,11 +182,11 @@ struct ResampleLearned : public torch::autograd::Function<ResampleLearned> {
   static constexpr const char* kOp = "posenc::resample_learned";
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& weight, at::IntArrayRef source_grid,
-                            at::IntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
+                            c10::SymIntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
                             std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
     resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+    return resample_learned_symint(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
                             num_prefix_tokens);
   }
 
@@ -201,12 +202,12 @@ struct AddResampledLearned : public torch::autograd::Function<AddResampledLearne
   static constexpr const char* kOp = "posenc::add_resampled_learned";
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            at::IntArrayRef source_grid, at::IntArrayRef grid, c10::string_view mode,
+                            at::IntArrayRef source_grid, c10::SymIntArrayRef grid, c10::string_view mode,
                             bool align_corners, bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                             int64_t num_prefix_tokens) {
     resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
-    return add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
+    return add_resampled_learned_symint(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
                                  num_prefix_tokens);
   }
 
@@ -225,12 +226,12 @@ struct ResampleLearnedBackward : public torch::autograd::Function<ResampleLearne
   static constexpr const char* kOp = "posenc::resample_learned_backward";
 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, at::IntArrayRef source_grid,
-                            at::IntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
+                            c10::SymIntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
                             std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
     resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
     ctx->saved_data["grad_sizes"] = grad.sym_sizes();
     at::AutoDispatchBelowADInplaceOrView guard;
-    return resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias, scale_factor,
+    return resample_learned_backward_symint(grad, source_grid, grid, mode, align_corners, antialias, scale_factor,
                                      num_prefix_tokens);
   }
 

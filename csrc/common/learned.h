@@ -11,10 +11,12 @@
 #include <ATen/ops/ne.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace posenc {
@@ -107,24 +109,30 @@ inline void check_positions_from_mask(const at::Tensor& attention_mask) {
 
 // ---- resampled tables (resample_learned, add_resampled_learned, resample_learned_backward)
 
-// A grid: two positive sizes.
-inline void check_grid(const char* op, const char* arg, at::IntArrayRef grid) {
+// A grid: two positive sizes, int64_t (the op layer) or SymInt (the Meta kernels: an image's grid may be symbolic
+// under torch.compile and torch.export, and its checks then guard on it).
+template <typename Grid>
+void check_grid(const char* op, const char* arg, Grid grid, int64_t num_prefix_tokens) {
+  using Size = std::decay_t<decltype(grid[0])>;
   TORCH_CHECK(grid.size() == 2 && grid[0] > 0 && grid[1] > 0, "posenc.", op, ": ", arg,
               " must be two positive sizes (rows, columns), got ", grid);
+  const Size most = Size(std::numeric_limits<int64_t>::max() - std::max<int64_t>(num_prefix_tokens, 0)) / grid[1];
+  TORCH_CHECK(grid[0] <= most, "posenc.", op, ": ", arg, " ", grid, " with num_prefix_tokens ", num_prefix_tokens,
+              " has more tokens than int64 can count");
 }
 
-// The checks of the arguments every resampling op takes; returns the grid's description (the op layer's).
-inline ResampleGrid check_resample_args(const char* op, at::IntArrayRef source_grid, at::IntArrayRef grid,
-                                        std::string_view mode, bool align_corners, bool antialias,
-                                        const std::optional<at::ArrayRef<double>>& scale_factor,
-                                        int64_t num_prefix_tokens) {
-  check_grid(op, "source_grid", source_grid);
-  check_grid(op, "grid", grid);
-  for (const auto& [arg, g] : {std::pair{"source_grid", source_grid}, std::pair{"grid", grid}}) {
-    TORCH_CHECK(num_prefix_tokens < 0 || g[0] <= (std::numeric_limits<int64_t>::max() - num_prefix_tokens) / g[1],
-                "posenc.", op, ": ", arg, " ", g, " with num_prefix_tokens ", num_prefix_tokens,
-                " has more tokens than int64 can count");
-  }
+// The token count of a grid with its prefix rows, P + rows * columns.
+template <typename Grid>
+auto grid_tokens(Grid grid, int64_t num_prefix_tokens) {
+  return grid[0] * grid[1] + num_prefix_tokens;
+}
+
+// The checks of the arguments every resampling op takes.
+template <typename Grid>
+void check_resample_args(const char* op, at::IntArrayRef source_grid, Grid grid, std::string_view mode,
+                         const std::optional<at::ArrayRef<double>>& scale_factor, int64_t num_prefix_tokens) {
+  check_grid(op, "source_grid", source_grid, num_prefix_tokens);
+  check_grid(op, "grid", grid, num_prefix_tokens);
   TORCH_CHECK(mode == "bicubic" || mode == "bilinear", "posenc.", op,
               ": mode must be \"bicubic\" or \"bilinear\", got \"", mode, "\"");
   TORCH_CHECK(num_prefix_tokens >= 0, "posenc.", op, ": num_prefix_tokens must be >= 0, got ", num_prefix_tokens);
@@ -133,6 +141,12 @@ inline ResampleGrid check_resample_args(const char* op, at::IntArrayRef source_g
     TORCH_CHECK(s.size() == 2 && std::isfinite(s[0]) && std::isfinite(s[1]) && s[0] > 0 && s[1] > 0, "posenc.", op,
                 ": scale_factor must be two positive finite numbers (rows, columns), got ", s);
   }
+}
+
+// What the kernels need of checked arguments: each axis's sizes, scale and filter (portable/resample.h).
+inline ResampleGrid resample_plan(at::IntArrayRef source_grid, at::IntArrayRef grid, std::string_view mode,
+                                  bool align_corners, bool antialias,
+                                  const std::optional<at::ArrayRef<double>>& scale_factor, int64_t num_prefix_tokens) {
   const bool cubic = mode == "bicubic";
   const auto axis = [&](int64_t a) {
     const int64_t in = source_grid[a];
@@ -150,38 +164,29 @@ inline ResampleGrid check_resample_args(const char* op, at::IntArrayRef source_g
   return {axis(0), axis(1), num_prefix_tokens};
 }
 
-// The token count of a grid with its prefix rows, P + rows * columns.
-inline int64_t grid_tokens(at::IntArrayRef grid, int64_t num_prefix_tokens) {
-  return num_prefix_tokens + grid[0] * grid[1];
-}
-
-inline void check_grid_table(const char* op, const char* arg, const c10::SymInt& rows, at::IntArrayRef grid,
-                             const char* grid_arg, int64_t num_prefix_tokens) {
+template <typename Grid>
+void check_grid_table(const char* op, const char* arg, const c10::SymInt& rows, Grid grid, const char* grid_arg,
+                      int64_t num_prefix_tokens) {
   TORCH_CHECK(rows == grid_tokens(grid, num_prefix_tokens), "posenc.", op, ": ", arg, " has ", rows,
               " rows but num_prefix_tokens + prod(", grid_arg, ") = ", num_prefix_tokens, " + ", grid[0], " * ",
               grid[1], " = ", grid_tokens(grid, num_prefix_tokens));
 }
 
-inline ResampleGrid check_resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid,
-                                           at::IntArrayRef grid, std::string_view mode, bool align_corners,
-                                           bool antialias, const std::optional<at::ArrayRef<double>>& scale_factor,
-                                           int64_t num_prefix_tokens) {
+template <typename Grid>
+void check_resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid, Grid grid, std::string_view mode,
+                            const std::optional<at::ArrayRef<double>>& scale_factor, int64_t num_prefix_tokens) {
   constexpr const char* op = "resample_learned";
-  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                        num_prefix_tokens);
+  check_resample_args(op, source_grid, grid, mode, scale_factor, num_prefix_tokens);
   check_table(op, "weight", weight);
   check_grid_table(op, "weight", weight.sym_size(0), source_grid, "source_grid", num_prefix_tokens);
-  return plan;
 }
 
-inline ResampleGrid check_add_resampled_learned(const at::Tensor& x, const at::Tensor& weight,
-                                                at::IntArrayRef source_grid, at::IntArrayRef grid,
-                                                std::string_view mode, bool align_corners, bool antialias,
-                                                const std::optional<at::ArrayRef<double>>& scale_factor,
-                                                int64_t num_prefix_tokens) {
+template <typename Grid>
+void check_add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
+                                 Grid grid, std::string_view mode,
+                                 const std::optional<at::ArrayRef<double>>& scale_factor, int64_t num_prefix_tokens) {
   constexpr const char* op = "add_resampled_learned";
-  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                        num_prefix_tokens);
+  check_resample_args(op, source_grid, grid, mode, scale_factor, num_prefix_tokens);
   check_floating(op, "x", x);
   TORCH_CHECK(x.dim() >= 2, "posenc.", op, ": x must be [..., S, D], got shape ", x.sym_sizes());
   check_table(op, "weight", weight);
@@ -190,21 +195,17 @@ inline ResampleGrid check_add_resampled_learned(const at::Tensor& x, const at::T
   check_same_width(op, "x", x.sym_size(-1), weight, "weight");
   check_grid_table(op, "weight", weight.sym_size(0), source_grid, "source_grid", num_prefix_tokens);
   check_grid_table(op, "x", x.sym_size(-2), grid, "grid", num_prefix_tokens);
-  return plan;
 }
 
-inline ResampleGrid check_resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid,
-                                                    at::IntArrayRef grid, std::string_view mode, bool align_corners,
-                                                    bool antialias,
-                                                    const std::optional<at::ArrayRef<double>>& scale_factor,
-                                                    int64_t num_prefix_tokens) {
+template <typename Grid>
+void check_resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid, Grid grid,
+                                     std::string_view mode, const std::optional<at::ArrayRef<double>>& scale_factor,
+                                     int64_t num_prefix_tokens) {
   constexpr const char* op = "resample_learned_backward";
-  const auto plan = check_resample_args(op, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                        num_prefix_tokens);
+  check_resample_args(op, source_grid, grid, mode, scale_factor, num_prefix_tokens);
   check_floating(op, "grad", grad);
   TORCH_CHECK(grad.dim() >= 2, "posenc.", op, ": grad must be [..., S, D], got shape ", grad.sym_sizes());
   check_grid_table(op, "grad", grad.sym_size(-2), grid, "grid", num_prefix_tokens);
-  return plan;
 }
 
 // The ops of the learned family on one device: checks, allocation, table rows and dtype dispatch, the same on
@@ -306,8 +307,8 @@ struct LearnedOps {
   static at::Tensor resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid, at::IntArrayRef grid,
                                      c10::string_view mode, bool align_corners, bool antialias,
                                      std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
-    const auto plan = check_resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                             num_prefix_tokens);
+    check_resample_learned(weight, source_grid, grid, mode, scale_factor, num_prefix_tokens);
+    const auto plan = resample_plan(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
     const typename Device::Guard guard(weight.device());
     return resampled(weight, plan, grid_tokens(grid, num_prefix_tokens));
   }
@@ -318,8 +319,8 @@ struct LearnedOps {
                                           bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                                           int64_t num_prefix_tokens) {
     constexpr const char* op = "add_resampled_learned";
-    const auto plan = check_add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias,
-                                                  scale_factor, num_prefix_tokens);
+    check_add_resampled_learned(x, weight, source_grid, grid, mode, scale_factor, num_prefix_tokens);
+    const auto plan = resample_plan(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
     const typename Device::Guard guard(x.device());
     const int64_t tokens = grid_tokens(grid, num_prefix_tokens);
     const auto input = x.contiguous();
@@ -337,8 +338,8 @@ struct LearnedOps {
                                               at::IntArrayRef grid, c10::string_view mode, bool align_corners,
                                               bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                                               int64_t num_prefix_tokens) {
-    const auto plan = check_resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias,
-                                                      scale_factor, num_prefix_tokens);
+    check_resample_learned_backward(grad, source_grid, grid, mode, scale_factor, num_prefix_tokens);
+    const auto plan = resample_plan(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
     const typename Device::Guard guard(grad.device());
     const int64_t width = grad.size(-1);
     auto out = Device::empty({grid_tokens(source_grid, num_prefix_tokens), width}, grad.options());

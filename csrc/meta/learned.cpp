@@ -42,27 +42,27 @@ at::Tensor positions_from_mask_meta(const at::Tensor& attention_mask, int64_t pa
   return at::empty_symint(attention_mask.sym_sizes(), attention_mask.options().dtype(at::kLong));
 }
 
-at::Tensor resample_learned_meta(const at::Tensor& weight, at::IntArrayRef source_grid, at::IntArrayRef grid,
+// The grid may be symbolic (an image's size under torch.compile and torch.export), and the output's rows with it.
+at::Tensor resample_learned_meta(const at::Tensor& weight, at::IntArrayRef source_grid, c10::SymIntArrayRef grid,
                                  c10::string_view mode, bool align_corners, bool antialias,
                                  std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
-  check_resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
-  return at::empty_symint({c10::SymInt(grid_tokens(grid, num_prefix_tokens)), weight.sym_size(1)}, weight.options());
+  check_resample_learned(weight, source_grid, grid, mode, scale_factor, num_prefix_tokens);
+  return at::empty_symint({grid_tokens(grid, num_prefix_tokens), weight.sym_size(1)}, weight.options());
 }
 
 at::Tensor add_resampled_learned_meta(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
-                                      at::IntArrayRef grid, c10::string_view mode, bool align_corners, bool antialias,
-                                      std::optional<at::ArrayRef<double>> scale_factor, int64_t num_prefix_tokens) {
-  check_add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                              num_prefix_tokens);
+                                      c10::SymIntArrayRef grid, c10::string_view mode, bool align_corners,
+                                      bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
+                                      int64_t num_prefix_tokens) {
+  check_add_resampled_learned(x, weight, source_grid, grid, mode, scale_factor, num_prefix_tokens);
   return at::empty_symint(x.sym_sizes(), x.options());
 }
 
-at::Tensor resample_learned_backward_meta(const at::Tensor& grad, at::IntArrayRef source_grid, at::IntArrayRef grid,
-                                          c10::string_view mode, bool align_corners, bool antialias,
-                                          std::optional<at::ArrayRef<double>> scale_factor,
+at::Tensor resample_learned_backward_meta(const at::Tensor& grad, at::IntArrayRef source_grid,
+                                          c10::SymIntArrayRef grid, c10::string_view mode, bool align_corners,
+                                          bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                                           int64_t num_prefix_tokens) {
-  check_resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                  num_prefix_tokens);
+  check_resample_learned_backward(grad, source_grid, grid, mode, scale_factor, num_prefix_tokens);
   return at::empty_symint({c10::SymInt(grid_tokens(source_grid, num_prefix_tokens)), grad.sym_size(-1)},
                           grad.options());
 }

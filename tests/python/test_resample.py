@@ -377,6 +377,52 @@ def test_export():
     assert "posenc.add_resampled_learned" in str(program.graph)
 
 
+class ResampledImage(torch.nn.Module):
+    """A ViT's positional step: the patch grid read from the image's size, as Hugging Face's interpolate_pos_encoding
+    reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(1 + 16, 8))
+
+    def forward(self, image: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        grid = [image.shape[-2] // 4, image.shape[-1] // 4]
+        return PF.add_resampled_learned(x, self.weight, [4, 4], grid, "bicubic", False, False, None, 1)
+
+
+def _image_and_tokens(height, width):
+    return torch.zeros(1, 3, height, width), torch.randn(2, 1 + (height // 4) * (width // 4), 8)
+
+
+def test_a_symbolic_grid_compiles_once():
+    """grid is SymInt[]: under torch.compile(dynamic=True) images of three sizes share one graph, forward and
+    backward, with the eager values."""
+    model, graphs = ResampledImage(), []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for height, width in ((20, 12), (24, 28), (36, 16)):  # distinct sides: equal ones would share one symbol
+        image, x = _image_and_tokens(height, width)
+        out = compiled(image, x)
+        assert torch.equal(out, model(image, x))
+        (grad,) = torch.autograd.grad(out.sum(), model.weight)
+        torch.testing.assert_close(grad, torch.autograd.grad(model(image, x).sum(), model.weight)[0])
+    assert len(graphs) == 1
+
+
+def test_export_with_a_symbolic_image_size():
+    model = ResampledImage()
+    rows, cols = torch.export.Dim("rows", min=2, max=64), torch.export.Dim("cols", min=2, max=64)
+    program = torch.export.export(model, _image_and_tokens(16, 16),
+                                  dynamic_shapes=({2: 4 * rows, 3: 4 * cols}, {1: torch.export.Dim.DYNAMIC}))
+    for height, width in ((16, 16), (20, 12), (40, 8)):
+        image, x = _image_and_tokens(height, width)
+        assert torch.equal(program.module()(image, x), model(image, x))
+
+
 def test_torchscript_round_trip(tmp_path):
     model = Resampled()
     scripted = torch.jit.script(model)

@@ -65,36 +65,64 @@ inline at::Tensor positions_from_mask(const at::Tensor& attention_mask, int64_t 
 // "bilinear"; antialias: the separable filter, cubic a = -0.5 or triangle, widened by the downscale, normalized).
 // The weights and sums are float64, rounded once to weight's dtype. Gradient into weight
 // (resample_learned_backward).
+inline at::Tensor resample_learned_symint(const at::Tensor& weight, at::IntArrayRef source_grid,
+                                          c10::SymIntArrayRef grid, std::string_view mode = "bicubic",
+                                          bool align_corners = false, bool antialias = false,
+                                          std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+                                          int64_t num_prefix_tokens = 0) {
+  static const auto op = detail::find_op<decltype(resample_learned_symint)>("posenc::resample_learned");
+  return op.call(weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+}
+
 inline at::Tensor resample_learned(const at::Tensor& weight, at::IntArrayRef source_grid, at::IntArrayRef grid,
                                    std::string_view mode = "bicubic", bool align_corners = false,
                                    bool antialias = false,
                                    std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
                                    int64_t num_prefix_tokens = 0) {
-  static const auto op = detail::find_op<decltype(resample_learned)>("posenc::resample_learned");
-  return op.call(weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+  return resample_learned_symint(weight, source_grid, c10::fromIntArrayRefSlow(grid), mode, align_corners, antialias,
+                                 scale_factor, num_prefix_tokens);
 }
 
 // x [..., P + H * W, D] + resample_learned(weight, ...) (broadcast over the leading dimensions), in float32 maths
 // (float64 for float64) of x and the table rounded to x's dtype, rounded once. Gradients into x and weight.
+inline at::Tensor add_resampled_learned_symint(const at::Tensor& x, const at::Tensor& weight,
+                                               at::IntArrayRef source_grid, c10::SymIntArrayRef grid,
+                                               std::string_view mode = "bicubic", bool align_corners = false,
+                                               bool antialias = false,
+                                               std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+                                               int64_t num_prefix_tokens = 0) {
+  static const auto op = detail::find_op<decltype(add_resampled_learned_symint)>("posenc::add_resampled_learned");
+  return op.call(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+}
+
 inline at::Tensor add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
                                         at::IntArrayRef grid, std::string_view mode = "bicubic",
                                         bool align_corners = false, bool antialias = false,
                                         std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
                                         int64_t num_prefix_tokens = 0) {
-  static const auto op = detail::find_op<decltype(add_resampled_learned)>("posenc::add_resampled_learned");
-  return op.call(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+  return add_resampled_learned_symint(x, weight, source_grid, c10::fromIntArrayRefSlow(grid), mode, align_corners,
+                                      antialias, scale_factor, num_prefix_tokens);
 }
 
 // The adjoint of resample_learned: grad [..., P + H * W, D] summed over its leading dimensions (in order), then the
 // transposed interpolation, to [P + Hs * Ws, D] (prefix rows straight through); float64, rounded once, the same bits
 // for any thread count. Differentiable (its derivative is resample_learned).
+inline at::Tensor resample_learned_backward_symint(
+    const at::Tensor& grad, at::IntArrayRef source_grid, c10::SymIntArrayRef grid, std::string_view mode = "bicubic",
+    bool align_corners = false, bool antialias = false, std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
+    int64_t num_prefix_tokens = 0) {
+  static const auto op =
+      detail::find_op<decltype(resample_learned_backward_symint)>("posenc::resample_learned_backward");
+  return op.call(grad, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+}
+
 inline at::Tensor resample_learned_backward(const at::Tensor& grad, at::IntArrayRef source_grid, at::IntArrayRef grid,
                                             std::string_view mode = "bicubic", bool align_corners = false,
                                             bool antialias = false,
                                             std::optional<at::ArrayRef<double>> scale_factor = std::nullopt,
                                             int64_t num_prefix_tokens = 0) {
-  static const auto op = detail::find_op<decltype(resample_learned_backward)>("posenc::resample_learned_backward");
-  return op.call(grad, source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
+  return resample_learned_backward_symint(grad, source_grid, c10::fromIntArrayRefSlow(grid), mode, align_corners,
+                                          antialias, scale_factor, num_prefix_tokens);
 }
 
 namespace nn {
