@@ -54,16 +54,22 @@ inline void check_learned(const at::Tensor& weight, const at::Tensor& positions,
   check_padding_idx(op, padding_idx, weight.sym_size(0));
 }
 
-// Returns whether the positions are shared across the leading dimensions of x.
-inline bool check_add_learned(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& positions,
-                              std::optional<int64_t> padding_idx) {
-  constexpr const char* op = "add_learned";
+// x [..., S, D] of a floating dtype and a table [rows, D] of its device, dtype and width: what the ops that add table
+// rows to x check first.
+inline void check_rows_and_table(const char* op, const at::Tensor& x, const at::Tensor& weight) {
   check_floating(op, "x", x);
   TORCH_CHECK(x.dim() >= 2, "posenc.", op, ": x must be [..., S, D], got shape ", x.sym_sizes());
   check_table(op, "weight", weight);
   check_same_device(op, "weight", weight, x);
   check_same_dtype(op, "weight", weight, x, "x");
   check_same_width(op, "x", x.sym_size(-1), weight, "weight");
+}
+
+// Returns whether the positions are shared across the leading dimensions of x.
+inline bool check_add_learned(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& positions,
+                              std::optional<int64_t> padding_idx) {
+  constexpr const char* op = "add_learned";
+  check_rows_and_table(op, x, weight);
   check_learned_positions(op, positions, x);
   check_padding_idx(op, padding_idx, weight.sym_size(0));
   return check_row_positions(op, "x", x.sym_sizes().slice(0, x.dim() - 1), positions);
@@ -187,12 +193,7 @@ void check_add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, 
                                  const std::optional<at::ArrayRef<double>>& scale_factor, int64_t num_prefix_tokens) {
   constexpr const char* op = "add_resampled_learned";
   check_resample_args(op, source_grid, grid, mode, scale_factor, num_prefix_tokens);
-  check_floating(op, "x", x);
-  TORCH_CHECK(x.dim() >= 2, "posenc.", op, ": x must be [..., S, D], got shape ", x.sym_sizes());
-  check_table(op, "weight", weight);
-  check_same_device(op, "weight", weight, x);
-  check_same_dtype(op, "weight", weight, x, "x");
-  check_same_width(op, "x", x.sym_size(-1), weight, "weight");
+  check_rows_and_table(op, x, weight);
   check_grid_table(op, "weight", weight.sym_size(0), source_grid, "source_grid", num_prefix_tokens);
   check_grid_table(op, "x", x.sym_size(-2), grid, "grid", num_prefix_tokens);
 }

@@ -22,6 +22,7 @@
 
 using posenc::test::expect_error;
 using posenc::test::max_abs_diff;
+using posenc::test::PosencResolver;
 
 namespace {
 
@@ -163,19 +164,7 @@ TEST(Domain, InPlaceOpsRefuseOverlappingMemory) {
   EXPECT_TRUE(torch::allclose(view, expected, 1e-6, 1e-6));
 }
 
-// TorchScript run by the C++ interpreter: the same checks through ops called from a script compiled here. The
-// C++ compiler's default resolver knows only `torch` (aten); this one adds `posenc` for the posenc:: ops.
-struct PosencResolver : torch::jit::Resolver {
-  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& graph,
-                                                         const torch::jit::SourceRange& loc) override {
-    if (name == "posenc") return std::make_shared<torch::jit::BuiltinModule>("posenc");
-    return torch::jit::nativeResolver()->resolveValue(name, graph, loc);
-  }
-  torch::jit::TypePtr resolveType(const std::string& name, const torch::jit::SourceRange& loc) override {
-    return nullptr;
-  }
-};
-
+// TorchScript run by the C++ interpreter: the same checks through ops called from a script compiled here.
 std::shared_ptr<torch::jit::CompilationUnit> compile(const std::string& source) {
   auto unit = std::make_shared<torch::jit::CompilationUnit>();
   unit->define(std::nullopt, source, std::make_shared<PosencResolver>(), nullptr);

@@ -3,14 +3,29 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/jit/frontend/resolver.h>
 
 #include <cctype>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <string>
 #include <type_traits>
 
 namespace posenc::test {
+
+// TorchScript compiled and run by the C++ interpreter: the default resolver knows only `torch` (aten); this one adds
+// `posenc` for the posenc:: ops.
+struct PosencResolver : torch::jit::Resolver {
+  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& graph,
+                                                         const torch::jit::SourceRange& loc) override {
+    if (name == "posenc") return std::make_shared<torch::jit::BuiltinModule>("posenc");
+    return torch::jit::nativeResolver()->resolveValue(name, graph, loc);
+  }
+  torch::jit::TypePtr resolveType(const std::string& name, const torch::jit::SourceRange& loc) override {
+    return nullptr;
+  }
+};
 
 inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();

@@ -17,6 +17,7 @@
 
 using posenc::test::expect_error;
 using posenc::test::max_abs_diff;
+using posenc::test::PosencResolver;
 
 namespace {
 
@@ -261,23 +262,6 @@ TEST(Learned, ResampledTableErrorsNameOpArgumentAndValue) {
                                                           std::optional<at::ArrayRef<double>>(scale), 1); },
                "posenc.resample_learned: scale_factor must be two positive finite numbers (rows, columns), got [1.5, -1]");
 }
-
-namespace {
-
-// TorchScript compiled and run by the C++ interpreter: the default resolver knows only `torch`; this one adds
-// `posenc` for the posenc:: ops.
-struct PosencResolver : torch::jit::Resolver {
-  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction& graph,
-                                                         const torch::jit::SourceRange& loc) override {
-    if (name == "posenc") return std::make_shared<torch::jit::BuiltinModule>("posenc");
-    return torch::jit::nativeResolver()->resolveValue(name, graph, loc);
-  }
-  torch::jit::TypePtr resolveType(const std::string& name, const torch::jit::SourceRange& loc) override {
-    return nullptr;
-  }
-};
-
-}  // namespace
 
 TEST(Learned, ResampledTableThroughTorchScriptForwardAndBackward) {
   auto unit = std::make_shared<torch::jit::CompilationUnit>();

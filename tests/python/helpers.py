@@ -1,6 +1,9 @@
 """Small helpers shared by the Python tests (conftest.py holds the fixtures; op_registry.py lists the ops)."""
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -101,3 +104,15 @@ def assert_exports(model, inputs, op):
     exported = torch.export.export(model, inputs)
     torch.testing.assert_close(exported.module()(*inputs), model(*inputs))
     assert f"posenc.{op}" in str(exported.graph)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that reach the dispatcher (aten and posenc, forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))

@@ -4,7 +4,6 @@ Every check runs a patched copy of a model against the unpatched original: logit
 gradients of one training step (<= 1e-6 abs + 1e-5 relative), greedy generation with a KV cache (the same
 tokens), and, through a dispatch mode, that the posenc op does the positional work (no cos/sin tables).
 """
-import collections
 import copy
 import gc
 import inspect
@@ -13,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc  # noqa: F401
+
+from helpers import OpCounter
 
 transformers = pytest.importorskip("transformers")
 PT = pytest.importorskip("posenc.integrations.transformers")
@@ -26,18 +26,6 @@ GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5  # measured: at most 5e-8 apart (gradients up 
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that reach the dispatcher (aten and posenc, forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_of(fn):

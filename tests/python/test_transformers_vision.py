@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc  # noqa: F401
+
+from helpers import OpCounter
 
 transformers = pytest.importorskip("transformers")
 PT = pytest.importorskip("posenc.integrations.transformers")
@@ -29,18 +30,6 @@ IMAGE, PATCH = 32, 8  # a 4 x 4 grid of patches
 SIZES = {"configured": (32, 32), "non-square": (40, 24), "smaller": (16, 16)}  # grids 4x4, 5x3, 2x2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops that reach the dispatcher (aten and posenc, forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def tiny(config_class, model_class, **changes):
