@@ -50,6 +50,7 @@ Everything else is per instance: a swapped submodule, or an instance attribute t
 on that one object. No class is modified, and the state dict is unchanged.
 """
 import copy
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -1508,9 +1509,8 @@ def _check_table_forward(name: str, module: torch.nn.Module, probe: torch.nn.Mod
                     inspect.Parameter.empty else False)
     image_sizes = _module_pairs(module, "image_size")
     image_size = image_sizes[0] if image_sizes else None
-    spec = _TableSpec(spec.attribute, spec.num_prefix_tokens, spec.source_grid, spec.patch_size, spec.mode,
-                      spec.align_corners, spec.antialias, image_size if flag is not None else None, flag,
-                      pixel_values)
+    spec = dataclasses.replace(spec, image_size=image_size if flag is not None else None, flag=flag,
+                               pixel_values=pixel_values)
     channels = [c for c in (getattr(getattr(module, "config", None), "num_channels", None),
                             getattr(getattr(module, "patch_embeddings", None), "num_channels", None))
                 if isinstance(c, int)]

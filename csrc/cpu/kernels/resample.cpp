@@ -18,7 +18,8 @@ using namespace posenc::portable;
 
 // One axis's weights as runs: output o reads inputs first[o] + k with weight weights[o * max_taps + k],
 // k < count[o]. Its transpose, for the adjoint: input i is read by outputs users[user_start[i] ..
-// user_start[i + 1]), in increasing order, with weights user_weights[...].
+// user_start[i + 1]), the run resample_adjoint_range gives (the CUDA kernel's), in increasing order, with weights
+// user_weights[...].
 struct AxisTaps {
   std::vector<int64_t> first;
   std::vector<int64_t> count;
@@ -32,20 +33,16 @@ struct AxisTaps {
       : first(axis.out), count(axis.out), weights(axis.out * axis.max_taps), max_taps(axis.max_taps) {
     for (int64_t o = 0; o < axis.out; ++o) first[o] = resample_taps(axis, o, &count[o], &weights[o * max_taps]);
     if (!transpose) return;
-    user_start.assign(axis.in + 1, 0);
-    for (int64_t o = 0; o < axis.out; ++o) {
-      for (int64_t k = 0; k < count[o]; ++k) ++user_start[first[o] + k + 1];
-    }
-    for (int64_t i = 0; i < axis.in; ++i) user_start[i + 1] += user_start[i];
-    users.resize(user_start[axis.in]);
-    user_weights.resize(user_start[axis.in]);
-    std::vector<int64_t> next(user_start.begin(), user_start.end() - 1);
-    for (int64_t o = 0; o < axis.out; ++o) {
-      for (int64_t k = 0; k < count[o]; ++k) {
-        const int64_t slot = next[first[o] + k]++;
-        users[slot] = o;
-        user_weights[slot] = weights[o * max_taps + k];
+    user_start.assign(1, 0);
+    for (int64_t i = 0; i < axis.in; ++i) {
+      int64_t lo = 0;
+      int64_t hi = 0;
+      resample_adjoint_range(axis, i, &lo, &hi);
+      for (int64_t o = lo; o < hi; ++o) {
+        users.push_back(o);
+        user_weights.push_back(weights[o * max_taps + (i - first[o])]);
       }
+      user_start.push_back(static_cast<int64_t>(users.size()));
     }
   }
 };
