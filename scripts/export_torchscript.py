@@ -150,6 +150,18 @@ class VisionFixture(torch.nn.Module):
         return self.grid(x, [2, 3]), q, k
 
 
+class ResampledFixture(torch.nn.Module):
+    """ViT's positional step: a learned float64 table [1 + 2 * 2, 4] (a cls row, then a 2 x 2 grid) resampled to a
+    3 x 2 grid (bilinear, corners aligned) and added to x [B, 1 + 6, 4]."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(20, dtype=torch.float64).view(5, 4) * 0.1 - 1.0)
+
+    def forward(self, x: torch.Tensor):
+        return torch.ops.posenc.add_resampled_learned(x, self.weight, [2, 2], [3, 2], "bilinear", True, False, None, 1)
+
+
 FIXTURES = {
     "sinusoidal": SinusoidalFixture,
     "learned": LearnedFixture,
@@ -160,6 +172,7 @@ FIXTURES = {
     "multiaxis": MultiaxisFixture,
     "qk_norm_rope": QKNormRopeFixture,
     "vision": VisionFixture,
+    "resampled": ResampledFixture,
 }
 
 

@@ -302,3 +302,31 @@ TEST(TorchScript, VisionGridAndLearnedFrequencies) {
   const auto expected_w = ((o1 * g2 - o2 * g1) * position).sum({0, 1, 2});
   EXPECT_LT(max_abs_diff(parameter(module, "rotary.inv_freq").grad(), expected_w), 1e-12);
 }
+
+TEST(TorchScript, ResampledTableForwardAndBackward) {
+  auto module = load_fixture("resampled");
+  auto x = torch::randn({2, 7, 4}, torch::dtype(torch::kDouble).requires_grad(true));
+  const auto out = module.forward({x}).toTensor();
+
+  // Bilinear with aligned corners, 2 x 2 -> 3 x 2: output row h reads source rows at h / 2 (0, 0.5, 1), columns as
+  // they are; the cls row is kept.
+  const auto weight = parameter(module, "weight").detach();
+  auto table = torch::zeros({7, 4}, at::kDouble);
+  table[0] = weight[0];
+  for (int64_t h = 0; h < 3; ++h) {
+    const double t = 0.5 * static_cast<double>(h);
+    for (int64_t w = 0; w < 2; ++w) {
+      const auto top = weight[1 + w];
+      const auto bottom = weight[1 + 2 + w];
+      table[1 + 2 * h + w] = top * (1 - t) + bottom * t;
+    }
+  }
+  EXPECT_LT(max_abs_diff(out, x.detach() + table), 1e-12);
+
+  // Backward of sum(out): x's gradient is ones; the table's is the batch (2) times, per source row, the sum of its
+  // weights over the output rows (1 + 0.5 = 1.5 for each grid row, 1 for the cls row).
+  out.sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), torch::ones_like(x)));
+  const auto expected = torch::cat({torch::full({1, 4}, 2.0, at::kDouble), torch::full({4, 4}, 3.0, at::kDouble)});
+  EXPECT_LT(max_abs_diff(parameter(module, "weight").grad(), expected), 1e-12);
+}
