@@ -160,6 +160,18 @@ def test_nan_and_inf_propagate():
     assert out[0, 1, 0].isnan() and out[0, 2, 1].isinf() and out.isfinite().sum() == 4
 
 
+def test_bf16_results_keep_denormals_and_quiet_every_nan_to_one_pattern():
+    """bf16 rows of 64 channels (the vectorized loop's width): a denormal result among normal ones is kept, not
+    flushed to zero, and a NaN becomes 0x7FC0 whatever its payload (c10's rounding, as everywhere in posenc)."""
+    bits = torch.full((1, 3, 64), 0x3FC0, dtype=torch.int16)  # 1.5
+    bits[0, 0, 5], bits[0, 1, 40], bits[0, 2, 63] = 0x0003, 0x7F81, -0x7FFF  # denormal, NaN, -denormal
+    x = bits.view(torch.bfloat16)
+    out = PF.add_learned(x, torch.zeros(3, 64, dtype=torch.bfloat16))  # x + 0 = x, exactly
+    expected = bits.clone()
+    expected[0, 1, 40] = 0x7FC0
+    assert torch.equal(out.view(torch.int16), expected)
+
+
 # --- determinism -----------------------------------------------------------------------------------------
 
 

@@ -1010,6 +1010,18 @@ def test_nan_and_inf_propagate():
     assert torch.isnan(out[..., [1, 5]]).all() and torch.isfinite(out[..., [0, 2, 3, 4, 6, 7]]).all()
 
 
+def test_bf16_results_keep_denormals_and_quiet_every_nan_to_one_pattern():
+    """At position 0 (cos 1, sin 0) the rotation is x itself: in bf16 heads of 128 channels a denormal among normal
+    values is kept, not flushed to zero, and a NaN becomes 0x7FC0 whatever its payload (c10's rounding)."""
+    bits = torch.full((1, 1, 2, 128), 0x3FC0, dtype=torch.int16)  # 1.5
+    bits[0, 0, 0, 5], bits[0, 0, 1, 100] = 0x0003, -0x7FFF  # denormals
+    bits[0, 0, 1, 3] = 0x7F81  # NaN: channel 3 and its partner 67 (times sin 0) are NaN
+    out = PF.rope(bits.view(torch.bfloat16), None, posenc.frequencies.rope(128)[0]).view(torch.int16)
+    expected = bits.clone()
+    expected[0, 0, 1, [3, 67]] = 0x7FC0
+    assert torch.equal(out, expected)
+
+
 # ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
 # This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
 # them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
