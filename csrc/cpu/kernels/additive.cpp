@@ -51,8 +51,8 @@ const scalar_t* input_row(const RowInput<scalar_t>& in, int64_t n, int64_t width
 // tiles are split, no table is bigger than a block, and a few positions with many leading indices (decoding:
 // P = 1) still split over the threads. Rows gathered by id (fused embeddings) are prefetched one position ahead.
 template <typename scalar_t, typename MakeBlocks>
-void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int64_t width, int64_t encoded,
-                 int64_t num_positions, int64_t block, double scale, const MakeBlocks& make_blocks) {
+void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int64_t width, int64_t num_positions,
+                 int64_t block, double scale, const MakeBlocks& make_blocks) {
   const int64_t leads = rows / num_positions;
   const int64_t group = std::min(leads, kRowsPerEncoding);
   const int64_t groups = (leads + group - 1) / group;
@@ -81,8 +81,7 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
           in_rows[r] = input_row(in, n, width);
           out_rows[r] = out + n * width;
         }
-        add_rows(rows_here, in.data != nullptr ? in_rows : nullptr, blocks.row(first + p), out_rows, encoded, width,
-                 row_scale);
+        blocks.add(rows_here, in.data != nullptr ? in_rows : nullptr, first + p, out_rows, width, row_scale);
       }
     }
   });
@@ -126,7 +125,10 @@ class EncodingBlocks {
     });
   }
 
-  const opmath* row(int64_t position) const { return buffer_.data() + (position - first_) * encoded_; }
+  void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
+           opmath scale) const {
+    add_rows(count, in, buffer_.data() + (position - first_) * encoded_, out, encoded_, width, scale);
+  }
 
  private:
   const SinusoidalProblem<scalar_t>& problem_;
@@ -138,9 +140,11 @@ class EncodingBlocks {
 // The encodings of multi-axis positions (image and video grids). Pair i's sin and cos depend on the position of
 // its axis alone, and a grid has few distinct positions per axis (its rows, its columns), met again and again: so
 // each axis keeps the sin and cos of its pairs at every position value the task has met (AxisValues), and a
-// token's encoding is copied together from its axes' values, segment by segment of the layout. A grid's table
-// then costs sin and cos of (rows + columns) positions per task rather than of rows x columns, with the same bits:
-// the same angle on the same path (fast only when every axis of the token is within the fast range).
+// token's rows add its axes' values segment by segment of the layout, straight from where they are kept (a
+// layout of short segments, or a token past the cache's capacity, has its encoding copied together first). A
+// grid's table then costs sin and cos of (rows + columns) positions per task rather than of rows x columns, and
+// no token's encoding is written out; the bits are the same: the same angle on the same path (fast only when
+// every axis of the token is within the fast range).
 template <typename opmath>
 class AxisValues {
  public:
@@ -152,22 +156,31 @@ class AxisValues {
     capacity_ = capacity;
   }
 
-  // [sin | cos] of the axis's pairs at `value` on the token's path; `scratch` (width values) serves past capacity.
-  const opmath* at(double value, bool fast, opmath* scratch) {
+  // The entry holding [sin | cos] of the axis's pairs at `value` on the token's path, computed the first time it is
+  // asked for; -1 once the cache is full.
+  int64_t entry(double value, bool fast) {
     const Key key{bits(value), fast};
-    if (last_ >= 0 && keys_[last_] == key) return values(last_);
+    if (last_ >= 0 && keys_[last_] == key) return last_;
     const uint64_t mask = slots_.size() - 1;
     for (uint64_t slot = mix(key) & mask;; slot = (slot + 1) & mask) {
-      const int64_t entry = slots_[slot];
-      if (entry >= 0 && keys_[entry] == key) return values(last_ = entry);
-      if (entry >= 0) continue;
-      if (static_cast<int64_t>(keys_.size()) == capacity_) break;  // full: computed for this token only
+      const int64_t found = slots_[slot];
+      if (found >= 0 && keys_[found] == key) return last_ = found;
+      if (found >= 0) continue;
+      if (static_cast<int64_t>(keys_.size()) == capacity_) return -1;
       slots_[slot] = last_ = static_cast<int64_t>(keys_.size());
       keys_.push_back(key);
       values_.resize(values_.size() + width_);
-      compute(value, fast, values(last_));
-      return values(last_);
+      compute(value, fast, values_.data() + last_ * width_);
+      return last_;
     }
+  }
+
+  const opmath* values(int64_t entry) const { return values_.data() + entry * width_; }
+
+  // [sin | cos] at `value`: the entry's, or computed into `scratch` (width values) past capacity.
+  const opmath* at(double value, bool fast, opmath* scratch) {
+    const int64_t found = entry(value, fast);
+    if (found >= 0) return values(found);
     compute(value, fast, scratch);
     return scratch;
   }
@@ -189,7 +202,6 @@ class AxisValues {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
   }
-  opmath* values(int64_t entry) { return values_.data() + entry * width_; }
   void compute(double value, bool fast, opmath* out) const {
     const auto n = static_cast<int64_t>(inv_freq_.size());
     sincos_row_on_path(value, inv_freq_.data(), n, fast, out, out + n);
@@ -263,21 +275,57 @@ class AxisEncodingBlocks {
       scratch_.emplace_back(2 * f.size());
       axes_.emplace_back(std::move(f), capacity);
     }
+    values_.resize(problem.n_axes);
+    entries_.resize(block * problem.n_axes);
+    // Adding a segment costs a loop of its own: worth it for runs of 16 channels or more on average (MAE's and
+    // CogVideoX's layouts are one run per axis; an interleaved one is runs of 1).
+    segmented_ = encoded_ >= 16 * static_cast<int64_t>(segments_.size());
   }
 
   void prepare(int64_t first, int64_t count) {
     first_ = first;
     const int64_t n_axes = problem_.n_axes;
-    std::vector<const opmath*> values(n_axes);
-    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t index, opmath* pe) {
+    for (int64_t p = 0; p < count; ++p) {
+      int64_t* entries = entries_.data() + p * n_axes;
+      opmath* pe = buffer_.data() + p * encoded_;
+      const int64_t index = sequence_position(problem_.sequence, first + p);
+      if (index < 0) {  // a prefix token: -0.0, which added leaves every value, -0.0 included, as it is
+        entries[0] = -1;
+        std::fill(pe, pe + encoded_, static_cast<opmath>(-0.0));
+        continue;
+      }
       const double* position = problem_.positions + index * n_axes;
       const bool fast = fast_angles(position, n_axes, problem_.max_abs_freq);  // sincos_row_axes' path
-      for (int64_t a = 0; a < n_axes; ++a) values[a] = axes_[a].at(position[a], fast, scratch_[a].data());
-      for (const auto& s : segments_) std::copy_n(values[s.axis] + s.offset, s.length, pe + s.channel);
-    });
+      bool kept = segmented_;
+      for (int64_t a = 0; a < n_axes && kept; ++a) kept = (entries[a] = axes_[a].entry(position[a], fast)) >= 0;
+      if (kept) continue;
+      entries[0] = -1;  // the encoding is the row pe
+      for (int64_t a = 0; a < n_axes; ++a) values_[a] = axes_[a].at(position[a], fast, scratch_[a].data());
+      for (const auto& s : segments_) std::copy_n(values_[s.axis] + s.offset, s.length, pe + s.channel);
+    }
   }
 
-  const opmath* row(int64_t position) const { return buffer_.data() + (position - first_) * encoded_; }
+  void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
+           opmath scale) const {
+    const int64_t p = position - first_;
+    const int64_t* entries = entries_.data() + p * problem_.n_axes;
+    const opmath* pe = buffer_.data() + p * encoded_;
+    if (entries[0] < 0) {
+      add_rows(count, in, pe, out, encoded_, width, scale);
+      return;
+    }
+    const scalar_t* in_at[kRowsPerEncoding];
+    scalar_t* out_at[kRowsPerEncoding];
+    const auto add_at = [&](int64_t channel, const opmath* values, int64_t encoded, int64_t channels) {
+      for (int64_t r = 0; r < count; ++r) {
+        in_at[r] = in != nullptr ? in[r] + channel : nullptr;
+        out_at[r] = out[r] + channel;
+      }
+      add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale);
+    };
+    for (const auto& s : segments_) add_at(s.channel, axes_[s.axis].values(entries[s.axis]) + s.offset, s.length, s.length);
+    if (width > encoded_) add_at(encoded_, pe, 0, width - encoded_);  // channels without an encoding: x * scale
+  }
 
  private:
   struct Segment {
@@ -290,9 +338,12 @@ class AxisEncodingBlocks {
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
   std::vector<opmath> buffer_;
+  std::vector<int64_t> entries_;  // per position of the block: each axis's AxisValues entry, or -1 first: see buffer_
   std::vector<Segment> segments_;
+  bool segmented_ = false;  // segments long enough to add from where the values are kept
   std::vector<AxisValues<opmath>> axes_;
   std::vector<std::vector<opmath>> scratch_;
+  std::vector<const opmath*> values_;
   int64_t first_ = 0;
 };
 
@@ -302,9 +353,10 @@ struct TableBlocks {
   const LearnedProblem<scalar_t>& problem;
 
   void prepare(int64_t, int64_t) {}
-  const scalar_t* row(int64_t position) const {
+  void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
+           opmath_t<scalar_t> scale) const {
     const int64_t row = problem.table_rows != nullptr ? problem.table_rows[position] : problem.first_row + position;
-    return problem.table + row * problem.width;
+    add_rows(count, in, problem.table + row * problem.width, out, width, width, scale);
   }
 };
 
@@ -314,11 +366,11 @@ void sinusoidal_kernel(const SinusoidalProblem<scalar_t>& problem) {
   const int64_t block = std::min(problem.num_positions,
                                  rows_per_block(encoded * static_cast<int64_t>(sizeof(opmath_t<scalar_t>))));
   if (problem.pair_axis != nullptr) {
-    add_to_rows(problem.in, problem.out, problem.rows, problem.width, encoded, problem.num_positions, block,
+    add_to_rows(problem.in, problem.out, problem.rows, problem.width, problem.num_positions, block,
                 problem.scale, [&] { return AxisEncodingBlocks<scalar_t>(problem, block); });
     return;
   }
-  add_to_rows(problem.in, problem.out, problem.rows, problem.width, encoded, problem.num_positions, block,
+  add_to_rows(problem.in, problem.out, problem.rows, problem.width, problem.num_positions, block,
               problem.scale, [&] { return EncodingBlocks<scalar_t>(problem, block); });
 }
 
@@ -326,7 +378,7 @@ template <typename scalar_t>
 void learned_kernel(const LearnedProblem<scalar_t>& problem) {
   const int64_t block = std::min(problem.num_positions,
                                  rows_per_block(problem.width * static_cast<int64_t>(sizeof(scalar_t))));
-  add_to_rows(problem.in, problem.out, problem.rows, problem.width, problem.width, problem.num_positions, block,
+  add_to_rows(problem.in, problem.out, problem.rows, problem.width, problem.num_positions, block,
               problem.scale, [&] { return TableBlocks<scalar_t>{problem}; });
 }
 
