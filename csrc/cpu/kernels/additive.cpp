@@ -323,7 +323,9 @@ class AxisEncodingBlocks {
       }
       add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale);
     };
-    for (const auto& s : segments_) add_at(s.channel, axes_[s.axis].values(entries[s.axis]) + s.offset, s.length, s.length);
+    for (const auto& s : segments_) {
+      add_at(s.channel, axes_[s.axis].values(entries[s.axis]) + s.offset, s.length, s.length);
+    }
     if (width > encoded_) add_at(encoded_, pe, 0, width - encoded_);  // channels without an encoding: x * scale
   }
 
@@ -338,7 +340,8 @@ class AxisEncodingBlocks {
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
   std::vector<opmath> buffer_;
-  std::vector<int64_t> entries_;  // per position of the block: each axis's AxisValues entry, or -1 first: see buffer_
+  // Per position of the block, each axis's AxisValues entry; -1 first where the encoding is the row of buffer_.
+  std::vector<int64_t> entries_;
   std::vector<Segment> segments_;
   bool segmented_ = false;  // segments long enough to add from where the values are kept
   std::vector<AxisValues<opmath>> axes_;
