@@ -88,8 +88,8 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
 }
 
 // The encodings of rows [first, first + count) into consecutive rows of `buffer`, `encoded` values each:
-// encode(index, pe) for a row that reads position `index`, -0.0 for a prefix token (which, added, leaves every
-// value, -0.0 included, as it is).
+// encode(p, index, pe) for row first + p reading position `index`, -0.0 for a prefix token (which, added, leaves
+// every value, -0.0 included, as it is).
 template <typename opmath, typename Encode>
 void encode_rows(const SequenceRows& sequence, int64_t first, int64_t count, int64_t encoded, opmath* buffer,
                  const Encode& encode) {
@@ -100,7 +100,7 @@ void encode_rows(const SequenceRows& sequence, int64_t first, int64_t count, int
       std::fill(pe, pe + encoded, static_cast<opmath>(-0.0));
       continue;
     }
-    encode(index, pe);
+    encode(p, index, pe);
   }
 }
 
@@ -117,7 +117,7 @@ class EncodingBlocks {
   void prepare(int64_t first, int64_t count) {
     first_ = first;
     opmath* scratch = buffer_.data() + (buffer_.size() - encoded_);
-    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t index, opmath* pe) {
+    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t, int64_t index, opmath* pe) {
       const double position = problem_.positions != nullptr ? problem_.positions[index]
                                                             : static_cast<double>(problem_.first_position + index);
       encode_position(position, problem_.inv_freq, problem_.pairs, problem_.max_abs_freq, problem_.layout, pe,
@@ -285,24 +285,18 @@ class AxisEncodingBlocks {
   void prepare(int64_t first, int64_t count) {
     first_ = first;
     const int64_t n_axes = problem_.n_axes;
-    for (int64_t p = 0; p < count; ++p) {
+    std::fill_n(entries_.begin(), count * n_axes, -1);  // a prefix token keeps -1: its row of buffer_ is -0.0
+    encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t p, int64_t index, opmath* pe) {
       int64_t* entries = entries_.data() + p * n_axes;
-      opmath* pe = buffer_.data() + p * encoded_;
-      const int64_t index = sequence_position(problem_.sequence, first + p);
-      if (index < 0) {  // a prefix token: -0.0, which added leaves every value, -0.0 included, as it is
-        entries[0] = -1;
-        std::fill(pe, pe + encoded_, static_cast<opmath>(-0.0));
-        continue;
-      }
       const double* position = problem_.positions + index * n_axes;
       const bool fast = fast_angles(position, n_axes, problem_.max_abs_freq);  // sincos_row_axes' path
       bool kept = segmented_;
       for (int64_t a = 0; a < n_axes && kept; ++a) kept = (entries[a] = axes_[a].entry(position[a], fast)) >= 0;
-      if (kept) continue;
+      if (kept) return;
       entries[0] = -1;  // the encoding is the row pe
       for (int64_t a = 0; a < n_axes; ++a) values_[a] = axes_[a].at(position[a], fast, scratch_[a].data());
       for (const auto& s : segments_) std::copy_n(values_[s.axis] + s.offset, s.length, pe + s.channel);
-    }
+    });
   }
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
