@@ -187,7 +187,7 @@ struct ResampleLearned : public torch::autograd::Function<ResampleLearned> {
     resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
     return resample_learned_symint(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                            num_prefix_tokens);
+                                   num_prefix_tokens);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -208,7 +208,7 @@ struct AddResampledLearned : public torch::autograd::Function<AddResampledLearne
     resample_args(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens).save(ctx);
     at::AutoDispatchBelowADInplaceOrView guard;
     return add_resampled_learned_symint(x, weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                 num_prefix_tokens);
+                                        num_prefix_tokens);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -232,7 +232,7 @@ struct ResampleLearnedBackward : public torch::autograd::Function<ResampleLearne
     ctx->saved_data["grad_sizes"] = grad.sym_sizes();
     at::AutoDispatchBelowADInplaceOrView guard;
     return resample_learned_backward_symint(grad, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                     num_prefix_tokens);
+                                            num_prefix_tokens);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
