@@ -356,6 +356,31 @@ def test_rope_any_strides(make):
     assert_close(out, reference_rope(x, positions, inv_freq, "gptj"), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 128), (40, 36)])
+@pytest.mark.parametrize("kind", ["none", "shared", "per_row"])
+def test_bhsd_rotated_head_by_head_over_tiles_of_tokens(dtype, layout, head_dim, rotary_dim, kind):
+    """A bhsd view's heads lie a sequence apart, so its tokens are rotated head by head over tiles of a few hundred
+    tokens, which end mid-sequence and span batch rows here; a bshd view's are rotated token by token. Both give
+    the float64 formula within rounding and the same bits, also where a channel stride sends the bhsd rows through
+    the strided path, and in place."""
+    batch, seq, heads = 3, 1100, 2
+    x = randn(batch, seq, heads, head_dim, dtype=dtype)
+    positions, reference_positions = positions_for(kind, batch, seq)
+    inv_freq = FQ.rope(rotary_dim, 10000.0)[0]
+    by_token = PF.rope(x, positions, inv_freq, 1.0, layout, "bshd", offset=3)
+    assert_close(by_token.double(), reference_rope(x, reference_positions, inv_freq, layout), **tolerance(dtype))
+    x_bhsd = x.transpose(1, 2).contiguous()
+    by_head = PF.rope(x_bhsd, positions, inv_freq, 1.0, layout, "bhsd", offset=3)
+    assert torch.equal(by_head.transpose(1, 2), by_token)
+    wide = torch.zeros(batch, heads, seq, 2 * head_dim, dtype=dtype)
+    wide[..., ::2] = x_bhsd
+    assert torch.equal(PF.rope(wide[..., ::2], positions, inv_freq, 1.0, layout, "bhsd", offset=3), by_head)
+    PF.rope_(x_bhsd, positions, inv_freq, 1.0, layout, "bhsd", offset=3)
+    assert torch.equal(x_bhsd, by_head)
+
+
 # ---------------------------------------------------------------- packed sequences, qk, in place
 
 def test_thd_cu_seqlens_equals_each_sequence_alone():

@@ -308,6 +308,76 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
 }
 
+// Whether a view's heads lie further apart than its tokens (bhsd, in or out): walked token by token, its 16 heads
+// read and written at once are 32 streams per view, more than the prefetchers follow; walked head by head over a
+// tile of tokens, each head's rows of the tile are one contiguous run in and one out.
+template <typename scalar_t>
+bool heads_apart(const RotaryView<scalar_t>& v) {
+  return v.heads > 1 && (v.in_stride[2] > v.in_stride[1] || v.out_stride[2] > v.out_stride[1]);
+}
+
+// Head h of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any count). The rows
+// of a bhsd head follow each other, so the hardware prefetchers see one stream in and one out and the rows need
+// none of rotate_heads' per-token prefetches.
+template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename CoeffsOf>
+void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, int64_t last, int64_t seq,
+                     int64_t pairs, const CoeffsOf& coeffs) {
+  const int64_t row_bytes = v.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t n = first; n < last; ++n) {
+    const int64_t b = n / seq;
+    const int64_t s = n % seq;
+    scalar_t* out = output_token(v, b, s);
+    if (out == nullptr) continue;
+    out += h * v.out_stride[2];
+    const scalar_t* in = v.in + b * v.in_stride[0] + s * v.in_stride[1] + h * v.in_stride[2];
+    const char* next_in = reinterpret_cast<const char*>(in + v.in_stride[1]);
+    const char* next_out = reinterpret_cast<const char*>(out + v.out_stride[1]);
+    for (int64_t d = 0; d < row_bytes; d += 64) {
+      __builtin_prefetch(next_in + d);
+      __builtin_prefetch(next_out + d, 1);
+    }
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      rotate_row_half<kLayout>(in, out, coeffs(n), pairs, v.head_dim);
+    } else {
+      rotate_row<kLayout, true, kPairs>(in, 1, out, 1, coeffs(n), pairs, v.head_dim);
+    }
+  }
+}
+
+template <RopeLayout kLayout, typename scalar_t, typename CoeffsOf>
+void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, int64_t last, int64_t seq,
+                     int64_t pairs, const CoeffsOf& coeffs) {
+  const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
+  if (fixed == 64) return rotate_head_run<kLayout, 64>(v, h, first, last, seq, pairs, coeffs);
+  if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, first, last, seq, pairs, coeffs);
+  rotate_head_run<kLayout, 0>(v, h, first, last, seq, pairs, coeffs);
+}
+
+// Tokens [first, last) of view v: head by head where its heads lie apart, else token by token; coeffs(n) gives
+// token n's coefficients.
+template <typename scalar_t, typename CoeffsOf>
+void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
+                   RopeLayout layout, const CoeffsOf& coeffs) {
+  if (!heads_apart(v)) {
+    for (int64_t n = first; n < last; ++n) rotate_token(v, n / seq, n % seq, coeffs(n), pairs, layout);
+    return;
+  }
+  const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
+  RotaryView<scalar_t> head = v;
+  head.heads = 1;
+  for (int64_t h = 0; h < v.heads; ++h) {
+    if (unit && layout == RopeLayout::Neox) {
+      rotate_head_run<RopeLayout::Neox>(v, h, first, last, seq, pairs, coeffs);
+    } else if (unit) {
+      rotate_head_run<RopeLayout::Gptj>(v, h, first, last, seq, pairs, coeffs);
+    } else {
+      head.in = v.in + h * v.in_stride[2];
+      head.out = v.out + h * v.out_stride[2];
+      for (int64_t n = first; n < last; ++n) rotate_token(head, n / seq, n % seq, coeffs(n), pairs, layout);
+    }
+  }
+}
+
 template <typename scalar_t>
 void rope_kernel(const RopeProblem<scalar_t>& problem) {
   if (problem.norms != nullptr) return norm_rope_kernel(problem);
@@ -316,20 +386,26 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   const int64_t seq = problem.seq;
   const auto scale = static_cast<opmath>(problem.attention_scale);
   int64_t token_work = 0;
-  for (int64_t v = 0; v < problem.num_views; ++v) token_work += problem.views[v].heads * problem.views[v].head_dim;
+  bool any_apart = false;
+  for (int64_t v = 0; v < problem.num_views; ++v) {
+    token_work += problem.views[v].heads * problem.views[v].head_dim;
+    any_apart = any_apart || heads_apart(problem.views[v]);
+  }
   if (problem.copy != nullptr) token_work += problem.copy->heads * problem.copy->head_dim;
-
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
+  // Tokens per tile of a head-by-head walk: a block of their coefficient rows (2 * pairs values each from a
+  // table, 4 * pairs formed per token) stays in L2 while every head of every view passes over it.
+  const int64_t coefficient_bytes = (coefficients.table.empty() ? 4 : 2) * pairs * static_cast<int64_t>(sizeof(opmath));
+  const int64_t tile = any_apart ? rows_per_block(coefficient_bytes) : 1;
   if (!coefficients.table.empty()) {
     // The coefficients are a table: each view (q, then k) is walked on its own, which halves the rows in flight
-    // per token (a bhsd token's heads are a whole sequence apart: 16 heads read and written in q and k at once
-    // are 64 streams, more than the prefetchers follow).
+    // per token.
     for (int64_t v = 0; v < problem.num_views; ++v) {
       const auto& view = problem.views[v];
+      const auto coeffs = [&](int64_t n) { return coefficients.of_view(v, coefficients.rows(n, nullptr)); };
       parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n) {
-          rotate_token(view, n / seq, n % seq, coefficients.of_view(v, coefficients.rows(n, nullptr)), pairs,
-                       problem.layout);
+        for (int64_t first = begin; first < end; first += tile) {
+          rotate_tokens(view, first, std::min(end, first + tile), seq, pairs, problem.layout, coeffs);
         }
       });
     }
@@ -342,13 +418,18 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
     return;
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(4 * pairs);
-    for (int64_t n = begin; n < end; ++n) {
-      const auto token_rows = coefficients.rows(n, own.data());
+    std::vector<opmath> own(tile * 4 * pairs);
+    std::vector<std::pair<const opmath*, const opmath*>> token_rows(tile);
+    for (int64_t first = begin; first < end; first += tile) {
+      const int64_t last = std::min(end, first + tile);
+      for (int64_t n = first; n < last; ++n) token_rows[n - first] = coefficients.rows(n, &own[(n - first) * 4 * pairs]);
       for (int64_t v = 0; v < problem.num_views; ++v) {
-        rotate_token(problem.views[v], n / seq, n % seq, coefficients.of_view(v, token_rows), pairs, problem.layout);
+        const auto coeffs = [&](int64_t n) { return coefficients.of_view(v, token_rows[n - first]); };
+        rotate_tokens(problem.views[v], first, last, seq, pairs, problem.layout, coeffs);
       }
-      if (problem.copy != nullptr) copy_token(*problem.copy, n / seq, n % seq);
+      if (problem.copy != nullptr) {
+        for (int64_t n = first; n < last; ++n) copy_token(*problem.copy, n / seq, n % seq);
+      }
     }
   });
 }
