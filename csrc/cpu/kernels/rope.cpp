@@ -312,12 +312,14 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
 }
 
 // Whether a view is rotated head by head over a tile of tokens rather than token by token: out of place, with its
-// heads further apart than its tokens (bhsd, in or out), where each head's rows of the tile are then one
-// contiguous run in and one out. In an in-process A/B (DINOv3 and Flux shapes, batch 1 bhsd; 15-21 calls each)
-// that was 25-35% faster out of place and 10-20% slower in place, where the token walk stays.
+// heads further apart than its tokens (bhsd, in or out) and sequences of more than one token, where each head's
+// rows of the tile are then one contiguous run in and one out. In an in-process A/B (DINOv3 and Flux shapes,
+// batch 1 bhsd; 15-21 calls each) that was 25-35% faster out of place and 10-20% slower in place, where the token
+// walk stays; a decoding step (one token per sequence) has no runs to gain.
 template <typename scalar_t>
-bool head_by_head(const RotaryView<scalar_t>& v) {
-  return v.heads > 1 && v.in != v.out && (v.in_stride[2] > v.in_stride[1] || v.out_stride[2] > v.out_stride[1]);
+bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
+  return seq > 1 && v.heads > 1 && v.in != v.out &&
+         (v.in_stride[2] > v.in_stride[1] || v.out_stride[2] > v.out_stride[1]);
 }
 
 // Head h of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any count); coeffs(n, s)
@@ -366,7 +368,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, in
 template <typename scalar_t, typename CoeffsOf>
 void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
                    RopeLayout layout, const CoeffsOf& coeffs) {
-  if (!head_by_head(v)) {
+  if (!head_by_head(v, seq)) {
     for (int64_t n = first; n < last; ++n) rotate_token(v, n / seq, n % seq, coeffs(n, n % seq), pairs, layout);
     return;
   }
@@ -399,7 +401,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   bool any_by_head = false;
   for (int64_t v = 0; v < problem.num_views; ++v) {
     token_work += problem.views[v].heads * problem.views[v].head_dim;
-    any_by_head = any_by_head || head_by_head(problem.views[v]);
+    any_by_head = any_by_head || head_by_head(problem.views[v], seq);
   }
   if (problem.copy != nullptr) token_work += problem.copy->heads * problem.copy->head_dim;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
@@ -429,8 +431,9 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
     return;
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(tile * 4 * pairs);
-    std::vector<std::pair<const opmath*, const opmath*>> token_rows(tile);
+    const int64_t tokens_here = std::min(tile, end - begin);
+    std::vector<opmath> own(tokens_here * 4 * pairs);
+    std::vector<std::pair<const opmath*, const opmath*>> token_rows(tokens_here);
     for (int64_t first = begin; first < end; first += tile) {
       const int64_t last = std::min(end, first + tile);
       for (int64_t n = first; n < last; ++n) {
