@@ -136,6 +136,14 @@ def format_row(row) -> str:
 
 # ---------------------------------------------------------------- sinusoidal and the shared embedding backward
 
+def gather_alone(table: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+    """The fused embeddings' floor: `index_select` of the token rows alone into a buffer allocated once, nothing
+    added. Rows gathered at random from a table larger than the caches cost more than the copy bound's sequential
+    reads (DRAM pages and TLB entries that the prefetchers cannot guess), for PyTorch as for us."""
+    rows = out.view(-1, table.shape[-1])
+    return lambda: torch.index_select(table, 0, tokens.reshape(-1), out=rows)
+
+
 def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     table = Table("add_sinusoidal", repeat)
     batch, seq, dim = (2, 512, 1024) if quick else (8, 2048, 1024)
@@ -163,7 +171,8 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
         out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd",
                   lambda: PF.embed_sinusoidal(tokens, weight, None, inv_freq, 32.0),
-                  {"eager two lookups": lambda: F.embedding(tokens, weight) * 32.0 + F.embedding(positions, pe)},
+                  {"eager two lookups": lambda: F.embedding(tokens, weight) * 32.0 + F.embedding(positions, pe),
+                   "gather alone": gather_alone(weight, tokens, out_like)},
                   out_like, copies=1)
         weight_g = weight.clone().requires_grad_()
         grad = torch.randn_like(out_like)
@@ -275,7 +284,8 @@ def bench_learned(repeat: int, quick: bool) -> List[dict]:
         wte, wpe = torch.randn(vocab, dim, dtype=dtype), torch.randn(seq, dim, dtype=dtype)
         out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd", lambda: PF.embed_learned(tokens, wte, wpe),
-                  {"eager two lookups": lambda: F.embedding(tokens, wte) + F.embedding(positions, wpe)},
+                  {"eager two lookups": lambda: F.embedding(tokens, wte) + F.embedding(positions, wpe),
+                   "gather alone": gather_alone(wte, tokens, out_like)},
                   out_like, copies=1)
         wte_g, wpe_g = wte.clone().requires_grad_(), wpe.clone().requires_grad_()
         grad = torch.randn_like(out_like)
