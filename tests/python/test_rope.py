@@ -364,7 +364,7 @@ def test_bhsd_rotated_head_by_head_over_tiles_of_tokens(dtype, layout, head_dim,
     """A bhsd view's heads lie a sequence apart, so its tokens are rotated head by head over tiles of a few hundred
     tokens, which end mid-sequence and span batch rows here; a bshd view's are rotated token by token. Both give
     the float64 formula within rounding and the same bits, also where a channel stride sends the bhsd rows through
-    the strided path, and in place."""
+    the strided path, in place, and with explicit cos/sin tables."""
     batch, seq, heads = 3, 1100, 2
     x = randn(batch, seq, heads, head_dim, dtype=dtype)
     positions, reference_positions = positions_for(kind, batch, seq)
@@ -379,6 +379,12 @@ def test_bhsd_rotated_head_by_head_over_tiles_of_tokens(dtype, layout, head_dim,
     assert torch.equal(PF.rope(wide[..., ::2], positions, inv_freq, 1.0, layout, "bhsd", offset=3), by_head)
     PF.rope_(x_bhsd, positions, inv_freq, 1.0, layout, "bhsd", offset=3)
     assert torch.equal(x_bhsd, by_head)
+    # Explicit tables take the same walks.
+    cos, sin = (table.float() for table in hf_cos_sin(reference_positions, inv_freq, layout))
+    tables_by_token = PF.rope_cos_sin(x, cos, sin, layout, "bshd")
+    assert_close(tables_by_token.double(), reference_rope(x, reference_positions, inv_freq, layout), **tolerance(dtype))
+    tables_by_head = PF.rope_cos_sin(x.transpose(1, 2).contiguous(), cos, sin, layout, "bhsd")
+    assert torch.equal(tables_by_head.transpose(1, 2), tables_by_token)
 
 
 # ---------------------------------------------------------------- packed sequences, qk, in place

@@ -458,27 +458,34 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
   const int64_t seq = problem.seq;
   const int64_t rotary_dim = problem.rotary_dim;
   const int64_t pairs = rotary_dim / 2;
-  const int64_t first = problem.layout == RopeLayout::Neox ? 1 : 2;
-  const int64_t second = problem.layout == RopeLayout::Neox ? pairs : 1;
+  const int64_t step = problem.layout == RopeLayout::Neox ? 1 : 2;          // channel of pair i = step * i
+  const int64_t partner = problem.layout == RopeLayout::Neox ? pairs : 1;  // its partner, `partner` channels on
+  // Tokens per tile of a head-by-head walk (see rope_kernel): their gathered coefficients stay in L2.
+  const int64_t tile = head_by_head(view, seq) ? rows_per_block(4 * pairs * static_cast<int64_t>(sizeof(opmath))) : 1;
   parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(4 * pairs);
-    opmath* c1 = own.data();
-    opmath* s1 = c1 + pairs;
-    opmath* c2 = s1 + pairs;
-    opmath* s2 = c2 + pairs;
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t b = n / seq;
-      const int64_t s = n % seq;
-      const int64_t row = (problem.shared_rows ? s : n) * rotary_dim;
-      for (int64_t i = 0; i < pairs; ++i) {
-        const int64_t a = row + first * i;
-        const int64_t z = a + second;
-        c1[i] = problem.cos[a];
-        c2[i] = problem.cos[z];
-        s1[i] = problem.transpose ? -problem.sin[z] : problem.sin[a];
-        s2[i] = problem.transpose ? -problem.sin[a] : problem.sin[z];
+    std::vector<opmath> own(std::min(tile, end - begin) * 4 * pairs);  // c1, s1, c2, s2 of each token of a tile
+    for (int64_t first = begin; first < end; first += tile) {
+      const int64_t last = std::min(end, first + tile);
+      for (int64_t n = first; n < last; ++n) {
+        opmath* c1 = &own[(n - first) * 4 * pairs];
+        opmath* s1 = c1 + pairs;
+        opmath* c2 = s1 + pairs;
+        opmath* s2 = c2 + pairs;
+        const int64_t row = (problem.shared_rows ? n % seq : n) * rotary_dim;
+        for (int64_t i = 0; i < pairs; ++i) {
+          const int64_t a = row + step * i;
+          const int64_t z = a + partner;
+          c1[i] = problem.cos[a];
+          c2[i] = problem.cos[z];
+          s1[i] = problem.transpose ? -problem.sin[z] : problem.sin[a];
+          s2[i] = problem.transpose ? -problem.sin[a] : problem.sin[z];
+        }
       }
-      rotate_token(view, b, s, PairCoeffs<opmath>{c1, s1, c2, s2}, pairs, problem.layout);
+      const auto coeffs = [&](int64_t n, int64_t) {
+        const opmath* c1 = &own[(n - first) * 4 * pairs];
+        return PairCoeffs<opmath>{c1, c1 + pairs, c1 + 2 * pairs, c1 + 3 * pairs};
+      };
+      rotate_tokens(view, first, last, seq, pairs, problem.layout, coeffs);
     }
   });
 }
