@@ -325,11 +325,14 @@ bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
 // Head h of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any count); coeffs(n, s)
 // gives token n's coefficients (s = n mod seq). A bhsd head's rows follow each other: the loop steps from row to
 // row of a batch row without dividing by seq (a division per row of 64 channels made the walk 10-20% slower),
-// and asks for the next row ahead of it.
+// and asks for a row ahead: the next one for 4-byte types, a KiB ahead for 2-byte ones (8 rows of 64 channels:
+// 9-13% faster on the DINOv3 and Flux bf16 rows in an in-process A/B, no change at 128 channels; float32 rows
+// were slower with the longer lead).
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename CoeffsOf>
 void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, int64_t last, int64_t seq,
                      int64_t pairs, const CoeffsOf& coeffs) {
   const int64_t row_bytes = v.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t ahead = sizeof(scalar_t) == 2 ? std::max<int64_t>(1, 1024 / std::max<int64_t>(row_bytes, 1)) : 1;
   for (int64_t n = first; n < last;) {
     const int64_t b = n / seq;
     const int64_t run_end = std::min(last, (b + 1) * seq);
@@ -339,8 +342,8 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, in
       scalar_t* out = output_token(v, b, s);
       if (out == nullptr) continue;
       out += h * v.out_stride[2];
-      const char* next_in = reinterpret_cast<const char*>(in + v.in_stride[1]);
-      const char* next_out = reinterpret_cast<const char*>(out + v.out_stride[1]);
+      const char* next_in = reinterpret_cast<const char*>(in + ahead * v.in_stride[1]);
+      const char* next_out = reinterpret_cast<const char*>(out + ahead * v.out_stride[1]);
       for (int64_t d = 0; d < row_bytes; d += 64) {
         __builtin_prefetch(next_in + d);
         __builtin_prefetch(next_out + d, 1);
