@@ -311,15 +311,16 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
 }
 
-// Whether a view is rotated head by head over a tile of tokens rather than token by token: out of place, with its
-// heads further apart than its tokens (bhsd, in or out) and sequences of more than one token, where each head's
-// rows of the tile are then one contiguous run in and one out. In an in-process A/B (DINOv3 and Flux shapes,
-// batch 1 bhsd; 15-21 calls each) that was 25-35% faster out of place and 10-20% slower in place, where the token
-// walk stays; a decoding step (one token per sequence) has no runs to gain.
+// Whether a view is rotated head by head over a tile of tokens rather than token by token: out of place, with the
+// input's heads further apart than its tokens (bhsd in memory) and sequences of more than one token, where each
+// head's rows of the tile are then one contiguous run in (and one out, for a bhsd output). In an in-process A/B
+// (DINOv3 and Flux shapes, batch 1 bhsd; 15-21 calls each) that was 25-35% faster out of place and 10-20% slower
+// in place, where the token walk stays; so it does for a decoding step (one token per sequence: no runs to gain)
+// and for Hugging Face's bhsd views of bshd memory (q.transpose(1, 2)), whose inputs are a token's heads side by
+// side: walked head by head there, bf16 was 7-10% slower.
 template <typename scalar_t>
 bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
-  return seq > 1 && v.heads > 1 && v.in != v.out &&
-         (v.in_stride[2] > v.in_stride[1] || v.out_stride[2] > v.out_stride[1]);
+  return seq > 1 && v.heads > 1 && v.in != v.out && v.in_stride[2] > v.in_stride[1];
 }
 
 // Head h of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any count); coeffs(n, s)
