@@ -343,12 +343,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, in
       scalar_t* out = output_token(v, b, s);
       if (out == nullptr) continue;
       out += h * v.out_stride[2];
-      const char* next_in = reinterpret_cast<const char*>(in + ahead * v.in_stride[1]);
-      const char* next_out = reinterpret_cast<const char*>(out + ahead * v.out_stride[1]);
-      for (int64_t d = 0; d < row_bytes; d += 64) {
-        __builtin_prefetch(next_in + d);
-        __builtin_prefetch(next_out + d, 1);
-      }
+      prefetch_next_token(v, in, out, ahead);
       if constexpr (std::is_same_v<scalar_t, c10::Half>) {
         rotate_row_half<kLayout>(in, out, coeffs(n, s), pairs, v.head_dim);
       } else {
