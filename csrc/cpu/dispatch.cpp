@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string_view>
 
 namespace posenc::cpu {
@@ -35,7 +36,29 @@ Capability choose() {
               "\"");
 }
 
+int64_t choose_stream_bytes() {
+  const char* requested = std::getenv("POSENC_STREAM_BYTES");
+  if (requested != nullptr && *requested != '\0') {
+    char* end = nullptr;
+    const long long bytes = std::strtoll(requested, &end, 10);
+    TORCH_CHECK(*end == '\0' && bytes >= 0, "posenc: POSENC_STREAM_BYTES must be a byte count >= 0, got \"",
+                requested, "\"");
+    return bytes;
+  }
+  // One instance of the last-level cache as Linux describes it (sysconf's figure can be the whole package's:
+  // 320 MiB where a virtual machine's cores share 32 MiB).
+  std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index3/size");
+  int64_t kib = 0;
+  if (file >> kib && kib > 0) return kib << 10;
+  return int64_t{32} << 20;
+}
+
 }  // namespace
+
+int64_t stream_bytes() {
+  static const int64_t bytes = choose_stream_bytes();
+  return bytes;
+}
 
 Capability capability() {
   static const Capability chosen = choose();

@@ -18,6 +18,12 @@ constexpr int kNumCapabilities = 3;
 Capability capability();
 const char* capability_name(Capability capability);
 
+// Outputs of at least this many bytes per call are stored past the caches (non-temporal stores): the size of the
+// last-level cache (one instance of it, as Linux describes it; 32 MiB where it does not), or the environment variable
+// POSENC_STREAM_BYTES. Read at the first call. Such an output would leave the cache before anyone reads it, and
+// an ordinary store first reads every line it writes: a third of the traffic of a rotation out of place.
+int64_t stream_bytes();
+
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the
 // library loads (default always exists), and a call runs the best filled slot up to capability().
 template <typename Fn>

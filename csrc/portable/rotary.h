@@ -8,6 +8,7 @@
 // cos and sin.
 #include "portable/convert.h"
 #include "portable/libm.h"
+#include "portable/streaming.h"
 #include "portable/types.h"
 
 #include <algorithm>
@@ -103,8 +104,28 @@ inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* i
   const auto next_out = reinterpret_cast<uintptr_t>(out) + ahead * v.out_stride[1] * sizeof(scalar_t);
   for (int64_t d = 0; d < v.head_dim; d += kLine) {
     __builtin_prefetch(reinterpret_cast<const void*>(next_in + d * v.in_stride[3] * sizeof(scalar_t)));
+    if (v.stream) continue;  // stored past the caches: no line of the output is read
     __builtin_prefetch(reinterpret_cast<const void*>(next_out + d * v.out_stride[3] * sizeof(scalar_t)), 1);
   }
+}
+
+// A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
+// asks (float32 rows, through a row in L1; heads wider than it take ordinary stores). Not float64: rotated into a
+// local row, its gptj pairs were compiled (GCC 12, AVX2 and AVX-512) to vfmaddsub, a fused multiply-add that
+// -ffp-contract=off does not stop, which changed the last bit.
+template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
+POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
+                                   PairCoeffs<opmath_t> k, int64_t pairs) {
+  constexpr int64_t kRow = 512;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (v.stream && in != out && v.head_dim <= kRow) {
+      alignas(64) float row[kRow];
+      rotate_row<kLayout, true, kPairs>(in, 1, row, 1, k, pairs, v.head_dim);
+      store_streaming(row, out, v.head_dim);
+      return;
+    }
+  }
+  rotate_row<kLayout, true, kPairs>(in, 1, out, 1, k, pairs, v.head_dim);
 }
 
 // A contiguous fp16 row: c10::Half converts one value at a time, which keeps rotate_row scalar. The rotated
@@ -143,7 +164,7 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
       rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
     } else {
-      rotate_row<kLayout, true, kPairs>(in, 1, out, 1, k, pairs, v.head_dim);
+      rotate_unit_row<kLayout, kPairs>(v, in, out, k, pairs);
     }
   }
 }

@@ -3,6 +3,7 @@
 // precision, rounded once. `pe` is the encoding (maths precision: sinusoidal) or a table row (storage
 // precision: learned); the row's channels past `encoded` (an odd width's last channel) get no encoding.
 #include "portable/convert.h"
+#include "portable/streaming.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -21,16 +22,18 @@ constexpr int64_t kRowsPerEncoding = 2;
 // (in == nullptr: out[r] = pe), over `width` channels, the first `encoded` with pe. A chunk of pe is read once
 // for all the rows: the block of encodings sits in L2, and read again for every row it cost as much as the rows'
 // own loads (fp32 encodings are twice the bytes of a bf16 row). fp16 sums go through a float chunk narrowed at
-// once (eight values per instruction with F16C), the same bits as from_opmath value by value.
+// once (eight values per instruction with F16C), the same bits as from_opmath value by value. `stream`: float32
+// sums are formed in a chunk in L1 and stored past the caches (streaming.h).
 template <typename scalar_t, typename pe_t>
 void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t* const* out, int64_t encoded,
-              int64_t width, opmath_t<scalar_t> scale) {
+              int64_t width, opmath_t<scalar_t> scale, bool stream = false) {
   using opmath = opmath_t<scalar_t>;
   constexpr int64_t kChunk = 256;
   constexpr bool kWidenPe = !std::is_same_v<pe_t, opmath>;
   constexpr bool kHalf = std::is_same_v<scalar_t, c10::Half>;
+  constexpr bool kStreams = std::is_same_v<scalar_t, float> && !kWidenPe;
+  alignas(64) opmath sum[kHalf || kStreams ? kChunk : 1];
   opmath pe_chunk[kWidenPe ? kChunk : 1];
-  opmath sum[kHalf ? kChunk : 1];
   for (int64_t d0 = 0; d0 < width; d0 += kChunk) {
     const int64_t n = std::min(kChunk, width - d0);
     const int64_t with_pe = std::clamp<int64_t>(encoded - d0, 0, n);
@@ -43,6 +46,19 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
     }
     for (int64_t r = 0; r < count; ++r) {
       scalar_t* __restrict y = out[r] + d0;
+      if constexpr (kStreams) {
+        if (stream) {
+          if (in == nullptr) {
+            store_streaming(e, y, with_pe);
+            continue;
+          }
+          const scalar_t* __restrict x = in[r] + d0;
+          for (int64_t d = 0; d < with_pe; ++d) sum[d] = x[d] * scale + e[d];
+          for (int64_t d = with_pe; d < n; ++d) sum[d] = x[d] * scale;
+          store_streaming(sum, y, n);
+          continue;
+        }
+      }
       if (in == nullptr) {
         narrow(e, y, with_pe);
         continue;

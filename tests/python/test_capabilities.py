@@ -26,12 +26,15 @@ OPENBLAS_CORE = {"max": "Haswell", "Nehalem": "Nehalem"}
 NOT_OUTPUTS = ("capability", "ops_called")
 
 
-def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900):
+def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900, stream_bytes=None):
     out = tmp_path / f"{name}.pt"
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path)
     env.pop("POSENC_CPU_CAPABILITY", None)
+    env.pop("POSENC_STREAM_BYTES", None)
     if capability is not None:
         env["POSENC_CPU_CAPABILITY"] = capability
+    if stream_bytes is not None:
+        env["POSENC_STREAM_BYTES"] = str(stream_bytes)
     command = [sys.executable, str(RUNNER), str(out)]
     if emulate is not None:
         command = ["qemu-x86_64", "-cpu", emulate] + command
@@ -90,6 +93,24 @@ def test_every_capability_computes_the_same_bits(native):
     assert "default" in native
     for capability, result in native.items():
         assert_same_bits(result, native["default"], f"{capability} against default")
+
+
+def test_outputs_stored_past_the_caches_have_the_same_bits(native, tmp_path):
+    """POSENC_STREAM_BYTES=0 stores the output of every out-of-place float32 rotation and row addition with
+    non-temporal stores (by default only outputs larger than the last-level cache): the baseline's 16-byte stores
+    and the best capability's must write the bits that ordinary stores write."""
+    for capability in sorted({"default", max(native, key=CAPABILITIES.index)}):
+        result = run_outputs(tmp_path, f"{capability}-streamed", capability, stream_bytes=0)
+        assert result["capability"] == capability
+        assert_same_bits(result, native["default"], f"{capability} with every output streamed")
+
+
+def test_an_invalid_stream_threshold_is_an_error():
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_STREAM_BYTES="lots")
+    code = "import torch, posenc.functional as PF; PF.rope(torch.ones(1, 2, 1, 4), None, torch.ones(2))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert 'POSENC_STREAM_BYTES must be a byte count >= 0, got "lots"' in result.stderr
 
 
 qemu = pytest.mark.skipif(shutil.which("qemu-x86_64") is None or os.uname().machine != "x86_64",

@@ -371,14 +371,18 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
     for (int64_t n = first; n < last; ++n) rotate_token(v, n / seq, n % seq, coeffs(n, n % seq), pairs, layout);
     return;
   }
+  // Ordinary stores: a head's rows are long runs of its output, and stored past the caches they were slower
+  // (float32 DINOv3 rows 3.48 -> 3.79 ms in an in-process A/B).
+  RotaryView<scalar_t> run = v;
+  run.stream = false;
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
-  RotaryView<scalar_t> head = v;
+  RotaryView<scalar_t> head = run;
   head.heads = 1;
   for (int64_t h = 0; h < v.heads; ++h) {
     if (unit && layout == RopeLayout::Neox) {
-      rotate_head_run<RopeLayout::Neox>(v, h, first, last, seq, pairs, coeffs);
+      rotate_head_run<RopeLayout::Neox>(run, h, first, last, seq, pairs, coeffs);
     } else if (unit) {
-      rotate_head_run<RopeLayout::Gptj>(v, h, first, last, seq, pairs, coeffs);
+      rotate_head_run<RopeLayout::Gptj>(run, h, first, last, seq, pairs, coeffs);
     } else {
       head.in = v.in + h * v.in_stride[2];
       head.out = v.out + h * v.out_stride[2];
@@ -419,6 +423,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
         for (int64_t first = begin; first < end; first += tile) {
           rotate_tokens(view, first, std::min(end, first + tile), seq, pairs, problem.layout, coeffs);
         }
+        store_fence();
       });
     }
     if (problem.copy != nullptr) {
@@ -446,6 +451,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
         for (int64_t n = first; n < last; ++n) copy_token(*problem.copy, n / seq, n % seq);
       }
     }
+    store_fence();
   });
 }
 
@@ -486,6 +492,7 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
       };
       rotate_tokens(view, first, last, seq, pairs, problem.layout, coeffs);
     }
+    store_fence();
   });
 }
 
