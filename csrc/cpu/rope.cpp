@@ -67,8 +67,8 @@ struct CpuRope : CpuDevice {
                             : rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         if (r.norms != nullptr) norms.push_back(norm_view<scalar_t>((*r.norms)[i], r.args.format));
       }
-      int64_t written = 0;  // out of place (the norms' kernel stores as it always has)
-      for (size_t i = 0; i < r.inputs.size() && r.norms == nullptr; ++i) {
+      int64_t written = 0;  // out of place
+      for (size_t i = 0; i < r.inputs.size(); ++i) {
         if (!r.outputs[i].is_same(r.inputs[i])) written += r.inputs[i].nbytes();
       }
       for (auto& view : views) view = streamed(view, written);

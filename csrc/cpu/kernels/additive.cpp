@@ -303,14 +303,13 @@ class AxisEncodingBlocks {
     });
   }
 
-  // Ordinary stores (`stream` unused): a grid's segments end mid-line.
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath scale, bool /*stream*/) const {
+           opmath scale, bool stream) const {
     const int64_t p = position - first_;
     const int64_t* entries = entries_.data() + p * problem_.n_axes;
     const opmath* pe = buffer_.data() + p * encoded_;
     if (entries[0] < 0) {
-      add_rows(count, in, pe, out, encoded_, width, scale);
+      add_rows(count, in, pe, out, encoded_, width, scale, stream);
       return;
     }
     const scalar_t* in_at[kRowsPerEncoding];
@@ -320,7 +319,7 @@ class AxisEncodingBlocks {
         in_at[r] = in != nullptr ? in[r] + channel : nullptr;
         out_at[r] = out[r] + channel;
       }
-      add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale);
+      add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale, stream);
     };
     for (const auto& s : segments_) {
       add_at(s.channel, axes_[s.axis].values(entries[s.axis]) + s.offset, s.length, s.length);

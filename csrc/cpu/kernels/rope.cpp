@@ -154,15 +154,21 @@ void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_
 
 // The backward's last step, after rotate_back_heads has formed xhat and the gradient g of xhat in the token's rows:
 // the gradient of x, r * (g - xhat * mean(g * xhat)) over each group (a head, or all of them), formed and stored
-// head by head while the head's rows are in L1.
+// head by head while the head's rows are in L1 (float32 rows past the caches where `stream`).
 template <typename scalar_t, typename opmath>
 void store_input_grad(const opmath* xhat, opmath* g, const opmath* inv_rms, int64_t group, scalar_t* out,
-                      const int64_t* stride, int64_t heads, int64_t head_dim) {
+                      const int64_t* stride, int64_t heads, int64_t head_dim, bool stream) {
   opmath mean_dot = 0;
   for (int64_t h = 0; h < heads; ++h, out += stride[2]) {
     const int64_t first = h * head_dim;
     if (first % group == 0) mean_dot = lane_dot(g + first, xhat + first, group) / static_cast<opmath>(group);
     rms_input_grad(xhat + first, g + first, head_dim, inv_rms[first / group], mean_dot);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (stream && stride[3] == 1) {
+        store_streaming(g + first, out, head_dim);
+        continue;
+      }
+    }
     if (stride[3] == 1) {
       narrow(g + first, out, head_dim);
     } else {
@@ -286,9 +292,10 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           inverse_rms_of_groups(x, H * D, norm, inv_rms);
           opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
           rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, row, weight_grad, grad);
-          store_input_grad(row, grad, inv_rms, norm.group, out, view.out_stride, H, D);
+          store_input_grad(row, grad, inv_rms, norm.group, out, view.out_stride, H, D, view.stream);
         }
       }
+      store_fence();
     });
   };
   // Coefficients from a table: a view at a time, as rope_kernel walks them (q's streams, then k's: 20-30% faster
