@@ -4,6 +4,7 @@
 // points in the stubs declared here, and a call goes to the best build the CPU runs. No ATen in this
 // header: the kernel builds include it.
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace posenc::cpu {
@@ -23,6 +24,14 @@ const char* capability_name(Capability capability);
 // POSENC_STREAM_BYTES. Read at the first call. Such an output would leave the cache before anyone reads it, and
 // an ordinary store first reads every line it writes: a third of the traffic of a rotation out of place.
 int64_t stream_bytes();
+
+// Whether a call that writes `bytes_written` out of place stores them past the caches: float32 outputs of at least
+// stream_bytes(). bfloat16 rows measured slower that way (their rounding and the pass through L1 cost more than
+// the lines not read); float64 rows, rotated into a row in L1, were compiled to fused multiply-adds.
+template <typename scalar_t>
+bool streams_output(int64_t bytes_written) {
+  return std::is_same_v<scalar_t, float> && bytes_written > 0 && bytes_written >= stream_bytes();
+}
 
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the
 // library loads (default always exists), and a call runs the best filled slot up to capability().

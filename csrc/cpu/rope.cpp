@@ -31,13 +31,12 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
   return view;
 }
 
-// view with its float32 rows stored past the caches when the call writes at least cpu::stream_bytes() out of
-// place. In-process A/Bs, token by token: M-RoPE q, k [1, 4096, 16, 128] 3.79 -> 2.32 ms and Llama-like
-// q, k [4, 2048, 16, 128] 5.65 -> 4.92; bfloat16 rows were 7-12% slower (their rounding and the pass through a row
-// in L1 cost more than the lines not read).
+// view with its rows stored past the caches where the call's output allows (cpu::streams_output). In-process A/Bs,
+// token by token: float32 M-RoPE q, k [1, 4096, 16, 128] 3.79 -> 2.32 ms and Llama-like q, k [4, 2048, 16, 128]
+// 5.65 -> 4.92; bfloat16 rows were 7-12% slower.
 template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written) {
-  view.stream = std::is_same_v<scalar_t, float> && bytes_written > 0 && bytes_written >= cpu::stream_bytes();
+  view.stream = cpu::streams_output<scalar_t>(bytes_written);
   return view;
 }
 

@@ -59,9 +59,9 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
   const int64_t num_blocks = (num_positions + block - 1) / block;
   const auto row_scale = static_cast<opmath_t<scalar_t>>(scale);
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(scalar_t));
-  // float32 outputs larger than the last-level cache go past it (streaming.h): in-process A/B, [8, 2048, 1024]
+  // Outputs larger than the last-level cache go past it (streaming.h): in-process A/B, float32 [8, 2048, 1024]
   // add_sinusoidal 5.98 -> 5.12 ms, add_learned 6.03 -> 5.04, embed_learned 6.65 -> 5.49; bfloat16 was no faster.
-  const bool stream = std::is_same_v<scalar_t, float> && in.data != out && rows * row_bytes >= stream_bytes();
+  const bool stream = streams_output<scalar_t>(in.data != out ? rows * row_bytes : 0);
   parallel_for(0, num_blocks * groups, rows_per_task(block * group * width), [&](int64_t begin, int64_t end) {
     auto blocks = make_blocks();
     int64_t prepared = -1;
