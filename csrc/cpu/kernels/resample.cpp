@@ -90,21 +90,28 @@ inline int64_t max_users(const AxisTaps& taps) {
 }
 
 // acc[d] = 0 + sum_k weights[k] * rows[k][d] over n channels, the terms added in k order (the CUDA kernels' order),
-// four rows per sweep over acc.
+// four rows per sweep over acc. The first sweep adds to the literal 0 rather than to acc cleared: the same sums,
+// without clearing acc first (a memset that took 15% of a DINOv2-L resample's samples) and reading it back.
 template <typename T>
 void weighted_rows(const double* weights, const T* const* rows, int64_t count, double* acc, int64_t n) {
-  std::fill_n(acc, n, 0.0);
-  int64_t k = 0;
+  const auto value = [](const T* row, int64_t d) { return static_cast<double>(to_opmath(row[d])); };
+  if (count == 0) {
+    std::fill_n(acc, n, 0.0);
+    return;
+  }
+  if (count < 4) {
+    for (int64_t d = 0; d < n; ++d) acc[d] = 0.0 + weights[0] * value(rows[0], d);
+  }
+  int64_t k = count < 4 ? 1 : 0;
   for (; k + 4 <= count; k += 4) {
     const T* a = rows[k];
     const T* b = rows[k + 1];
     const T* c = rows[k + 2];
     const T* e = rows[k + 3];
     const double wa = weights[k], wb = weights[k + 1], wc = weights[k + 2], we = weights[k + 3];
+    const bool first = k == 0;
     for (int64_t d = 0; d < n; ++d) {
-      acc[d] = (((acc[d] + wa * static_cast<double>(to_opmath(a[d]))) + wb * static_cast<double>(to_opmath(b[d]))) +
-                wc * static_cast<double>(to_opmath(c[d]))) +
-               we * static_cast<double>(to_opmath(e[d]));
+      acc[d] = ((((first ? 0.0 : acc[d]) + wa * value(a, d)) + wb * value(b, d)) + wc * value(c, d)) + we * value(e, d);
     }
   }
   for (; k < count; ++k) axpy(weights[k], rows[k], acc, n);
