@@ -16,6 +16,10 @@ constexpr int64_t kGrainSize = 32768;
 // contiguous run of its rows.
 constexpr int64_t kBlockBytes = 128 * 1024;
 
+// A page: the hardware prefetchers stop at its boundary, so every stream a loop keeps in flight starts each page
+// with misses.
+constexpr int64_t kPageBytes = 4096;
+
 // The head of a row the loop will read next (a gathered table row: no hardware prefetcher can guess where it
 // is) is requested one 64-byte line at a time, so that its first loads overlap the current row's work and the
 // L2 streamer, which follows the loop into the row, fetches the rest. Requests for a whole row (32 to 64

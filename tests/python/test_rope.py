@@ -422,6 +422,34 @@ def test_rope_qk_equals_two_rope_calls_with_different_head_counts(fmt):
     assert torch.equal(back_k, PF.rope_backward(grad_k, positions, inv_freq, 0.5, "gptj", fmt, 7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+def test_rope_qk_over_tiles_of_tokens_equals_each_view_alone(dtype, layout, same_bits_for_any_thread_count):
+    """Where a token's q and k rows span a page or more and each token forms its own coefficients (positions per
+    row), rope_qk walks tiles of a hundred-odd tokens, q's rows, then k's; a single view walks token by token. Both
+    give the same bits for any thread count, across tiles that end mid-sequence and span batch rows, and the
+    float64 formula."""
+    batch, seq = 2, 301
+    q = randn(batch, seq, 16, 128, dtype=dtype, seed=1)
+    k = randn(batch, seq, 8, 128, dtype=dtype, seed=2)
+    positions = torch.randint(-100, 9000, (batch, seq), generator=torch.Generator().manual_seed(3))
+    inv_freq = FQ.rope(128, 10000.0)[0]
+    args = (positions, inv_freq, 1.0, layout, "bshd", 5)
+
+    def both_ways():
+        fused = PF.rope_qk(q, k, *args)
+        fused_back = PF.rope_qk_backward(*fused, *args)
+        alone = PF.rope(q, *args), PF.rope(k, *args)
+        alone_back = PF.rope_backward(fused[0], *args), PF.rope_backward(fused[1], *args)
+        return fused, fused_back, alone, alone_back
+
+    (out_q, out_k), fused_back, alone, alone_back = same_bits_for_any_thread_count(both_ways)
+    assert torch.equal(out_q, alone[0]) and torch.equal(out_k, alone[1])
+    assert torch.equal(fused_back[0], alone_back[0]) and torch.equal(fused_back[1], alone_back[1])
+    assert_close(out_q.double(), reference_rope(q, positions + 5, inv_freq, layout), **tolerance(dtype))
+    assert_close(out_k.double(), reference_rope(k, positions + 5, inv_freq, layout), **tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["bhsd", "thd"])
 def test_rope_inplace_equals_rope(dtype, fmt):
