@@ -32,7 +32,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,15 @@ def format_row(row) -> str:
     return " | ".join(parts)
 
 
+# Floors: baselines that show how low a measure goes on this machine for any call of its kind (one returning a
+# fresh tensor, one differentiated, a gather, a call through torch.ops). --check prints a row's floor by its target.
+EAGER_OP_FLOOR = "one eager op, x * 1"  # its own allocation, checks and dispatch: what a small call costs in ATen
+AUTOGRAD_FLOOR = "autograd of x * 1"  # the cheapest differentiable op on q and k, then the same grad call
+GATHER_FLOOR = "gather alone"
+OPS_FLOOR = "torch.ops.aten.alias"  # the Python binding and boxed dispatch of a trivial op
+FLOORS = (EAGER_OP_FLOOR, AUTOGRAD_FLOOR, GATHER_FLOOR, OPS_FLOOR)
+
+
 # ---------------------------------------------------------------- sinusoidal and the shared embedding backward
 
 def gather_alone(table: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
@@ -172,7 +181,7 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd",
                   lambda: PF.embed_sinusoidal(tokens, weight, None, inv_freq, 32.0),
                   {"eager two lookups": lambda: F.embedding(tokens, weight) * 32.0 + F.embedding(positions, pe),
-                   "gather alone": gather_alone(weight, tokens, out_like)},
+                   GATHER_FLOOR: gather_alone(weight, tokens, out_like)},
                   out_like, copies=1)
         weight_g = weight.clone().requires_grad_()
         grad = torch.randn_like(out_like)
@@ -285,7 +294,7 @@ def bench_learned(repeat: int, quick: bool) -> List[dict]:
         out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd", lambda: PF.embed_learned(tokens, wte, wpe),
                   {"eager two lookups": lambda: F.embedding(tokens, wte) + F.embedding(positions, wpe),
-                   "gather alone": gather_alone(wte, tokens, out_like)},
+                   GATHER_FLOOR: gather_alone(wte, tokens, out_like)},
                   out_like, copies=1)
         wte_g, wpe_g = wte.clone().requires_grad_(), wpe.clone().requires_grad_()
         grad = torch.randn_like(out_like)
@@ -389,7 +398,7 @@ def bench_overhead(repeat: int, quick: bool) -> List[dict]:
     ms = medians_ms({"ours": many(lambda: op(x, None, inv_freq)),
                      "torch.add": many(lambda: torch.add(x, x)),
                      # the floor of any call through torch.ops: a trivial op's Python binding and boxed dispatch
-                     "torch.ops.aten.alias": many(lambda: torch.ops.aten.alias(x)),
+                     OPS_FLOOR: many(lambda: torch.ops.aten.alias(x)),
                      "ours .default": many(lambda: op.default(x, None, inv_freq)),
                      "ours inference_mode": many_in_inference_mode(lambda: op(x, None, inv_freq))}, repeat)
     parts = {name: t / calls * 1e3 for name, t in ms.items()}
@@ -472,6 +481,8 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
                                                              ret.rotate_queries_or_keys(k_bhsd))
                 except ImportError:
                     pass
+            if positions:  # a decoding step: one eager op writing a fresh tensor of these bytes
+                baselines[EAGER_OP_FLOOR] = lambda: both * 1.0
             table.add(shape, dtype, "fwd", lambda: PF.rope_qk(q, k, pos, inv_freq), baselines, both, copies=1)
 
             qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -485,9 +496,10 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
             memory = {"saved_bytes": saved_bytes(ours), "baseline_saved_bytes": saved_bytes(hf_eager)}
             if not REUSE_MEMORY and not positions:  # decoding's few KiB come from the heap, not new pages
                 memory.update(peak_bytes=peak_rss_bytes(train(ours)), baseline_peak_bytes=peak_rss_bytes(train(hf_eager)))
-            table.add(shape, dtype, "fwd+bwd", train(ours),
-                      {"HF eager": train(hf_eager), "HF compile": train(lambda: hf(qg, kg, hf_compiled))}, both,
-                      copies=2, **memory)
+            baselines = {"HF eager": train(hf_eager), "HF compile": train(lambda: hf(qg, kg, hf_compiled))}
+            if positions:  # a decoding step: what autograd itself costs on these tensors
+                baselines[AUTOGRAD_FLOOR] = train(lambda: (qg * 1.0, kg * 1.0))
+            table.add(shape, dtype, "fwd+bwd", train(ours), baselines, both, copies=2, **memory)
             # In place (rope_ on q and k stacked): no output to allocate, so the kernel alone against the copy.
             buffer = both.clone()
             buffer_pos = None if pos is None else torch.cat([pos, pos])
@@ -1287,8 +1299,22 @@ def measure(row: dict, what: str) -> Optional[float]:
     return row.get(what)
 
 
+def floor_of(row: dict, what: str) -> Optional[Tuple[str, float]]:
+    """The row's floor baseline (FLOORS) in the target's measure, where the row has one and the measure is a
+    ratio to a bound: how low any op could go in this run."""
+    if what == "overhead":
+        parts = row.get("us_per_call_parts", {})
+        return (OPS_FLOOR, parts[OPS_FLOOR] / parts["torch.add"]) if OPS_FLOOR in parts else None
+    if what == "ours_over_copy":
+        for name in FLOORS:
+            if name in row.get("baselines_ms", {}):
+                return name, row["baselines_ms"][name] / row["copy_ms"]
+    return None
+
+
 def check(rows: List[dict]) -> List[str]:
-    """One line per target and dtype: the measured values of the rows it selects, and met or missed."""
+    """One line per target and dtype: the measured values of the rows it selects, met or missed, and the row's
+    floor in the same measure where it has one."""
     lines = []
     for name, select, what, relation, limit in TARGETS:
         chosen = [r for r in rows if r["op"] == select["op"] and select.get("shape", "") in r["shape"]
@@ -1300,8 +1326,12 @@ def check(rows: List[dict]) -> List[str]:
             continue
         for row, value in measured:
             met = value <= limit if relation == "<=" else value >= limit
-            lines.append(f"{name:<42} {relation} {limit:<5} {row['dtype']:<9} {row['mode']:<12} {value:>6.2f}  "
-                         + ("met" if met else "MISSED"))
+            line = (f"{name:<42} {relation} {limit:<5} {row['dtype']:<9} {row['mode']:<12} {value:>6.2f}  "
+                    + ("met" if met else "MISSED"))
+            below = floor_of(row, what)
+            if below is not None:
+                line += f"  (floor {below[1]:.2f}: {below[0]})"
+            lines.append(line)
     return lines
 
 
