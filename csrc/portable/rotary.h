@@ -92,16 +92,15 @@ POSENC_INLINE void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out
   for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d * os] = in[d * is];
 }
 
-// Asks for this head's row of the token `ahead` tokens on (the next one by default), read and written that
-// many tokens from now. A token's rows of a bshd tensor are a page or two (16 heads of 128 channels), and the
-// hardware prefetchers stop at page boundaries, so every token would otherwise start with misses on all four
-// streams of rope_qk (q, k and their outputs). Measured 10-15% faster on one thread for fp32 and bf16. A
-// prefetch never faults, so the last tokens' (past the end) are harmless.
+// Asks for this head's row of the next token, read and written next. A token's rows of a bshd tensor are a page or
+// two (16 heads of 128 channels), and the hardware prefetchers stop at page boundaries, so every token would
+// otherwise start with misses on all four streams of rope_qk (q, k and their outputs). Measured 10-15% faster on
+// one thread for fp32 and bf16. A prefetch never faults, so the last tokens' (past the end) are harmless.
 template <typename scalar_t>
-inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out, int64_t ahead = 1) {
+inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
-  const auto next_in = reinterpret_cast<uintptr_t>(in) + ahead * v.in_stride[1] * sizeof(scalar_t);
-  const auto next_out = reinterpret_cast<uintptr_t>(out) + ahead * v.out_stride[1] * sizeof(scalar_t);
+  const auto next_in = reinterpret_cast<uintptr_t>(in) + v.in_stride[1] * sizeof(scalar_t);
+  const auto next_out = reinterpret_cast<uintptr_t>(out) + v.out_stride[1] * sizeof(scalar_t);
   for (int64_t d = 0; d < v.head_dim; d += kLine) {
     __builtin_prefetch(reinterpret_cast<const void*>(next_in + d * v.in_stride[3] * sizeof(scalar_t)));
     if (v.stream) continue;  // stored past the caches: no line of the output is read

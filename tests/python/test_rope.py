@@ -361,11 +361,11 @@ def test_rope_any_strides(make):
 @pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 128), (40, 36)])
 @pytest.mark.parametrize("kind", ["none", "shared", "per_row"])
 def test_bhsd_rotated_head_by_head_over_tiles_of_tokens(dtype, layout, head_dim, rotary_dim, kind):
-    """A bhsd view's heads lie a sequence apart, so its tokens are rotated head by head over tiles of a few hundred
-    tokens, which end mid-sequence and span batch rows here; a bshd view's are rotated token by token. Both give
-    the float64 formula within rounding and the same bits, also where a channel stride sends the bhsd rows through
-    the strided path, in place, and with explicit cos/sin tables."""
-    batch, seq, heads = 3, 1100, 2
+    """A bhsd view's heads lie a sequence apart, so its tokens are rotated a few heads at a time (four, then the
+    two left here) over tiles of a few hundred tokens, which end mid-sequence and span batch rows here; a bshd
+    view's are rotated token by token. Both give the float64 formula within rounding and the same bits, also where
+    a channel stride sends the bhsd rows through the strided path, in place, and with explicit cos/sin tables."""
+    batch, seq, heads = 3, 1100, 6
     x = randn(batch, seq, heads, head_dim, dtype=dtype)
     positions, reference_positions = positions_for(kind, batch, seq)
     inv_freq = FQ.rope(rotary_dim, 10000.0)[0]

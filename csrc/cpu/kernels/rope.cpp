@@ -318,29 +318,33 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
 }
 
-// Whether a view is rotated head by head over a tile of tokens rather than token by token: out of place, with the
-// input's heads further apart than its tokens (bhsd in memory) and sequences of more than one token, where each
-// head's rows of the tile are then one contiguous run in (and one out, for a bhsd output). In an in-process A/B
-// (DINOv3 and Flux shapes, batch 1 bhsd; 15-21 calls each) that was 25-35% faster out of place and 10-20% slower
-// in place, where the token walk stays; so it does for a decoding step (one token per sequence: no runs to gain)
-// and for Hugging Face's bhsd views of bshd memory (q.transpose(1, 2)), whose inputs are a token's heads side by
-// side: walked head by head there, bf16 was 7-10% slower.
+// Whether a view is rotated head by head over a tile of tokens (kHeadsPerRun heads at a time) rather than token by
+// token: where the input's heads lie further apart than its tokens (bhsd in memory) and sequences have more than one
+// token, each head's rows of the tile are then one contiguous run in (and one out, for a bhsd output). Out of place
+// and in place alike: in place, four heads at a time against the token walk were 1.4-1.7x faster in float32 and
+// bf16 on 2 threads, 1.3-2.2x on one, 1.1x in fp16 (DINOv3 and Flux-like bhsd shapes, in-process A/B; one head at
+// a time had been 10-20% slower there). A decoding step (one token per sequence: no runs to gain) keeps the token
+// walk, as do Hugging Face's bhsd views of bshd memory (q.transpose(1, 2)), whose inputs are a token's heads side
+// by side: walked head by head there, bf16 was 7-10% slower.
 template <typename scalar_t>
 bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
-  return seq > 1 && v.heads > 1 && v.in != v.out && v.in_stride[2] > v.in_stride[1];
+  return seq > 1 && v.heads > 1 && v.in_stride[2] > v.in_stride[1];
 }
 
-// Head h of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any count); coeffs(n, s)
-// gives token n's coefficients (s = n mod seq). A bhsd head's rows follow each other: the loop steps from row to
-// row of a batch row without dividing by seq (a division per row of 64 channels made the walk 10-20% slower),
-// and asks for a row ahead: the next one for 4-byte types, a KiB ahead for 2-byte ones (8 rows of 64 channels:
-// 9-13% faster on the DINOv3 and Flux bf16 rows in an in-process A/B, no change at 128 channels; float32 rows
-// were slower with the longer lead).
+// Heads walked together over a tile of tokens: their rows are that many runs read (and written) side by side. In
+// in-process A/Bs (bhsd q and k, out of place; DINOv3 [16, 16, 1029, 64] and [1, ...], Flux-like [1, 24, 4608, 128],
+// axial gptj [32, 16, 1024, 64]) four heads against one were 1.3-1.7x faster in bf16, 1.0-1.8x in float32 and
+// 1.1x in fp16 (1 and 2 threads); two were halfway, six and eight no faster or slower. With four runs in flight
+// asking for a row ahead gained nothing, and the walk asks for none.
+constexpr int64_t kHeadsPerRun = 4;
+
+// Heads [h, h + count) of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any
+// count); coeffs(n, s) gives token n's coefficients (s = n mod seq). A bhsd head's rows follow each other: the loop
+// steps from row to row of a batch row without dividing by seq (a division per row of 64 channels made the walk
+// 10-20% slower).
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename CoeffsOf>
-void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, int64_t last, int64_t seq,
-                     int64_t pairs, const CoeffsOf& coeffs) {
-  const int64_t row_bytes = v.head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t ahead = sizeof(scalar_t) == 2 ? std::max<int64_t>(1, 1024 / std::max<int64_t>(row_bytes, 1)) : 1;
+void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, int64_t first, int64_t last,
+                     int64_t seq, int64_t pairs, const CoeffsOf& coeffs) {
   for (int64_t n = first; n < last;) {
     const int64_t b = n / seq;
     const int64_t run_end = std::min(last, (b + 1) * seq);
@@ -350,26 +354,30 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, in
       scalar_t* out = output_token(v, b, s);
       if (out == nullptr) continue;
       out += h * v.out_stride[2];
-      prefetch_next_token(v, in, out, ahead);
-      if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-        rotate_row_half<kLayout>(in, out, coeffs(n, s), pairs, v.head_dim);
-      } else {
-        rotate_row<kLayout, true, kPairs>(in, 1, out, 1, coeffs(n, s), pairs, v.head_dim);
+      const auto k = coeffs(n, s);
+      for (int64_t g = 0; g < count; ++g) {
+        const scalar_t* head_in = in + g * v.in_stride[2];
+        scalar_t* head_out = out + g * v.out_stride[2];
+        if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+          rotate_row_half<kLayout>(head_in, head_out, k, pairs, v.head_dim);
+        } else {
+          rotate_row<kLayout, true, kPairs>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
+        }
       }
     }
   }
 }
 
 template <RopeLayout kLayout, typename scalar_t, typename CoeffsOf>
-void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t first, int64_t last, int64_t seq,
-                     int64_t pairs, const CoeffsOf& coeffs) {
+void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, int64_t first, int64_t last,
+                     int64_t seq, int64_t pairs, const CoeffsOf& coeffs) {
   const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
-  if (fixed == 64) return rotate_head_run<kLayout, 64>(v, h, first, last, seq, pairs, coeffs);
-  if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, first, last, seq, pairs, coeffs);
-  rotate_head_run<kLayout, 0>(v, h, first, last, seq, pairs, coeffs);
+  if (fixed == 64) return rotate_head_run<kLayout, 64>(v, h, count, first, last, seq, pairs, coeffs);
+  if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, count, first, last, seq, pairs, coeffs);
+  rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
 
-// Tokens [first, last) of view v, head by head or token by token (head_by_head); coeffs(n, s) gives
+// Tokens [first, last) of view v, a few heads at a time or token by token (head_by_head); coeffs(n, s) gives
 // token n's coefficients (s = n mod seq).
 template <typename scalar_t, typename CoeffsOf>
 void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
@@ -385,11 +393,12 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   RotaryView<scalar_t> head = run;
   head.heads = 1;
-  for (int64_t h = 0; h < v.heads; ++h) {
+  for (int64_t h = 0; h < v.heads; h += unit ? kHeadsPerRun : 1) {
+    const int64_t count = std::min(kHeadsPerRun, v.heads - h);
     if (unit && layout == RopeLayout::Neox) {
-      rotate_head_run<RopeLayout::Neox>(run, h, first, last, seq, pairs, coeffs);
+      rotate_head_run<RopeLayout::Neox>(run, h, count, first, last, seq, pairs, coeffs);
     } else if (unit) {
-      rotate_head_run<RopeLayout::Gptj>(run, h, first, last, seq, pairs, coeffs);
+      rotate_head_run<RopeLayout::Gptj>(run, h, count, first, last, seq, pairs, coeffs);
     } else {
       head.in = v.in + h * v.in_stride[2];
       head.out = v.out + h * v.out_stride[2];
