@@ -82,12 +82,19 @@ POSENC_INLINE T from_opmath(opmath_t<T> value) {
 }
 
 #if !defined(__CUDACC__)
+// F16C where the build has it: the AVX2 and AVX-512 kernel builds (capability.h), whose instruction sets come from a
+// target pragma, which (GCC 12, clang) defines no __F16C__, or a -march that does.
+#if defined(__F16C__) || \
+    ((defined(__x86_64__) || defined(__i386__)) && defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1)
+#define POSENC_HAS_F16C 1
+#endif
+
 // n values widened to (narrowed from) maths precision. fp16 goes eight at a time through F16C where the
 // capability has it: the same bits as to_opmath / from_opmath, several times faster than their integer form.
 template <typename T>
 inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__)
+#if defined(POSENC_HAS_F16C)
   if constexpr (std::is_same_v<T, c10::Half>) {
     for (; i + 8 <= n; i += 8) {
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
@@ -100,7 +107,7 @@ inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
 template <typename T>
 inline void narrow(const opmath_t<T>* src, T* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__F16C__)
+#if defined(POSENC_HAS_F16C)
   if constexpr (std::is_same_v<T, c10::Half>) {
     for (; i + 8 <= n; i += 8) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),

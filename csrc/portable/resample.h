@@ -15,34 +15,13 @@
 // output index, so the adjoint (the backward) is a gather over a run of output indices too.
 #include "portable/convert.h"
 #include "portable/macros.h"
+#include "portable/types.h"
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
-namespace posenc {
-
-// One axis of a resampled grid: its sizes and what the formulas above need. No code: shared by every compilation.
-struct ResampleAxis {
-  int64_t in;
-  int64_t out;
-  double scale;
-  bool cubic;
-  bool antialias;
-  bool align_corners;
-  double support;    // antialias: R * max(scale, 1)
-  int64_t max_taps;  // an upper bound of any output index's run length
-};
-
-// A table's grid rows [prefix + height.in * width.in, D] resampled to [prefix + height.out * width.out, D], row-major
-// over (row, column); the prefix rows (cls, registers) are kept.
-struct ResampleGrid {
-  ResampleAxis height;
-  ResampleAxis width;
-  int64_t prefix;
-};
-
-namespace portable {
+namespace posenc::portable {
 inline namespace POSENC_KERNEL_NAMESPACE {
 
 POSENC_INLINE double cubic_near(double x, double a) { return ((a + 2) * x - (a + 3)) * x * x + 1; }  // |x| <= 1
@@ -155,5 +134,4 @@ POSENC_INLINE void resample_adjoint_range(const ResampleAxis& axis, int64_t i, i
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE
-}  // namespace portable
-}  // namespace posenc
+}  // namespace posenc::portable

@@ -106,4 +106,24 @@ struct RowInput {
   const int64_t* ids = nullptr;
 };
 
+// One axis of a resampled grid (resample_learned): its sizes and what portable/resample.h's weights need.
+struct ResampleAxis {
+  int64_t in;
+  int64_t out;
+  double scale;
+  bool cubic;
+  bool antialias;
+  bool align_corners;
+  double support;    // antialias: R * max(scale, 1)
+  int64_t max_taps;  // an upper bound of any output index's run length
+};
+
+// A table's grid rows [prefix + height.in * width.in, D] resampled to [prefix + height.out * width.out, D], row-major
+// over (row, column); the prefix rows (cls, registers) are kept.
+struct ResampleGrid {
+  ResampleAxis height;
+  ResampleAxis width;
+  int64_t prefix;
+};
+
 }  // namespace posenc

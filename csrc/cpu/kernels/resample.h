@@ -1,7 +1,7 @@
 #pragma once
 // Kernel interface of resample_learned and its adjoint (cpu/learned.cpp -> cpu/kernels/resample.cpp).
 #include "cpu/dispatch.h"
-#include "portable/resample.h"
+#include "portable/types.h"
 
 #include <cstdint>
 
