@@ -131,17 +131,22 @@ def test_an_emulated_cpu_without_avx_runs_the_baseline_with_the_same_bits(native
     assert_same_bits(result, native["default"], "qemu -cpu Nehalem (no AVX)")
 
 
-def test_only_the_capability_builds_use_wide_instructions():
-    """Functions outside posenc::cpu::AVX2 / AVX512 must be x86-64 baseline code: the library is loaded, and
-    its registrations run, on every CPU, and the linker keeps one copy of each inline function for all callers."""
+def disassembled_functions():
+    """The library's functions as (name, body) from objdump; skips where there is no x86-64 objdump."""
     if os.uname().machine != "x86_64" or shutil.which("objdump") is None:
         pytest.skip("needs objdump on x86-64")
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", posenc.library_path], check=True,
                              capture_output=True, text=True).stdout
-    offenders, wide_functions = [], 0
     for function in re.split(r"\n(?=[0-9a-f]+ <)", listing):
         header, _, body = function.partition("\n")
-        name = header.partition("<")[2]
+        yield header.partition("<")[2], body
+
+
+def test_only_the_capability_builds_use_wide_instructions():
+    """Functions outside posenc::cpu::AVX2 / AVX512 must be x86-64 baseline code: the library is loaded, and
+    its registrations run, on every CPU, and the linker keeps one copy of each inline function for all callers."""
+    offenders, wide_functions = [], 0
+    for name, body in disassembled_functions():
         # ymm/zmm registers, AVX-512 masks, or any VEX/EVEX-encoded instruction (their mnemonics start with v)
         wide = re.search(r"%[yz]mm|\{%k[0-7]\}|^\s*[0-9a-f]+:\s+v[a-z0-9]+\s", body, re.MULTILINE)
         if not wide:
@@ -152,3 +157,15 @@ def test_only_the_capability_builds_use_wide_instructions():
         offenders.append(name[:200])
     assert wide_functions > 0, "no capability build found in the library"
     assert not offenders, f"baseline functions with wide instructions: {offenders[:10]}"
+
+
+def test_the_capability_builds_convert_fp16_with_f16c():
+    """The AVX2 and AVX-512 builds widen and narrow fp16 with F16C (vcvtph2ps / vcvtps2ph) rather than the integer
+    form: their instruction sets come from a target pragma, which defines no __F16C__ for the preprocessor, and
+    once no such instruction was compiled at all."""
+    found = {"AVX2": set(), "AVX512": set()}
+    for name, body in disassembled_functions():
+        for capability in found:
+            if f"::{capability}::" in name:
+                found[capability] |= set(re.findall(r"\bvcvt(?:ph2ps|ps2ph)\b", body))
+    assert found == {"AVX2": {"vcvtph2ps", "vcvtps2ph"}, "AVX512": {"vcvtph2ps", "vcvtps2ph"}}, found
