@@ -333,7 +333,7 @@ bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
 
 // Heads walked together over a tile of tokens: their rows are that many runs read (and written) side by side. In
 // in-process A/Bs (bhsd q and k, out of place; DINOv3 [16, 16, 1029, 64] and [1, ...], Flux-like [1, 24, 4608, 128],
-// axial gptj [32, 16, 1024, 64]) four heads against one were 1.3-1.7x faster in bf16, 1.0-1.8x in float32 and
+// axial gptj [32, 16, 1024, 64]) four heads against one were 1.1-1.8x faster in bf16, 0.97-1.8x in float32 and
 // 1.1x in fp16 (1 and 2 threads); two were halfway, six and eight no faster or slower. With four runs in flight
 // asking for a row ahead gained nothing, and the walk asks for none.
 constexpr int64_t kHeadsPerRun = 4;
