@@ -134,11 +134,11 @@ inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoe
 
 // The backward's last step over n channels of a group, after rms_rotate_back_row has formed xhat and the gradient g
 // of xhat, and with mean_dot = lane_dot(g, xhat) / width over the whole group: the gradient of x,
-// r * (g - xhat * mean_dot), in place of g.
-template <typename T>
-POSENC_INLINE void rms_input_grad(const T* xhat, T* g, int64_t n, T r, T mean_dot) {
+// r * (g - xhat * mean_dot), rounded to out's type and stored in out (which may be g itself).
+template <typename T, typename out_t>
+POSENC_INLINE void rms_input_grad(const T* xhat, const T* g, int64_t n, T r, T mean_dot, out_t* out) {
   POSENC_NO_CARRIED_DEPENDENCY
-  for (int64_t i = 0; i < n; ++i) g[i] = r * (g[i] - xhat[i] * mean_dot);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_opmath<out_t>(r * (g[i] - xhat[i] * mean_dot));
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE
