@@ -28,21 +28,33 @@ POSENC_INLINE int64_t norm_tokens_per_chunk(int64_t tokens) {
   return spread > 16 ? spread : 16;
 }
 
-// The sum of a[i] * b[i], i < n, over the lanes.
-template <typename T>
-POSENC_INLINE T lane_dot(const T* a, const T* b, int64_t n) {
+// The sum of term(i), i < n, over the lanes.
+template <typename T, typename Term>
+POSENC_INLINE T lane_sum(int64_t n, const Term& term) {
   T lane[kSumLanes] = {};
   int64_t i = 0;
   for (; i + kSumLanes <= n; i += kSumLanes) {
-    for (int j = 0; j < kSumLanes; ++j) lane[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < kSumLanes; ++j) lane[j] += term(i + j);
   }
-  for (int j = 0; i + j < n; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < n; ++j) lane[j] += term(i + j);
   // The tree written out: with a loop over the widths the compilers fold it one scalar at a time through memory.
   static_assert(kSumLanes == 16, "the fold below is written for 16 lanes");
   for (int j = 0; j < 8; ++j) lane[j] += lane[j + 8];
   for (int j = 0; j < 4; ++j) lane[j] += lane[j + 4];
   for (int j = 0; j < 2; ++j) lane[j] += lane[j + 2];
   return lane[0] + lane[1];
+}
+
+// The sum of a[i] * b[i], i < n, over the lanes.
+template <typename T>
+POSENC_INLINE T lane_dot(const T* a, const T* b, int64_t n) {
+  return lane_sum<T>(n, [&](int64_t i) { return a[i] * b[i]; });
+}
+
+// lane_dot(g, xhat) with xhat = x * r formed here: the same products, so the same bits, as from a stored xhat.
+template <typename T>
+POSENC_INLINE T normalized_dot(const T* g, const T* x, T r, int64_t n) {
+  return lane_sum<T>(n, [&](int64_t i) { return g[i] * (x[i] * r); });
 }
 
 // 1 / sqrt(mean(x^2) + eps): both IEEE operations are correctly rounded on every CPU and (without fast maths) the GPU.
@@ -106,18 +118,18 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 
 #if !defined(__CUDACC__)
 // The backward of one head, first pass: the gradient of the output (grad, read through grad_step) rotated back by the
-// inverse coefficients k into gz; then, with xhat = x * r written to xhat (which may be x itself), gw += gz * xhat
-// and g = gz * w (the gradient of xhat) written to g. The intermediate roundings of the conventions pass the
-// gradient through, as autograd's casts do.
+// inverse coefficients k into gz; then, with xhat = x * r (formed here, and again where the last step needs it: a
+// store less per channel, which the stores of this pass are bound by), gw += gz * xhat and g = gz * w (the gradient
+// of xhat) written to g. The intermediate roundings of the conventions pass the gradient through, as autograd's
+// casts do.
 template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename T>
 inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoeffs<T> k, int64_t pairs,
-                                int64_t head_dim, const T* x, T* xhat, T r, const T* w, T* gw, T* g) {
+                                int64_t head_dim, const T* x, T r, const T* w, T* gw, T* g) {
   const int64_t gs = kUnit ? 1 : grad_step;
   const int64_t first = kLayout == RopeLayout::Neox ? 1 : 2;
   const int64_t second = kLayout == RopeLayout::Neox ? pairs : 1;
   const auto through_norm = [&](int64_t d, T gz) {
-    xhat[d] = x[d] * r;
-    gw[d] += gz * xhat[d];
+    gw[d] += gz * (x[d] * r);
     g[d] = gz * w[d];
   };
   POSENC_NO_CARRIED_DEPENDENCY
@@ -132,13 +144,13 @@ inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoe
 }
 #endif
 
-// The backward's last step over n channels of a group, after rms_rotate_back_row has formed xhat and the gradient g
-// of xhat, and with mean_dot = lane_dot(g, xhat) / width over the whole group: the gradient of x,
+// The backward's last step over n channels of a group, after rms_rotate_back_row has formed the gradient g of
+// xhat = x * r, and with mean_dot = normalized_dot(g, x, r) / width over the whole group: the gradient of x,
 // r * (g - xhat * mean_dot), rounded to out's type and stored in out (which may be g itself).
 template <typename T, typename out_t>
-POSENC_INLINE void rms_input_grad(const T* xhat, const T* g, int64_t n, T r, T mean_dot, out_t* out) {
+POSENC_INLINE void rms_input_grad(const T* x, const T* g, int64_t n, T r, T mean_dot, out_t* out) {
   POSENC_NO_CARRIED_DEPENDENCY
-  for (int64_t i = 0; i < n; ++i) out[i] = from_opmath<out_t>(r * (g[i] - xhat[i] * mean_dot));
+  for (int64_t i = 0; i < n; ++i) out[i] = from_opmath<out_t>(r * (g[i] - (x[i] * r) * mean_dot));
 }
 
 }  // namespace POSENC_KERNEL_NAMESPACE

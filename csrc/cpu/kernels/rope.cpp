@@ -37,15 +37,15 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
 }
 
 // The backward's first pass over every head of a view's token: its gradient rows (from `grad`, the token's first
-// row) rotated back and taken through the weights, the token's channels x (maths precision, read from `input`)
-// normalized into xhat, and gz * xhat added to the chunk's weight gradient gw.
+// row) rotated back and taken through the weights, with the token's channels x (maths precision, read from `input`)
+// normalized (xhat = x * r, formed where it is used, not stored) and gz * xhat added to the chunk's weight gradient gw.
 template <RopeLayout kLayout, typename scalar_t, typename opmath>
 void rotate_back_heads(const RotaryView<scalar_t>& view, const scalar_t* grad, const RmsNormView<scalar_t, opmath>& norm,
                        const scalar_t* input, const opmath* inv_rms, PairCoeffs<opmath> k, int64_t pairs,
-                       const opmath* x, opmath* xhat, opmath* gw, opmath* g) {
+                       const opmath* x, opmath* gw, opmath* g) {
   const int64_t D = view.head_dim;
   const bool per_head = norm.group == D;
-  for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], x += D, xhat += D, g += D) {
+  for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], x += D, g += D) {
     // The next token's rows of this head, gradient and input: 10% and 10% faster in A/Bs (float32 and bf16, one
     // thread); the forward, which reads each token once, ran slower with prefetches.
     if (view.in_stride[3] == 1) prefetch_row(grad + view.in_stride[1], D * sizeof(scalar_t));
@@ -54,10 +54,9 @@ void rotate_back_heads(const RotaryView<scalar_t>& view, const scalar_t* grad, c
     const int64_t w0 = per_head ? 0 : h * D;
     const opmath r = inv_rms[per_head ? h : 0];
     if (view.in_stride[3] == 1) {
-      rms_rotate_back_row<kLayout, true>(grad, 1, k, pairs, D, x, xhat, r, norm.weight + w0, gw + w0, g);
+      rms_rotate_back_row<kLayout, true>(grad, 1, k, pairs, D, x, r, norm.weight + w0, gw + w0, g);
     } else {
-      rms_rotate_back_row<kLayout, false>(grad, view.in_stride[3], k, pairs, D, x, xhat, r, norm.weight + w0, gw + w0,
-                                           g);
+      rms_rotate_back_row<kLayout, false>(grad, view.in_stride[3], k, pairs, D, x, r, norm.weight + w0, gw + w0, g);
     }
   }
 }
@@ -65,11 +64,11 @@ void rotate_back_heads(const RotaryView<scalar_t>& view, const scalar_t* grad, c
 template <typename scalar_t, typename opmath>
 void rotate_back_heads(RopeLayout layout, const RotaryView<scalar_t>& view, const scalar_t* grad,
                        const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
-                       PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* xhat, opmath* gw, opmath* g) {
+                       PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* gw, opmath* g) {
   if (layout == RopeLayout::Neox) {
-    rotate_back_heads<RopeLayout::Neox>(view, grad, norm, input, inv_rms, k, pairs, x, xhat, gw, g);
+    rotate_back_heads<RopeLayout::Neox>(view, grad, norm, input, inv_rms, k, pairs, x, gw, g);
   } else {
-    rotate_back_heads<RopeLayout::Gptj>(view, grad, norm, input, inv_rms, k, pairs, x, xhat, gw, g);
+    rotate_back_heads<RopeLayout::Gptj>(view, grad, norm, input, inv_rms, k, pairs, x, gw, g);
   }
 }
 
@@ -152,24 +151,24 @@ void load_heads(const scalar_t* in, const int64_t* stride, int64_t heads, int64_
   }
 }
 
-// The backward's last step, after rotate_back_heads has formed xhat and the gradient g of xhat in the token's rows:
+// The backward's last step, after rotate_back_heads has formed the gradient g of xhat = x * r in the token's row:
 // the gradient of x, r * (g - xhat * mean(g * xhat)) over each group (a head, or all of them), formed and stored
 // head by head while the head's rows are in L1 (float32 rows past the caches where `stream`). Contiguous rows
 // are stored as they are formed, without a pass through g (fp16 excepted: F16C narrows a row several times faster
 // than the integer form rounds it value by value).
 template <typename scalar_t, typename opmath>
-void store_input_grad(const opmath* xhat, opmath* g, const opmath* inv_rms, int64_t group, scalar_t* out,
+void store_input_grad(const opmath* x, opmath* g, const opmath* inv_rms, int64_t group, scalar_t* out,
                       const int64_t* stride, int64_t heads, int64_t head_dim, bool stream) {
   opmath mean_dot = 0;
   for (int64_t h = 0; h < heads; ++h, out += stride[2]) {
     const int64_t first = h * head_dim;
-    if (first % group == 0) mean_dot = lane_dot(g + first, xhat + first, group) / static_cast<opmath>(group);
     const opmath r = inv_rms[first / group];
+    if (first % group == 0) mean_dot = normalized_dot(g + first, x + first, r, group) / static_cast<opmath>(group);
     if (stride[3] == 1 && !stream && !std::is_same_v<scalar_t, c10::Half>) {
-      rms_input_grad(xhat + first, g + first, head_dim, r, mean_dot, out);
+      rms_input_grad(x + first, g + first, head_dim, r, mean_dot, out);
       continue;
     }
-    rms_input_grad(xhat + first, g + first, head_dim, r, mean_dot, g + first);
+    rms_input_grad(x + first, g + first, head_dim, r, mean_dot, g + first);
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (stream && stride[3] == 1) {
         store_streaming(g + first, out, head_dim);
@@ -298,8 +297,8 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           const opmath* x = token_channels(input, norm.input_stride, H, D, row);
           inverse_rms_of_groups(x, H * D, norm, inv_rms);
           opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
-          rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, row, weight_grad, grad);
-          store_input_grad(row, grad, inv_rms, norm.group, out, view.out_stride, H, D, view.stream);
+          rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad);
+          store_input_grad(x, grad, inv_rms, norm.group, out, view.out_stride, H, D, view.stream);
         }
       }
       store_fence();
