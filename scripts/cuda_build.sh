@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds libposenc.so with its CUDA kernels (POSENC_CUDA=ON) against the torch of PYTHON, into BUILD_DIR, and
-# stages the Python package beside it (BUILD_DIR/python/posenc: the sources of ops/ with that library), so that
-# PYTHONPATH=BUILD_DIR/python imports it without installing anything. Used by scripts/gpu_check.sh (on a GPU
+# stages the Python package beside it (BUILD_DIR/python/posenc: the sources of ops/ with that library, and its
+# metadata), so that PYTHONPATH=BUILD_DIR/python imports it without installing anything. Used by scripts/gpu_check.sh (on a GPU
 # machine) and scripts/check_cuda_build.sh (here, with no GPU). Extra arguments go to CMake's configure.
 #
 #   bash scripts/cuda_build.sh BUILD_DIR PYTHON [-DCMAKE_ARG=...]
@@ -23,9 +23,17 @@ rm -rf "$BUILD/python"
 mkdir -p "$BUILD/python"
 cp -r ops "$BUILD/python/posenc"
 cp "$BUILD/libposenc.so" "$BUILD/python/posenc/"
-# The build record `import posenc` may read (the package's version and the torch it was compiled against).
-"$PYTHON" - "$BUILD/python/posenc/_build_info.py" "$(cat VERSION 2>/dev/null || echo 0.1.0)" <<'PY'
-import sys, torch
-open(sys.argv[1], "w").write(f"version = {sys.argv[2]!r}\ntorch_version = {torch.__version__!r}\n")
+# The build record `import posenc` may read (the package's version and the torch it was compiled against), and the
+# metadata an installed wheel would carry (its version, and the torch release it requires), so that
+# importlib.metadata answers for the staged package as for an installed one.
+"$PYTHON" - "$BUILD/python" "$(cat VERSION 2>/dev/null || echo 0.1.0)" <<'PY'
+import pathlib, sys, torch
+python, version = pathlib.Path(sys.argv[1]), sys.argv[2]
+(python / "posenc" / "_build_info.py").write_text(f"version = {version!r}\ntorch_version = {torch.__version__!r}\n")
+major, minor = torch.__version__.split(".")[:2]
+info = python / f"posenc-{version}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: posenc\nVersion: {version}\n"
+                               f"Requires-Dist: torch=={major}.{minor}.*\n")
 PY
 echo "cuda_build.sh: $BUILD/libposenc.so with CUDA kernels for architectures $CUDAARCHS; PYTHONPATH=$BUILD/python"

@@ -120,8 +120,7 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 // The backward of one head, first pass: the gradient of the output (grad, read through grad_step) rotated back by the
 // inverse coefficients k into gz; then, with xhat = x * r (formed here, and again where the last step needs it, not
 // stored: a store less per channel, 1.05-1.2x in cache), gw += gz * xhat and g = gz * w (the gradient of xhat)
-// written to g. The intermediate roundings of the conventions pass the gradient through, as autograd's
-// casts do.
+// written to g. The intermediate roundings of the conventions pass the gradient through, as autograd's casts do.
 template <RopeLayout kLayout, bool kUnit, typename scalar_t, typename T>
 inline void rms_rotate_back_row(const scalar_t* grad, int64_t grad_step, PairCoeffs<T> k, int64_t pairs,
                                 int64_t head_dim, const T* x, T r, const T* w, T* gw, T* g) {
