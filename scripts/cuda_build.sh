@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds libposenc.so with its CUDA kernels (POSENC_CUDA=ON) against the torch of PYTHON, into BUILD_DIR, and
 # stages the Python package beside it (BUILD_DIR/python/posenc: the sources of ops/ with that library, and its
-# metadata), so that PYTHONPATH=BUILD_DIR/python imports it without installing anything. Used by scripts/gpu_check.sh (on a GPU
-# machine) and scripts/check_cuda_build.sh (here, with no GPU). Extra arguments go to CMake's configure.
+# metadata), so that PYTHONPATH=BUILD_DIR/python imports it without installing anything. Used by
+# scripts/gpu_check.sh (on a GPU machine) and scripts/check_cuda_build.sh (here, with no GPU). Extra arguments go
+# to CMake's configure.
 #
 #   bash scripts/cuda_build.sh BUILD_DIR PYTHON [-DCMAKE_ARG=...]
 #
