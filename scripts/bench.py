@@ -1,7 +1,7 @@
 """Benchmarks posenc's ops against the paths users run today, as ratios measured in the same run.
 
-    python scripts/bench.py [--ops rope,sinusoidal,...] [--repeat 10] [--quick] [--reuse-memory] [--no-thp]
-                            [--json bench.json] [--markdown bench.md] [--from-json bench.json] [--check]
+    python scripts/bench.py [--ops rope,sinusoidal,...] [--repeat 10] [--quick] [--reuse-memory] [--cold]
+                            [--no-thp] [--json bench.json] [--markdown bench.md] [--from-json bench.json] [--check]
 
 For every op and shape: our median time, each baseline's median time and its ratio to ours (> 1: we are
 faster), and two bounds, each with our time over it:
@@ -10,7 +10,10 @@ faster), and two bounds, each with our time over it:
   fresh  the same copies into freshly allocated tensors (`x.clone()`): the least any op that returns a new
          tensor pays, ours and the baselines alike.
 Ours, the baselines and the bounds of a row are timed round-robin (every repetition runs each once), so a
-burst of load from elsewhere on this shared machine slows them alike. Uses every thread of the machine.
+burst of load from elsewhere on this shared machine slows them alike. Uses every thread of the machine. Each
+call finds in the last-level cache whatever the call before it left there (a tensor of a few tens of MiB is
+partly still cached when the next contender reads it); --cold reads a buffer twice that cache's size before
+every timed call, so every contender starts with none of its data cached.
 
 Why two bounds: glibc serves tensors over 32 MiB with a fresh mmap, and the kernel zeroes every page on
 first touch, which costs about as much as the copy itself. The benchmark sets THP_MEM_ALLOC_ENABLE=1
@@ -41,10 +44,32 @@ import posenc
 from posenc import functional as PF
 
 
+COLD_BUFFER: Optional[torch.Tensor] = None  # --cold: read before every timed call
+
+
+def last_level_cache_bytes() -> int:
+    """One instance of the last-level cache as Linux describes it; 32 MiB where it does not."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            size = f.read().strip()
+        return int(size[:-1]) << {"K": 10, "M": 20}[size[-1]]
+    except (OSError, ValueError, KeyError):
+        return 32 << 20
+
+
+def evict_caches() -> None:
+    """With --cold, read a buffer twice the last-level cache, so the next call finds none of its data there.
+    Read, not written: the lines it leaves behind are clean, and evicting them during the timed call writes
+    nothing back."""
+    if COLD_BUFFER is not None:
+        COLD_BUFFER.sum()
+
+
 def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 2,
                prepare: Optional[Dict[str, Callable[[], object]]] = None) -> Dict[str, float]:
     """Median time of each function, measured round-robin: every repetition runs each function once.
-    `prepare[name]`, where given, runs before each call of that function, untimed (a decode's fresh cache)."""
+    `prepare[name]`, where given, runs before each call of that function, untimed (a decode's fresh cache);
+    so does evict_caches (with --cold)."""
     prepare = prepare or {}
     for name, fn in fns.items():
         for _ in range(warmup):
@@ -54,6 +79,7 @@ def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 
     for _ in range(repeat):
         for name, fn in fns.items():
             prepare.get(name, lambda: None)()
+            evict_caches()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -1354,7 +1380,15 @@ def main() -> None:
                         help="after the rows, each CPU target (TARGETS) with its measured ratio and met/missed")
     parser.add_argument("--reuse-memory", action="store_true",
                         help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
+    parser.add_argument("--cold", action="store_true",
+                        help="before every timed call, read a buffer twice the last-level cache: each call starts "
+                        "with none of its data cached, whatever ran before it")
     args = parser.parse_args()
+    if args.cold:
+        if args.device == "cuda":
+            parser.error("--cold evicts the CPU's last-level cache; the CUDA benchmark times on the GPU")
+        global COLD_BUFFER
+        COLD_BUFFER = torch.ones(2 * last_level_cache_bytes() // 4)
     if args.models:
         global MODELS
         MODELS = args.models.split(",")
@@ -1364,7 +1398,7 @@ def main() -> None:
         reuse_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}"
-          + (", --reuse-memory" if args.reuse_memory else ""))
+          + (", --reuse-memory" if args.reuse_memory else "") + (", --cold" if args.cold else ""))
     rows = []
     if args.from_json:
         with open(args.from_json) as f:
@@ -1384,7 +1418,8 @@ def main() -> None:
                 failed.append(name)
     if args.check:
         print("\n== targets (from the rows above" + ("" if args.reuse_memory else "; they are set for the kernels "
-              "alone: run with --reuse-memory") + ")")
+              "alone: run with --reuse-memory") + ("; measured --cold, where they are set on rows timed without it"
+                                                  if args.cold else "") + ")")
         print("\n".join(check(rows)))
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -1394,7 +1429,7 @@ def main() -> None:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
-                       "reuse_memory": args.reuse_memory, "rows": rows}, f, indent=1)
+                       "reuse_memory": args.reuse_memory, "cold": args.cold, "rows": rows}, f, indent=1)
     if not args.from_json and args.device == "cuda" and failed:
         return f"bench.py: the {', '.join(failed)} benchmarks failed (tracebacks above)"
 
