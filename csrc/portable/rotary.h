@@ -64,11 +64,47 @@ POSENC_INLINE T rotate_second(T x1, T x2, T c, T s) {
 }
 
 #if !defined(__CUDACC__)
+#if defined(POSENC_BF16_BY_SSE2)
+// The first pairs of a contiguous bf16 row in the baseline build, through convert.h's SSE2 widening and rounding,
+// four pairs per vector: the same products, sums and rounding as rotate_row's loop, so the same bits, and 1.2-1.3x
+// faster than GCC's vectorization of that loop (in-process A/Bs, in cache and at the training shape). Returns the
+// count rotated (a multiple of 8 for neox, of 4 for gptj).
+template <RopeLayout kLayout>
+inline int64_t rotate_bf16_sse2(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
+  const auto rotate = [&](int64_t i, __m128 a, __m128 b, __m128& u, __m128& v) {
+    u = _mm_sub_ps(_mm_mul_ps(a, _mm_loadu_ps(k.c1 + i)), _mm_mul_ps(b, _mm_loadu_ps(k.s1 + i)));
+    v = _mm_add_ps(_mm_mul_ps(b, _mm_loadu_ps(k.c2 + i)), _mm_mul_ps(a, _mm_loadu_ps(k.s2 + i)));
+  };
+  int64_t i = 0;
+  if constexpr (kLayout == RopeLayout::Neox) {  // pair i: channels i and i + pairs
+    for (; i < pairs - pairs % 8; i += 8) {
+      __m128 a[2], b[2], u[2], v[2];
+      widen_bf16x8(in + i, a[0], a[1]);
+      widen_bf16x8(in + pairs + i, b[0], b[1]);
+      rotate(i, a[0], b[0], u[0], v[0]);
+      rotate(i + 4, a[1], b[1], u[1], v[1]);
+      narrow_bf16x8(u[0], u[1], out + i);
+      narrow_bf16x8(v[0], v[1], out + pairs + i);
+    }
+  } else {  // pair i: channels 2i and 2i + 1, split into even and odd lanes and joined again
+    for (; i < pairs - pairs % 4; i += 4) {
+      __m128 low, high, u, v;
+      widen_bf16x8(in + 2 * i, low, high);
+      rotate(i, _mm_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1)),
+             u, v);
+      narrow_bf16x8(_mm_unpacklo_ps(u, v), _mm_unpackhi_ps(u, v), out + 2 * i);
+    }
+  }
+  return i;
+}
+#endif
+
 // One head's row: pair i is channels (i, i + pairs) for neox, (2i, 2i + 1) for gptj; the channels past
 // 2 * pairs are copied. kUnit: both rows are contiguous, which fixes every stride at compile time; kPairs > 0:
 // so is the pair count, and the compiler unrolls the whole row (a 128-channel head is 4 AVX-512 vectors per
 // half: the loop's own overhead would otherwise cost as much as the rotation). bf16 is widened and rounded by
-// convert.h's bit operations, which vectorize in the channels' own order.
+// convert.h's bit operations, which vectorize in the channels' own order (in the baseline build, contiguous bf16
+// rows go through rotate_bf16_sse2 first).
 template <RopeLayout kLayout, bool kUnit, int64_t kPairs = 0, typename scalar_t, typename opmath_t>
 POSENC_INLINE void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
                               PairCoeffs<opmath_t> k, int64_t runtime_pairs, int64_t head_dim) {
@@ -81,8 +117,14 @@ POSENC_INLINE void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out
   const scalar_t* x2 = in + second * is;
   scalar_t* y1 = out;
   scalar_t* y2 = out + second * os;
+  int64_t done = 0;
+#if defined(POSENC_BF16_BY_SSE2)
+  if constexpr (kUnit && std::is_same_v<scalar_t, c10::BFloat16>) {
+    done = rotate_bf16_sse2<kLayout>(in, out, k, pairs);
+  }
+#endif
   POSENC_NO_CARRIED_DEPENDENCY
-  for (int64_t i = 0; i < pairs; ++i) {
+  for (int64_t i = done; i < pairs; ++i) {
     const auto a = to_opmath(x1[i * first * is]);
     const auto b = to_opmath(x2[i * first * is]);
     y1[i * first * os] = from_opmath<scalar_t>(rotate_first(a, b, k.c1[i], k.s1[i]));

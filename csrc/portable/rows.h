@@ -18,6 +18,23 @@ inline namespace POSENC_KERNEL_NAMESPACE {
 // were no faster than one (more streams than the prefetchers and the memory keep up with).
 constexpr int64_t kRowsPerEncoding = 2;
 
+#if defined(POSENC_BF16_BY_SSE2)
+// x * scale + pe over the first channels of a bf16 row in the baseline build, eight at a time through convert.h's
+// SSE2 widening and rounding: the same product, sum and rounding as add_rows' loop, so the same bits. Returns the
+// count added (a multiple of 8).
+inline int64_t add_bf16_sse2(const c10::BFloat16* x, const float* pe, c10::BFloat16* y, int64_t n, float scale) {
+  const __m128 s = _mm_set1_ps(scale);
+  int64_t d = 0;
+  for (; d < n - n % 8; d += 8) {
+    __m128 low, high;
+    widen_bf16x8(x + d, low, high);
+    narrow_bf16x8(_mm_add_ps(_mm_mul_ps(low, s), _mm_loadu_ps(pe + d)),
+                  _mm_add_ps(_mm_mul_ps(high, s), _mm_loadu_ps(pe + d + 4)), y + d);
+  }
+  return d;
+}
+#endif
+
 // out[r] = in[r] * scale + pe for the `count` rows (at most kRowsPerEncoding) that share one encoding row pe
 // (in == nullptr: out[r] = pe), over `width` channels, the first `encoded` with pe. A chunk of pe is read once
 // for all the rows: the block of encodings sits in L2, and read again for every row it cost as much as the rows'
@@ -69,7 +86,13 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
         for (int64_t d = with_pe; d < n; ++d) sum[d] = to_opmath(x[d]) * scale;
         narrow(sum, y, n);
       } else {
-        for (int64_t d = 0; d < with_pe; ++d) y[d] = from_opmath<scalar_t>(to_opmath(x[d]) * scale + e[d]);
+        int64_t done = 0;
+#if defined(POSENC_BF16_BY_SSE2)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          done = add_bf16_sse2(x, e, y, with_pe, scale);
+        }
+#endif
+        for (int64_t d = done; d < with_pe; ++d) y[d] = from_opmath<scalar_t>(to_opmath(x[d]) * scale + e[d]);
         for (int64_t d = with_pe; d < n; ++d) y[d] = from_opmath<scalar_t>(to_opmath(x[d]) * scale);
       }
     }

@@ -152,6 +152,12 @@ def far_angles_and_special_values():
                     qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
                     out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
 
+    # posenc rounds every NaN result to bf16 as c10 does, to 0x7FC0, on every capability. The comparison lets a NaN
+    # be any NaN (torch's own vectorized bf16 conversions, run by the samples around posenc's ops, give 0xFFFF);
+    # these int16 patterns of the NaNs of posenc's own bf16 outputs above are compared exactly.
+    for key in [key for key, value in out.items() if value.dtype == torch.bfloat16]:
+        out[f"{key}/nan_bits"] = out[key].view(torch.int16)[out[key].isnan()]
+
     # Relative positions near int64's limits, for several bucket configurations.
     distances = torch.cat([torch.arange(-3000, 3000), torch.tensor([2 ** 40, -(2 ** 62), 2 ** 63 - 1])])
     for bidirectional in (False, True):
