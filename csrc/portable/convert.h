@@ -89,12 +89,11 @@ POSENC_INLINE T from_opmath(opmath_t<T> value) {
 #define POSENC_HAS_F16C 1
 #endif
 
-// bf16 in the x86 baseline build (SSE2), eight values at a time. GCC vectorizes to_opmath / from_opmath there, but
+// bf16 in the x86 baseline build (SSE2, which every x86-64 CPU has), eight values at a time. GCC vectorizes to_opmath / from_opmath there, but
 // SSE2 has no unsigned 32-to-16-bit pack, and GCC packs the 16-bit results (and the NaN masks) with shuffles: a
 // quarter of a bf16 rotation's instructions. Rounded in 32-bit lanes, NaNs selected there, then shifted down with
 // their sign (-0x8000..0x7FFF, which the signed pack keeps whole): the same bits as from_opmath.
-#if (defined(__x86_64__) || defined(__i386__)) && defined(POSENC_CPU_CAPABILITY_INDEX) && \
-    POSENC_CPU_CAPABILITY_INDEX == 0
+#if defined(__SSE2__) && defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 0
 #define POSENC_BF16_BY_SSE2 1
 POSENC_INLINE void widen_bf16x8(const c10::BFloat16* src, __m128& low, __m128& high) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
