@@ -1273,8 +1273,8 @@ def markdown(rows: List[dict]) -> str:
             continue
         baselines = "; ".join(f"{name} {ms:.2f} ({r['speedup'][name]:.2f}x)" for name, ms in r["baselines_ms"].items())
         bounds = [f"{r[b + '_ms']:.2f} ({r['ours_over_' + b]:.2f})" if b + "_ms" in r else "" for b in ("copy", "fresh")]
-        lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['mode']} | {r['ours_ms']:.2f} | {baselines} "
-                     f"| {bounds[0]} | {bounds[1]} |")
+        lines.append(f"| {r['op']} | {r['shape'].replace('|', chr(92) + '|')} | {r['dtype']} | {r['mode']} "
+                     f"| {r['ours_ms']:.2f} | {baselines} | {bounds[0]} | {bounds[1]} |")
     return "\n".join(lines) + "\n"
 
 

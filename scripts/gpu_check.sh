@@ -4,7 +4,8 @@
 # every op once against the CPU (plain, then under compute-sanitizer), the CUDA tests, the GPU benchmark, then the
 # whole test suite with every op call re-run on the GPU. Everything stays within about 8 minutes (each step has a
 # time budget, cut short if the run is late), and every result lands in OUTDIR as it is produced (8 files, what
-# the device tool brings back):
+# the device tool brings back; it brings back 8 files at most, so a command that runs this script writes
+# nothing more under OUTDIR):
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
@@ -65,6 +66,13 @@ step() {
   cmake --version | head -n 1
 } >"$OUT/env.txt"
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+# The system's gcc and g++, whose libstdc++ is the one the process loads, build posenc and host nvcc: the GPU
+# machine's environment names another compiler (CC/CXX=/opt/gcc), and a libposenc.so built with it crashed in
+# Python at the first number an iostream parsed or formatted, inside a copy of libstdc++'s code of its own.
+if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+echo "CC=${CC:-} CXX=${CXX:-} ($("${CXX:-c++}" --version | head -n 1))" >>"$OUT/env.txt"
 cat "$OUT/env.txt"
 
 # Wheels carried to the machine (no registry there): installed into a scratch folder, never over its packages.
@@ -109,6 +117,11 @@ for name in ("test_cuda", "suite"):
     if os.path.exists(path):
         lines = [l for l in open(path, errors="replace") if re.search(r"\d+ (passed|failed|error)", l)]
         tests[name] = lines[-1].strip(" =\n") if lines else "no pytest summary"
+        # -rfE's short summary: each failing test with the first line of its error, here too should the log itself
+        # not come back.
+        failures = [l.strip()[:400] for l in open(path, errors="replace") if l.startswith(("FAILED ", "ERROR "))]
+        if failures:
+            tests[name + " failures"] = failures[:30]
 path = os.path.join(out, "smoke.log")
 if os.path.exists(path):  # "N failed" after each of the plain, memcheck and racecheck runs
     tests["smoke"] = [l.strip() for l in open(path, errors="replace") if re.fullmatch(r"\d+ failed\n?", l)]

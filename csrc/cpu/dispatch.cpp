@@ -3,8 +3,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string_view>
 
 namespace posenc::cpu {
@@ -46,11 +46,14 @@ int64_t choose_stream_bytes() {
     return bytes;
   }
   // One instance of the last-level cache as Linux describes it (sysconf's figure can be the whole package's:
-  // 320 MiB where a virtual machine's cores share 32 MiB).
-  std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index3/size");
-  int64_t kib = 0;
-  if (file >> kib && kib > 0) return kib << 10;
-  return int64_t{32} << 20;
+  // 320 MiB where a virtual machine's cores share 32 MiB). Read with C's stdio, not an iostream: a library built
+  // with a copy of libstdc++ of its own crashed on the iostream's locale (docs/install.md).
+  long long kib = 0;
+  if (std::FILE* file = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+    if (std::fscanf(file, "%lld", &kib) != 1) kib = 0;
+    std::fclose(file);
+  }
+  return kib > 0 ? static_cast<int64_t>(kib) << 10 : int64_t{32} << 20;
 }
 
 }  // namespace
