@@ -61,6 +61,17 @@ step() {
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
   "$PYTHON" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' 2>&1
+  # The reference libraries' versions (the tests that patch Hugging Face models follow transformers').
+  "$PYTHON" - <<'PY' 2>&1
+import importlib.metadata as metadata
+versions = []
+for name in ("transformers", "diffusers", "timm", "pytest", "hypothesis"):
+    try:
+        versions.append(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:
+        versions.append(f"{name} absent")
+print(", ".join(versions))
+PY
   command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
   nvcc --version 2>&1 | tail -n 1
   cmake --version | head -n 1
