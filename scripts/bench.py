@@ -30,6 +30,7 @@ if "--no-thp" not in os.sys.argv:
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import statistics
@@ -218,26 +219,31 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     return table.rows + fused.rows
 
 
-def bench_sincos_grid(repeat: int, quick: bool) -> List[dict]:
+def bench_sincos_grid(repeat: int, quick: bool, device: str = "cpu") -> List[dict]:
     """The fixed 2-D / 3-D sincos tables of diffusion transformers added to their patch tokens: PixArt-alpha at
     1024 px (64 x 64 patches of 1152 channels, batch 2 for guidance; diffusers rebuilds the table in float64 when the
     size differs from its buffer's) and CogVideoX-2b (13 x 30 x 45 patches of 1920 channels), against diffusers'
-    eager table + add and the add of a cached table."""
+    eager table + add (built on the latent's device, as its PatchEmbed does) and the add of a cached table. On the
+    GPU: batch 8 and 2, past the L2 cache."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed, get_3d_sincos_pos_embed
-    table = Table("add_sinusoidal grid", repeat)
-    side, dim, batch = (32, 1152, 2) if quick else (64, 1152, 2)
+    table = (CudaTable if device == "cuda" else Table)("add_sinusoidal grid", repeat)
+    side, dim, batch = (32, 1152, 2) if quick else (64, 1152, 8 if device == "cuda" else 2)
     frames, height, width, video_dim = (4, 16, 16, 1920) if quick else (13, 30, 45, 1920)
+    video_batch = 2 if device == "cuda" and not quick else 1
     cases = [(f"x [{batch}, {side * side}, {dim}] PixArt 2-D", batch, dim,
               posenc.nn.SinusoidalGridEncoding(dim, "mae", base_size=side, interpolation_scale=2.0), [side, side],
-              lambda: get_2d_sincos_pos_embed(dim, (side, side), base_size=side, interpolation_scale=2.0)),
-             (f"x [1, {frames * height * width}, {video_dim}] CogVideoX 3-D", 1, video_dim,
+              lambda: get_2d_sincos_pos_embed(dim, (side, side), base_size=side, interpolation_scale=2.0,
+                                              device=device)),
+             (f"x [{video_batch}, {frames * height * width}, {video_dim}] CogVideoX 3-D", video_batch, video_dim,
               posenc.nn.SinusoidalGridEncoding(video_dim, "cogvideox", interpolation_scale=[1.0, 1.875, 1.875]),
               [frames, height, width],
-              lambda: get_3d_sincos_pos_embed(video_dim, (width, height), frames, 1.875, 1.0).flatten(0, 1))]
+              lambda: get_3d_sincos_pos_embed(video_dim, (width, height), frames, 1.875, 1.0,
+                                              device=device).flatten(0, 1))]
     for shape, rows, channels, module, grid, diffusers_table in cases:
         cached = diffusers_table().float()
+        module = module.to(device)
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(rows, cached.shape[0], channels, dtype=dtype)
+            x = torch.randn(rows, cached.shape[0], channels, dtype=dtype, device=device)
             # diffusers adds its float32 table to the latent and casts back (PatchEmbed.forward)
             eager = lambda: (x + diffusers_table().float()).to(dtype)  # noqa: E731
             table.add(shape, dtype, "fwd", lambda: module(x, grid),
@@ -250,19 +256,20 @@ def bench_sincos_grid(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
-def bench_resampled_learned(repeat: int, quick: bool) -> List[dict]:
+def bench_resampled_learned(repeat: int, quick: bool, device: str = "cpu") -> List[dict]:
     """Learned position tables resized to the image's patch grid on every forward pass, fused with the add: ViT-B/16
     at 384 px (a 14 x 14 table to 24 x 24, cls, D 768) and DINOv2-L at 644 px (37 x 37 to 46 x 46, cls, D 1024),
     bicubic, against Hugging Face's eager interpolate_pos_encoding (F.interpolate of the float32 table, cat of the
-    cls row, cast, add) and the copy of x."""
-    table = Table("add_resampled_learned", repeat)
-    cases = [("ViT-B/16 384px", 8 if quick else 32, (14, 14), (24, 24), 768),
-             ("DINOv2-L 644px", 2 if quick else 8, (37, 37), (46, 46), 1024)]
+    cls row, cast, add) and the copy of x. On the GPU: four times the batch, past the L2 cache."""
+    table = (CudaTable if device == "cuda" else Table)("add_resampled_learned", repeat)
+    scale = 4 if device == "cuda" else 1
+    cases = [("ViT-B/16 384px", (8 if quick else 32) * scale, (14, 14), (24, 24), 768),
+             ("DINOv2-L 644px", (2 if quick else 8) * scale, (37, 37), (46, 46), 1024)]
     for name, batch, source_grid, grid, dim in cases:
         tokens = 1 + grid[0] * grid[1]
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(batch, tokens, dim, dtype=dtype)
-            weight = torch.randn(1 + source_grid[0] * source_grid[1], dim, dtype=dtype)
+            x = torch.randn(batch, tokens, dim, dtype=dtype, device=device)
+            weight = torch.randn(1 + source_grid[0] * source_grid[1], dim, dtype=dtype, device=device)
 
             def eager(x, weight, dtype=dtype, source_grid=source_grid, grid=grid, dim=dim):
                 patches = weight[1:].float().reshape(1, *source_grid, dim).permute(0, 3, 1, 2)
@@ -552,25 +559,26 @@ def rope_rows(table: Table, shape: str, dtype: torch.dtype, q: torch.Tensor, k: 
     table.add(shape, dtype, "fwd in place", lambda: inplace(buffer), {}, both, copies=1, fresh=False)
 
 
-def bench_qk_norm_rope(repeat: int, quick: bool) -> List[dict]:
+def bench_qk_norm_rope(repeat: int, quick: bool, device: str = "cpu") -> List[dict]:
     """QK-norm + RoPE (Qwen3's attention prologue) on q and k: Hugging Face's Qwen3RMSNorm modules then
     apply_rotary_pos_emb (tables precomputed), eager and under torch.compile, against qk_norm_rope; fwd+bwd takes
-    the gradients of q, k and both norm weights."""
+    the gradients of q, k and both norm weights. On the GPU: 32 query heads and twice the tokens."""
     try:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     except ImportError:
         print("qk_norm_rope: transformers is not installed (pip install transformers); skipped")
         return []
-    table = Table("qk_norm_rope", repeat)
-    head_dim, q_heads, kv_heads = 128, 16, 8
-    inv_freq = posenc.frequencies.rope(head_dim, base=1e6)[0]
-    batch, seq = (1, 512) if quick else (4, 2048)
-    angle = torch.arange(seq).double()[:, None] * inv_freq
+    table = (CudaTable if device == "cuda" else Table)("qk_norm_rope", repeat)
+    head_dim, q_heads, kv_heads = 128, 32 if device == "cuda" else 16, 8
+    inv_freq = posenc.frequencies.rope(head_dim, base=1e6)[0].to(device)
+    batch, seq = (1, 512) if quick else (4, 4096 if device == "cuda" else 2048)
+    angle = torch.arange(seq, device=device).double()[:, None] * inv_freq
     emb = torch.cat([angle, angle], dim=-1)[None]
     for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(batch, seq, q_heads, head_dim, dtype=dtype)
-        k = torch.randn(batch, seq, kv_heads, head_dim, dtype=dtype)
-        q_norm, k_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype), Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype)
+        q = torch.randn(batch, seq, q_heads, head_dim, dtype=dtype, device=device)
+        k = torch.randn(batch, seq, kv_heads, head_dim, dtype=dtype, device=device)
+        q_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(device, dtype)
+        k_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(device, dtype)
         with torch.no_grad():
             q_norm.weight.uniform_(0.5, 1.5)
             k_norm.weight.uniform_(0.5, 1.5)
@@ -736,25 +744,25 @@ def bench_axial(repeat: int, quick: bool) -> List[dict]:
     return table.rows
 
 
-def bench_dinov3(repeat: int, quick: bool) -> List[dict]:
-    """DINOv3 ViT-L's rotary (16 heads of 64 channels, 32 x 32 patches + cls and 4 registers at 512 px, batch 16):
-    transformers' DINOv3ViTRopePositionEmbedding (cos/sin of the patch centres, built each forward) + its
-    apply_rotary_pos_emb (prefix tokens split off, rotated patches concatenated back), eager and compiled, against
-    rope_qk with patch_center_positions, and the copy bound."""
+def bench_dinov3(repeat: int, quick: bool, device: str = "cpu") -> List[dict]:
+    """DINOv3 ViT-L's rotary (16 heads of 64 channels, 32 x 32 patches + cls and 4 registers at 512 px, batch 16;
+    64 on the GPU): transformers' DINOv3ViTRopePositionEmbedding (cos/sin of the patch centres, built each forward)
+    + its apply_rotary_pos_emb (prefix tokens split off, rotated patches concatenated back), eager and compiled,
+    against rope_qk with patch_center_positions, and the copy bound."""
     from transformers import DINOv3ViTConfig
     from transformers.models.dinov3_vit import modeling_dinov3_vit as dinov3
-    table = Table("rope_qk dinov3", repeat)
-    batch, side = (4, 16) if quick else (16, 32)
+    table = (CudaTable if device == "cuda" else Table)("rope_qk dinov3", repeat)
+    batch, side = (4, 16) if quick else (64 if device == "cuda" else 16, 32)
     config = DINOv3ViTConfig(hidden_size=1024, num_attention_heads=16, image_size=side * 16, patch_size=16,
                              num_register_tokens=4)
-    embedding = dinov3.DINOv3ViTRopePositionEmbedding(config).eval()
-    pixels = torch.empty(1, 3, side * 16, side * 16)
+    embedding = dinov3.DINOv3ViTRopePositionEmbedding(config).eval().to(device)
+    pixels = torch.empty(1, 3, side * 16, side * 16, device=device)
     inv_freq, pair_axis = posenc.frequencies.axial(64, 2, config.rope_theta)
-    inv_freq = inv_freq * (2 * math.pi)
+    inv_freq, pair_axis = (inv_freq * (2 * math.pi)).to(device), pair_axis.to(device)
     seq = 5 + side * side
     for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(batch, 16, seq, 64, dtype=dtype)
-        k = torch.randn(batch, 16, seq, 64, dtype=dtype)
+        q = torch.randn(batch, 16, seq, 64, dtype=dtype, device=device)
+        k = torch.randn(batch, 16, seq, 64, dtype=dtype, device=device)
 
         def hf(qq, kk, apply=dinov3.apply_rotary_pos_emb):
             cos, sin = embedding(pixels.to(dtype))
@@ -763,10 +771,10 @@ def bench_dinov3(repeat: int, quick: bool) -> List[dict]:
         hf_compiled = torch.compile(hf, fullgraph=True, dynamic=False)
 
         def ours(qq, kk):
-            positions = PF.patch_center_positions(side, side, 5)
+            positions = PF.patch_center_positions(side, side, 5, device=device)
             return PF.rope_qk(qq, kk, positions, inv_freq, 1.0, "neox", "bhsd", pair_axis=pair_axis)
 
-        positions = PF.patch_center_positions(side, side, 5)
+        positions = PF.patch_center_positions(side, side, 5, device=device)
         rope_rows(table, f"q,k [{batch}, 16, {seq}, 64] bhsd", dtype, q, k, ours,
                   {"HF eager": hf, "HF compile": hf_compiled},
                   lambda buffer: PF.rope_(buffer, positions, inv_freq, 1.0, "neox", "bhsd", pair_axis=pair_axis))
@@ -1031,7 +1039,9 @@ class CudaTable:
         self.op, self.repeat, self.rows = op, repeat, []
 
     def add(self, shape: str, dtype: torch.dtype, mode: str, ours: Callable, baselines: Dict[str, Callable],
-            copy_reference: Optional[torch.Tensor] = None, copies: int = 1):
+            copy_reference: Optional[torch.Tensor] = None, copies: int = 1, fresh: bool = True, **extra):
+        """Table.add's arguments, so that a CPU benchmark runs on the GPU too: `fresh` (no fresh bound here) is
+        ignored, `extra` goes into the row."""
         baselines = dict(baselines)
         for name, fn in list(baselines.items()):  # a baseline that fails here (a library's API) is left out
             try:
@@ -1055,6 +1065,7 @@ class CudaTable:
             row.update(copy_ms=ms["copy"], ours_over_copy=ms["ours"] / ms["copy"],
                        copy_bandwidth_fraction=ms["copy"] / ms["ours"], ours_tb_per_s=moved / ms["ours"] / 1e9,
                        copy_tb_per_s=moved / ms["copy"] / 1e9)
+        row.update(extra)
         self.rows.append(row)
         line = format_row(row)
         if "copy_bandwidth_fraction" in row:
@@ -1238,6 +1249,11 @@ CUDA_BENCHMARKS = {
     "adds": bench_cuda_adds,
     "bias": bench_cuda_bias,
     "overhead": bench_cuda_overhead,
+    # The CPU benchmarks of the newer families, with the GPU's shapes and table.
+    "qk_norm_rope": functools.partial(bench_qk_norm_rope, device="cuda"),
+    "sincos_grid": functools.partial(bench_sincos_grid, device="cuda"),
+    "resampled_learned": functools.partial(bench_resampled_learned, device="cuda"),
+    "dinov3": functools.partial(bench_dinov3, device="cuda"),
 }
 
 
@@ -1361,6 +1377,15 @@ def check(rows: List[dict]) -> List[str]:
     return lines
 
 
+def write_json(args, rows: List[dict]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
+                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                       "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+                       "reuse_memory": args.reuse_memory, "cold": args.cold, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", help="comma-separated: " + ",".join(BENCHMARKS) + " (with --device cuda: "
@@ -1416,6 +1441,7 @@ def main() -> None:
                 import traceback
                 traceback.print_exc()
                 failed.append(name)
+            write_json(args, rows)  # the groups so far, should the run be cut short
     if args.check:
         print("\n== targets (from the rows above" + ("" if args.reuse_memory else "; they are set for the kernels "
               "alone: run with --reuse-memory") + ("; measured --cold, where they are set on rows timed without it"
@@ -1424,12 +1450,7 @@ def main() -> None:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
-                       "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                       "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
-                       "reuse_memory": args.reuse_memory, "cold": args.cold, "rows": rows}, f, indent=1)
+    write_json(args, rows)
     if not args.from_json and args.device == "cuda" and failed:
         return f"bench.py: the {', '.join(failed)} benchmarks failed (tracebacks above)"
 

@@ -108,7 +108,7 @@ if [ $built = 0 ]; then
   step memcheck 90 "$OUT/smoke.log" "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
     "$PYTHON" scripts/gpu_smoke.py
   step test_cuda 120 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
-  step bench 120 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 --json "$OUT/bench_cuda.json"
+  step bench 150 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 --json "$OUT/bench_cuda.json"
   step racecheck 45 "$OUT/smoke.log" "$sanitizer" --tool racecheck --racecheck-report hazard --error-exitcode 1 \
     "$PYTHON" scripts/gpu_smoke.py --only rope,alibi
   [ $gtest = ON ] && step ctest 40 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
