@@ -3,9 +3,8 @@
 # own torch (no internet needed), in order of information per second: builds posenc with its CUDA kernels, runs
 # every op once against the CPU (plain, then under compute-sanitizer), the CUDA tests, the GPU benchmark, then the
 # whole test suite with every op call re-run on the GPU. Everything stays within about 8 minutes (each step has a
-# time budget, cut short if the run is late), and every result lands in OUTDIR as it is produced (8 files, what
-# the device tool brings back; it brings back 8 files at most, so a command that runs this script writes
-# nothing more under OUTDIR):
+# time budget, cut short if the run is late), and every result lands in OUTDIR as it is produced (8 files: the
+# device tool brings back 8 at most, so a command that runs this script must write nothing else there):
 #
 #   bash scripts/gpu_check.sh OUTDIR
 #
