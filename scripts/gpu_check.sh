@@ -19,6 +19,13 @@
 #   suite.log          pytest tests/python with POSENC_SHADOW=cuda (each op call re-run on CUDA and compared)
 #   summary.json       what passed, what failed, how long each step took (written even when the run is cut short)
 #
+# A second, shorter run (the device time left after a first one) picks its steps and narrows the CUDA tests:
+#
+#   POSENC_GPU_CHECK_STEPS="test_cuda suite" POSENC_GPU_TEST_ARGS="-k graph_capture" bash scripts/gpu_check.sh OUTDIR
+#
+# runs the build (always: quick where the machine kept build/gpu) and only the steps named, and passes the extra
+# pytest arguments to test_cuda and suite (pytest's -x, -k, --tb=long...).
+#
 # The C++ tests (ctest) build and run too where GoogleTest is installed. A folder .whl/ of wheels (Liger's
 # rope kernel for the benchmark, rotary-embedding-torch for the tests: scripts/gpu_wheels.sh makes it) is
 # installed into a scratch folder first.
@@ -29,12 +36,18 @@ PYTHON=${PYTHON:-python3}
 BUILD=build/gpu
 export PYTHONUNBUFFERED=1 CUDAARCHS=${CUDAARCHS:-90}
 DEADLINE=${POSENC_GPU_CHECK_SECONDS:-480}
+STEPS=" ${POSENC_GPU_CHECK_STEPS:-build smoke memcheck test_cuda bench racecheck ctest suite} "
+STEPS=${STEPS//,/ }
+read -r -a TEST_ARGS <<<"${POSENC_GPU_TEST_ARGS:-}"
 declare -A STATUS SECONDS_TAKEN
 
 # Runs a step with at most its budget of seconds, or what is left before the deadline.
 step() {
   local name=$1 budget=$2 log=$3
   shift 3
+  if [ "$name" != build ] && [[ "$STEPS" != *" $name "* ]]; then
+    return 0
+  fi
   local left=$((DEADLINE - SECONDS))
   [ "$budget" -gt "$left" ] && budget=$left
   if [ "$budget" -le 10 ]; then
@@ -106,13 +119,14 @@ if [ $built = 0 ]; then
   step smoke 40 "$OUT/smoke.log" "$PYTHON" scripts/gpu_smoke.py
   step memcheck 90 "$OUT/smoke.log" "$sanitizer" --tool memcheck --error-exitcode 1 --print-limit 20 \
     "$PYTHON" scripts/gpu_smoke.py
-  step test_cuda 120 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE
+  step test_cuda 120 "$OUT/test_cuda.log" "$PYTHON" -m pytest tests/python/test_cuda.py -q -p no:cacheprovider -rfE \
+    "${TEST_ARGS[@]}"
   step bench 150 "$OUT/bench.log" "$PYTHON" scripts/bench.py --device cuda --repeat 20 --json "$OUT/bench_cuda.json"
   step racecheck 45 "$OUT/smoke.log" "$sanitizer" --tool racecheck --racecheck-report hazard --error-exitcode 1 \
     "$PYTHON" scripts/gpu_smoke.py --only rope,alibi
   [ $gtest = ON ] && step ctest 40 "$OUT/build.log" ctest --test-dir "$BUILD" --output-on-failure -j 8
   step suite 180 "$OUT/suite.log" env POSENC_SHADOW=cuda "$PYTHON" -m pytest tests/python -q -p no:cacheprovider \
-    -rfE --ignore=tests/python/test_cuda.py
+    -rfE --ignore=tests/python/test_cuda.py "${TEST_ARGS[@]}"
 fi
 
 # pytest's closing line of each test log, and every step's status, as JSON.
@@ -125,7 +139,7 @@ tests = {}
 for name in ("test_cuda", "suite"):
     path = os.path.join(out, name + ".log")
     if os.path.exists(path):
-        lines = [l for l in open(path, errors="replace") if re.search(r"\d+ (passed|failed|error)", l)]
+        lines = [l for l in open(path, errors="replace") if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", l)]
         tests[name] = lines[-1].strip(" =\n") if lines else "no pytest summary"
         # -rfE's short summary: each failing test with the first line of its error, here too should the log itself
         # not come back.
@@ -141,5 +155,6 @@ json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))
 EOF
 for name in build smoke memcheck test_cuda bench racecheck suite; do
+  [ "$name" = build ] || [[ "$STEPS" == *" $name "* ]] || continue
   [ "${STATUS[$name]:-}" = passed ] || exit 1
 done
