@@ -226,7 +226,7 @@ def bench_sincos_grid(repeat: int, quick: bool, device: str = "cpu") -> List[dic
     eager table + add (built on the latent's device, as its PatchEmbed does) and the add of a cached table. On the
     GPU: batch 8 and 2, past the L2 cache."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed, get_3d_sincos_pos_embed
-    table = (CudaTable if device == "cuda" else Table)("add_sinusoidal grid", repeat)
+    table = table_for(device, "add_sinusoidal grid", repeat)
     side, dim, batch = (32, 1152, 2) if quick else (64, 1152, 8 if device == "cuda" else 2)
     frames, height, width, video_dim = (4, 16, 16, 1920) if quick else (13, 30, 45, 1920)
     video_batch = 2 if device == "cuda" and not quick else 1
@@ -261,7 +261,7 @@ def bench_resampled_learned(repeat: int, quick: bool, device: str = "cpu") -> Li
     at 384 px (a 14 x 14 table to 24 x 24, cls, D 768) and DINOv2-L at 644 px (37 x 37 to 46 x 46, cls, D 1024),
     bicubic, against Hugging Face's eager interpolate_pos_encoding (F.interpolate of the float32 table, cat of the
     cls row, cast, add) and the copy of x. On the GPU: four times the batch, past the L2 cache."""
-    table = (CudaTable if device == "cuda" else Table)("add_resampled_learned", repeat)
+    table = table_for(device, "add_resampled_learned", repeat)
     scale = 4 if device == "cuda" else 1
     cases = [("ViT-B/16 384px", (8 if quick else 32) * scale, (14, 14), (24, 24), 768),
              ("DINOv2-L 644px", (2 if quick else 8) * scale, (37, 37), (46, 46), 1024)]
@@ -568,7 +568,7 @@ def bench_qk_norm_rope(repeat: int, quick: bool, device: str = "cpu") -> List[di
     except ImportError:
         print("qk_norm_rope: transformers is not installed (pip install transformers); skipped")
         return []
-    table = (CudaTable if device == "cuda" else Table)("qk_norm_rope", repeat)
+    table = table_for(device, "qk_norm_rope", repeat)
     head_dim, q_heads, kv_heads = 128, 32 if device == "cuda" else 16, 8
     inv_freq = posenc.frequencies.rope(head_dim, base=1e6)[0].to(device)
     batch, seq = (1, 512) if quick else (4, 4096 if device == "cuda" else 2048)
@@ -751,7 +751,7 @@ def bench_dinov3(repeat: int, quick: bool, device: str = "cpu") -> List[dict]:
     against rope_qk with patch_center_positions, and the copy bound."""
     from transformers import DINOv3ViTConfig
     from transformers.models.dinov3_vit import modeling_dinov3_vit as dinov3
-    table = (CudaTable if device == "cuda" else Table)("rope_qk dinov3", repeat)
+    table = table_for(device, "rope_qk dinov3", repeat)
     batch, side = (4, 16) if quick else (64 if device == "cuda" else 16, 32)
     config = DINOv3ViTConfig(hidden_size=1024, num_attention_heads=16, image_size=side * 16, patch_size=16,
                              num_register_tokens=4)
@@ -1071,6 +1071,11 @@ class CudaTable:
         if "copy_bandwidth_fraction" in row:
             line += f" | copy bw {row['copy_bandwidth_fraction']:.2f} ({row['ours_tb_per_s']:.2f} TB/s)"
         print(line, flush=True)
+
+
+def table_for(device: str, op: str, repeat: int):
+    """The rows of a benchmark written once for both devices: CudaTable's on the GPU, Table's on the CPU."""
+    return CudaTable(op, repeat) if device == "cuda" else Table(op, repeat)
 
 
 def liger_rope():
