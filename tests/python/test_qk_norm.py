@@ -404,6 +404,35 @@ def test_nan_stays_in_its_group():
     assert out[0, 1].isnan().all() and not out[0, [0, 2]].isnan().any()
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_nan_payload_gives_nan_in_bf16(norm, weight_dtype):
+    """bf16 rounds in 32-bit lanes with integer arithmetic, where a NaN whose payload lies in the low half could carry
+    into the sign and come out as zero. NaNs of every payload and infinities in q, and NaNs with full payloads in
+    the weight (float32's low half included): the output is NaN exactly where the float64 formula's is, each NaN
+    stored as 0x7FC0."""
+    q = randn(1, 3, 4, 32, seed=31).to(torch.bfloat16)
+    for i, bits in enumerate([0x7FFF, -1, 0x7F81, -127, 0x7F80, -128]):  # NaNs, then +inf and -inf
+        q.view(torch.int16).view(-1)[37 * i] = bits
+    width = 4 * 32 if norm == "olmo2" else 32
+    weight = (torch.rand(width, generator=torch.Generator().manual_seed(3)) + 0.5).to(weight_dtype)
+    nans = {torch.bfloat16: [0x7FFF, -1], torch.float16: [0x7FFF, -1, 0x7E01],
+            torch.float32: [0x7FFFFFFF, -1, 0x7F800001, 0x7FBFFFFF]}[weight_dtype]
+    as_int = torch.int32 if weight_dtype == torch.float32 else torch.int16
+    for i, bits in enumerate(nans):
+        weight.view(as_int)[5 + 7 * i] = bits
+    inv_freq = FQ.rope(32)[0]
+    out, _ = PF.qk_norm_rope(q, q, weight, weight, None, inv_freq, 1e-6, norm)
+    x = q.double()
+    groups = x.reshape(1, 3, 1, width) if norm == "olmo2" else x
+    r = 1 / (groups.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    z = (groups * r * effective_weight(weight, norm, torch.bfloat16)).reshape(x.shape)
+    expected = rotate(z, angles(torch.arange(3)[None, :, None].expand(1, 3, 16), inv_freq), "neox", 1.0)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert expected.isnan().any() and (~expected.isnan()).any()
+    assert (out.view(torch.int16)[out.isnan()] == 0x7FC0).all()
+
+
 # ---------------------------------------------------------------- against transformers' modules
 
 def hf_modules():
