@@ -1,6 +1,6 @@
-// How fast qk_norm_rope's bf16 forward could go on this core: the least arithmetic of each convention, written
-// out with AVX-512 intrinsics for one shape (head_dim 128, neox, a weight per head, q 16 + k 8 heads a token), timed
-// in L1 on one thread. Not the library's code and not its bits (its sums add in another order): a bound on what any
+// How fast qk_norm_rope's bf16 forward and float32 backward could go on this core: the least arithmetic of each,
+// written out with AVX-512 intrinsics for one shape (head_dim 128, neox, a weight per head, q 16 + k 8 heads a
+// token), timed in cache on one thread. Not the library's code and not its bits (its sums add in another order): a bound on what any
 // implementation of the same roundings can reach, for docs/benchmarks.md ("qk_norm_rope: the arithmetic floor").
 //
 //   g++ -O3 -march=x86-64-v4 -ffp-contract=off scripts/probe_qk_norm_floor.cpp -o /tmp/probe && /tmp/probe
@@ -8,7 +8,9 @@
 // Per 16 channels the rows need: the widening of bf16 (2 instructions), the sum of squares (2), x * r and w * z
 // (2), one integer round-to-nearest-even per rounding the convention asks for (5, and 2 more for the NaN select
 // where a NaN may carry a payload below bit 16), the rotation (3), the stored rounding with its NaN select and
-// narrowing (8).
+// narrowing (8). The backward per 16 channels: the gradient rotated back (3), through the norm into the weight
+// gradient and the gradient of xhat (5, the weight gradient loaded and stored), the sum of g * xhat (3), the input
+// gradient (5 and a store); its two sums per head are the chains.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -92,6 +94,71 @@ __attribute__((noinline)) void copy(const uint16_t* in, const float*, const floa
   std::memcpy(out, in, kHeads * kHeadDim * sizeof(uint16_t));
 }
 
+// The float32 backward of one token, head by head: gz, the gradient rotated back; gw += gz * xhat; g = gz * w;
+// then r * (g - xhat * mean(g * xhat)) stored.
+__attribute__((noinline)) void backward_token(const float* grad, const float* x, const float* w, const float* cos,
+                                              const float* sin, float* gw, float* out, float eps) {
+  alignas(64) float g[kHeadDim];
+  float inv_rms[kHeads];
+  for (int h = 0; h < kHeads; ++h) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < kHeadDim; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + h * kHeadDim + i);
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
+    }
+    inv_rms[h] = 1.0f / std::sqrt(_mm512_reduce_add_ps(sum) / kHeadDim + eps);
+  }
+  constexpr int kHalf = kHeadDim / 2;
+  for (int h = 0; h < kHeads; ++h, grad += kHeadDim, x += kHeadDim, out += kHeadDim) {
+    const __m512 r = _mm512_set1_ps(inv_rms[h]);
+    __m512 dot = _mm512_setzero_ps();
+    for (int i = 0; i < kHalf; i += 16) {
+      const __m512 a = _mm512_loadu_ps(grad + i), b = _mm512_loadu_ps(grad + kHalf + i);
+      const __m512 c = _mm512_loadu_ps(cos + i), s = _mm512_loadu_ps(sin + i);
+      const __m512 gz[2] = {_mm512_add_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)),
+                            _mm512_sub_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s))};
+      for (int half = 0; half < 2; ++half) {
+        const int d = i + half * kHalf;
+        const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), r);
+        _mm512_storeu_ps(gw + d, _mm512_add_ps(_mm512_loadu_ps(gw + d), _mm512_mul_ps(gz[half], xhat)));
+        const __m512 gd = _mm512_mul_ps(gz[half], _mm512_loadu_ps(w + d));
+        _mm512_store_ps(g + d, gd);
+        dot = _mm512_add_ps(dot, _mm512_mul_ps(gd, xhat));
+      }
+    }
+    const __m512 mean = _mm512_set1_ps(_mm512_reduce_add_ps(dot) / kHeadDim);
+    for (int d = 0; d < kHeadDim; d += 16) {
+      const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), r);
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(r, _mm512_sub_ps(_mm512_load_ps(g + d), _mm512_mul_ps(xhat, mean))));
+    }
+  }
+}
+
+// ns per head of the float32 backward, median of 15 runs over `tokens` tokens (64: 3 MiB an array, as the library's
+// in-cache figures; 8192: the bench shape's 100 MB, from memory).
+double backward_ns_per_head(int tokens) {
+  const size_t n = static_cast<size_t>(tokens) * kHeads * kHeadDim;
+  std::vector<float> grad(n), x(n), out(n), w(kHeadDim, 1.1f), gw(kHeadDim), cos(kHeadDim / 2), sin(kHeadDim / 2);
+  for (size_t i = 0; i < n; ++i) x[i] = 0.5f + (i * 37 % 101) / 100.0f, grad[i] = (i * 13 % 97) / 97.0f - 0.5f;
+  for (int i = 0; i < kHeadDim / 2; ++i) cos[i] = std::cos(0.1f * i), sin[i] = std::sin(0.1f * i);
+  const int passes = std::max(3, 80000 / tokens);
+  std::vector<double> runs;
+  for (int run = 0; run < 15; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int t = 0; t < tokens; ++t) {
+        const size_t at = static_cast<size_t>(t) * kHeads * kHeadDim;
+        backward_token(grad.data() + at, x.data() + at, w.data(), cos.data(), sin.data(), gw.data(), out.data() + at,
+                       1e-6f);
+      }
+    }
+    const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+    runs.push_back(took.count() / (double(passes) * tokens * kHeads));
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2] + (gw[3] == 12345.0f);  // the weight gradient is used
+}
+
 using Token = void (*)(const uint16_t*, const float*, const float*, const float*, uint16_t*, float);
 
 // ns per head, median of 15 runs of 20000 passes over the tokens.
@@ -129,5 +196,7 @@ int main() {
   std::printf("  gemma rows alone:                           %5.1f\n", time(&token<1, true, false>));
   std::printf("  fused rows alone:                           %5.1f\n", time(&token<0, true, false>));
   std::printf("  memcpy of the rows:                         %5.1f\n", time(&copy));
+  std::printf("float32 backward, 64 tokens (3 MiB an array):   %5.1f\n", backward_ns_per_head(64));
+  std::printf("float32 backward, 8192 tokens (100 MB, memory):   %5.1f\n", backward_ns_per_head(8192));
   return out[5] == 0x1234;  // the outputs are used
 }
