@@ -79,19 +79,21 @@ POSENC_INLINE T round_to(T v) {
   }
 }
 
-// x * r rounded as round_to rounds it, for x a value of the input and r the inverse_rms of its values. In bf16 every
-// NaN there carries its payload in the high half (a bf16 NaN widened, or the default NaN 0xFFC00000: eps is
-// finite), so the integer form adds at most 0x8000 to a zero low half, carries nothing into the high half, and
-// leaves each NaN the NaN it was: round_to's select is not needed (a value never stored; the weight's product,
-// whose NaN may come from a float32 weight with any payload, keeps it). 5-6 ns of a head's 58 in cache.
+// x * r rounded as round_to rounds it, for x a value of the input and r the inverse_rms of its values. On the CPU, in
+// bf16, every NaN there carries its payload in the high half (a bf16 NaN widened and propagated, or x86's default NaN
+// 0xFFC00000: eps is finite), so the integer form adds at most 0x8000 to a zero low half, carries nothing into the
+// high half, and leaves each NaN a NaN: round_to's select is not needed (5-6 ns of a head's 58 in cache). Not on the
+// GPU, whose arithmetic may return a NaN as 0x7FFFFFFF (PTX's canonical NaN), which the carry turns into -0; nor for
+// the weight's product, whose NaN may come from a float32 weight with any payload.
 template <typename scalar_t, typename T>
 POSENC_INLINE T round_normalized(T v) {
+#if !defined(__CUDA_ARCH__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<T, float>) {
     const uint32_t bits = float_to_bits(v);
     return bits_to_float((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
-  } else {
-    return round_to<scalar_t>(v);
   }
+#endif
+  return round_to<scalar_t>(v);
 }
 
 // One channel of the normalized row, z = w * x * r with r the row's inverse_rms, rounded as the convention rounds it

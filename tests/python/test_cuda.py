@@ -390,6 +390,25 @@ def test_qk_norm_rope_forward_backward_and_in_place(dtype, norm, fmt, view):
                 run_qk_norm_rope(q, k, q_weight, k_weight, per_row, inv_freq, 0.0, norm, 1.0, layout, fmt, 0)
 
 
+@cuda_only
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", NORMS)
+def test_qk_norm_rope_nan_payloads_in_bf16(norm, weight_dtype):
+    """bf16 rounds in 32-bit lanes with integer arithmetic, where a NaN with ones in its low half could carry into
+    the sign: the CPU skips the select of llama's first rounding (its NaNs keep their payload in the high half), the
+    GPU cannot (its arithmetic returns every NaN as 0x7FFFFFFF). NaNs of several payloads and infinities in q, NaNs
+    in the weight: the CPU's bits, every NaN stored as 0x7FC0."""
+    q = torch.randn(1, 3, 4, 32, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16)
+    for i, bits in enumerate([0x7FFF, -1, 0x7F81, -127, 0x7F80, -128]):
+        q.view(torch.int16).view(-1)[37 * i] = bits
+    weight = (torch.rand(4 * 32 if norm == "olmo2" else 32) + 0.5).to(weight_dtype)
+    nans = [0x7FFFFFFF, 0x7F800001] if weight_dtype == torch.float32 else [0x7FFF, -1]
+    for i, bits in enumerate(nans):
+        weight.view(torch.int32 if weight_dtype == torch.float32 else torch.int16)[5 + 7 * i] = bits
+    out = run_both(ops.qk_norm_rope, q, q, weight, weight, None, FQ.rope(32)[0], 1e-6, norm)
+    assert out[0].isnan().any() and (out[0].view(torch.int16)[out[0].isnan()] == 0x7FC0).all()
+
+
 # The query scale (q_scale_beta, q_scale_length, q_scale_shift): q's coefficients times s(p), rounded after the
 # attention scale, the CPU's bits. Heads past half a chunk of coefficients (a scaled chunk holds 128 pairs), an empty
 # q (k is then the first view, and unscaled), positions below -shift (scaled by 1).
