@@ -79,8 +79,7 @@ struct QkNormOps {
   static RotationNorm norm_of(const at::Tensor& weight, const at::Tensor& x, double eps, QkNorm convention,
                               const at::Tensor& input = at::Tensor()) {
     const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    auto w = weight.to(opmath).contiguous();
-    if (convention == QkNorm::Gemma) w = w.add(1);
+    const auto w = Device::converted(weight, opmath, convention == QkNorm::Gemma ? 1.0 : 0.0);
     const auto grad = input.defined() ? at::zeros({weight.size(0)}, w.options()) : at::Tensor();
     return {w, weight.size(0), eps, convention, input, grad};
   }

