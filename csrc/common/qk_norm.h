@@ -4,7 +4,6 @@
 // family's (common/rope.h): positions, offsets, cu_seqlens and pair_axis mean the same and are read the same way.
 #include "common/rope.h"
 
-#include <ATen/ops/zeros.h>
 
 #include <cmath>
 #include <tuple>
@@ -80,7 +79,7 @@ struct QkNormOps {
                               const at::Tensor& input = at::Tensor()) {
     const auto opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     const auto w = Device::converted(weight, opmath, convention == QkNorm::Gemma ? 1.0 : 0.0);
-    const auto grad = input.defined() ? at::zeros({weight.size(0)}, w.options()) : at::Tensor();
+    const auto grad = input.defined() ? Device::zeros(weight.size(0), w.options()) : at::Tensor();
     return {w, weight.size(0), eps, convention, input, grad};
   }
 
@@ -121,8 +120,8 @@ struct QkNormOps {
                                           norm_of(k_weight, k, eps, args.convention, k)};
     RopeOps<Device>::rotate(op, {grad_q, grad_k}, {grad_q_in, grad_k_in}, args.rope, positions, inv_freq,
                             attention_scale, offset, cu_seqlens, pair_axis, true, &norms, args.q_scale);
-    return {grad_q_in, grad_k_in, norms[0].weight_grad.to(q_weight.scalar_type()),
-            norms[1].weight_grad.to(k_weight.scalar_type())};
+    return {grad_q_in, grad_k_in, Device::converted(norms[0].weight_grad, q_weight.scalar_type(), 0),
+            Device::converted(norms[1].weight_grad, k_weight.scalar_type(), 0)};
   }
 
   static void qk_norm_rope_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,

@@ -2,12 +2,14 @@
 
 #include <ATen/Dispatch.h>
 
+#include <cstring>
+
 namespace posenc {
 
 at::Tensor CpuDevice::converted(const at::Tensor& weight, at::ScalarType to, double add) {
   if (weight.scalar_type() == to && add == 0 && weight.is_contiguous()) return weight;
   auto out = empty({weight.size(0)}, weight.options().dtype(to));
-  AT_DISPATCH_FLOATING_TYPES(to, "posenc_converted", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, to, "posenc_converted", [&] {
     using out_t = scalar_t;
     scalar_t* dst = out.mutable_data_ptr<scalar_t>();
     const auto addend = static_cast<out_t>(add);
@@ -20,6 +22,12 @@ at::Tensor CpuDevice::converted(const at::Tensor& weight, at::ScalarType to, dou
       }
     });
   });
+  return out;
+}
+
+at::Tensor CpuDevice::zeros(int64_t size, const at::TensorOptions& options) {
+  auto out = empty({size}, options);
+  std::memset(out.mutable_data_ptr(), 0, out.nbytes());
   return out;
 }
 

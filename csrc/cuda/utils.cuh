@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -40,6 +41,8 @@ struct CudaDevice {
     const auto out = weight.to(to);
     return add != 0 ? out.add(add) : out.contiguous();
   }
+
+  static at::Tensor zeros(int64_t size, const at::TensorOptions& options) { return at::zeros({size}, options); }
 };
 
 // The launch constants and index maths of cuda/geometry.h, which tests/cpp/test_cuda_geometry.cpp checks on the host.

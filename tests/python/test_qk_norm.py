@@ -431,6 +431,11 @@ def test_every_nan_payload_gives_nan_in_bf16(norm, weight_dtype):
     assert torch.equal(out.isnan(), expected.isnan())
     assert expected.isnan().any() and (~expected.isnan()).any()
     assert (out.view(torch.int16)[out.isnan()] == 0x7FC0).all()
+    # The weight gradients, summed over tokens that hold NaNs, back in bf16: every NaN stored as the outputs store it.
+    grad_weight = PF.qk_norm_rope_backward(torch.ones_like(q), torch.ones_like(q), q, q, weight, weight, None,
+                                           inv_freq, 1e-6, norm)[2]
+    if weight_dtype == torch.bfloat16:
+        assert grad_weight.isnan().any() and (grad_weight.view(torch.int16)[grad_weight.isnan()] == 0x7FC0).all()
 
 
 # ---------------------------------------------------------------- against transformers' modules
