@@ -6,6 +6,10 @@
 //
 //   g++ -O3 -march=x86-64-v4 -ffp-contract=off scripts/probe_qk_norm_floor.cpp -o /tmp/probe && /tmp/probe
 //
+// With `-mavx512bf16 -DROUND_BY_BF16` every bf16 rounding is AVX-512 BF16's vcvtneps2bf16 instead, without the
+// fix-ups its results need to be the conventions' bits (it flushes denormals and keeps NaN payloads): a lower bound
+// for an implementation by that instruction.
+//
 // Per 16 channels the rows need: the widening of bf16 (2 instructions), the sum of squares (2), x * r and w * z
 // (2), one integer round-to-nearest-even per rounding the convention asks for (5, and 2 more for the NaN select
 // where a NaN may carry a payload below bit 16), the rotation (3), the stored rounding with its NaN select and
@@ -31,6 +35,10 @@ constexpr int kTokens = 4;  // 48 KiB read and 48 KiB written per pass: L1 and L
 // Round to nearest even at bf16's precision, kept in 32-bit lanes; kSelect: every NaN to 0x7FC00000 first.
 template <bool kSelect>
 __m512 round_bf16(__m512 v) {
+#ifdef ROUND_BY_BF16
+  const __m256i narrowed = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrowed), 16));
+#endif
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
@@ -43,6 +51,9 @@ __m512 round_bf16(__m512 v) {
 
 // The stored rounding: nearest even, every NaN 0x7FC0, narrowed to 16 bits.
 __m256i narrow_bf16(__m512 v) {
+#ifdef ROUND_BY_BF16
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16<true>(v)), 16));
 }
 
@@ -188,7 +199,11 @@ int main() {
   std::vector<float> w(kHeadDim, 1.0f), cos(kHeadDim / 2), sin(kHeadDim / 2);
   for (int i = 0; i < kHeadDim / 2; ++i) cos[i] = std::cos(0.1f * i), sin[i] = std::sin(0.1f * i);
   const auto time = [&](Token fn) { return ns_per_head(fn, in, out, w.data(), cos.data(), sin.data()); };
-  std::printf("ns per head, one thread, in cache (median of 15)\n");
+#ifdef ROUND_BY_BF16
+  std::printf("ns per head, one thread, in cache (median of 15); bf16 rounded by vcvtneps2bf16, no fix-ups\n");
+#else
+  std::printf("ns per head, one thread, in cache (median of 15); bf16 rounded by integer arithmetic\n");
+#endif
   std::printf("  llama, every rounding with its NaN select:  %5.1f\n", time(&token<2, true, true>));
   std::printf("  llama, the first rounding without:          %5.1f\n", time(&token<2, false, true>));
   std::printf("  gemma / olmo2 (one rounding):               %5.1f\n", time(&token<1, true, true>));
