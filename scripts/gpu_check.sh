@@ -41,13 +41,16 @@ STEPS=${STEPS//,/ }
 read -r -a TEST_ARGS <<<"${POSENC_GPU_TEST_ARGS:-}"
 declare -A STATUS SECONDS_TAKEN
 
+# Whether this run runs step $1: the build always, the others where POSENC_GPU_CHECK_STEPS names them.
+selected() {
+  [ "$1" = build ] || [[ "$STEPS" == *" $1 "* ]]
+}
+
 # Runs a step with at most its budget of seconds, or what is left before the deadline.
 step() {
   local name=$1 budget=$2 log=$3
   shift 3
-  if [ "$name" != build ] && [[ "$STEPS" != *" $name "* ]]; then
-    return 0
-  fi
+  selected "$name" || return 0
   local left=$((DEADLINE - SECONDS))
   [ "$budget" -gt "$left" ] && budget=$left
   if [ "$budget" -le 10 ]; then
@@ -155,6 +158,6 @@ json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))
 EOF
 for name in build smoke memcheck test_cuda bench racecheck suite; do
-  [ "$name" = build ] || [[ "$STEPS" == *" $name "* ]] || continue
+  selected "$name" || continue
   [ "${STATUS[$name]:-}" = passed ] || exit 1
 done

@@ -4,7 +4,6 @@
 // family's (common/rope.h): positions, offsets, cu_seqlens and pair_axis mean the same and are read the same way.
 #include "common/rope.h"
 
-
 #include <cmath>
 #include <tuple>
 #include <vector>

@@ -63,6 +63,23 @@ def randn(*shape, dtype=torch.float32, seed=0, generator=None, requires_grad=Fal
     return torch.randn(*shape, generator=generator).to(dtype).requires_grad_(requires_grad)
 
 
+def nan_payload_q_and_weight(norm, weight_dtype, heads=4, head_dim=32):
+    """qk_norm_rope inputs whose NaNs could be lost to bf16's integer rounding: a bf16 q [1, 3, heads, head_dim] holding
+    NaNs of several payloads (low half included) and infinities, and a weight of weight_dtype ([heads * head_dim] for
+    "olmo2", else [head_dim]) holding NaNs with full payloads."""
+    q = randn(1, 3, heads, head_dim, seed=31).to(torch.bfloat16)
+    for i, bits in enumerate([0x7FFF, -1, 0x7F81, -127, 0x7F80, -128]):  # NaNs, then +inf and -inf
+        q.view(torch.int16).view(-1)[37 * i] = bits
+    width = heads * head_dim if norm == "olmo2" else head_dim
+    weight = (torch.rand(width, generator=torch.Generator().manual_seed(3)) + 0.5).to(weight_dtype)
+    nans = {torch.bfloat16: [0x7FFF, -1], torch.float16: [0x7FFF, -1, 0x7E01],
+            torch.float32: [0x7FFFFFFF, -1, 0x7F800001, 0x7FBFFFFF]}[weight_dtype]
+    as_int = torch.int32 if weight_dtype == torch.float32 else torch.int16
+    for i, bits in enumerate(nans):
+        weight.view(as_int)[5 + 7 * i] = bits
+    return q, weight
+
+
 def tolerance(dtype):
     """assert_close's atol and rtol for a family's outputs against a float64 reference, by dtype: the loosest of
     the families' needs (rope's bf16 outputs, of larger magnitude, need atol 3e-2; alibi's float32 rtol 2e-6)."""

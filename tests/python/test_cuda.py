@@ -18,7 +18,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import _disable_current_modes
 
 import posenc  # noqa: F401
-from helpers import first_difference
+from helpers import first_difference, nan_payload_q_and_weight
 from op_registry import SAMPLES, SIZES, outputs_and_grads, sample_outputs, tensor_ops, uses_dtype
 from posenc import frequencies as FQ
 from posenc import functional as PF
@@ -398,13 +398,7 @@ def test_qk_norm_rope_nan_payloads_in_bf16(norm, weight_dtype):
     the sign: the CPU skips the select of llama's first rounding (its NaNs keep their payload in the high half), the
     GPU cannot (its arithmetic returns every NaN as 0x7FFFFFFF). NaNs of several payloads and infinities in q, NaNs
     in the weight: the CPU's bits, every NaN stored as 0x7FC0."""
-    q = torch.randn(1, 3, 4, 32, generator=torch.Generator().manual_seed(31)).to(torch.bfloat16)
-    for i, bits in enumerate([0x7FFF, -1, 0x7F81, -127, 0x7F80, -128]):
-        q.view(torch.int16).view(-1)[37 * i] = bits
-    weight = (torch.rand(4 * 32 if norm == "olmo2" else 32) + 0.5).to(weight_dtype)
-    nans = [0x7FFFFFFF, 0x7F800001] if weight_dtype == torch.float32 else [0x7FFF, -1]
-    for i, bits in enumerate(nans):
-        weight.view(torch.int32 if weight_dtype == torch.float32 else torch.int16)[5 + 7 * i] = bits
+    q, weight = nan_payload_q_and_weight(norm, weight_dtype)
     out = run_both(ops.qk_norm_rope, q, q, weight, weight, None, FQ.rope(32)[0], 1e-6, norm)
     assert out[0].isnan().any() and (out[0].view(torch.int16)[out[0].isnan()] == 0x7FC0).all()
 

@@ -20,7 +20,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from helpers import assert_exports, randn, same_bits
+from helpers import assert_exports, nan_payload_q_and_weight, randn, same_bits
 from mutations import (F64, grow, not_floating, on_meta, overlapping, set_value, small, to_dtype, unknown_string,
                        wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
@@ -411,16 +411,8 @@ def test_every_nan_payload_gives_nan_in_bf16(norm, weight_dtype):
     into the sign and come out as zero. NaNs of every payload and infinities in q, and NaNs with full payloads in
     the weight (float32's low half included): the output is NaN exactly where the float64 formula's is, each NaN
     stored as 0x7FC0."""
-    q = randn(1, 3, 4, 32, seed=31).to(torch.bfloat16)
-    for i, bits in enumerate([0x7FFF, -1, 0x7F81, -127, 0x7F80, -128]):  # NaNs, then +inf and -inf
-        q.view(torch.int16).view(-1)[37 * i] = bits
-    width = 4 * 32 if norm == "olmo2" else 32
-    weight = (torch.rand(width, generator=torch.Generator().manual_seed(3)) + 0.5).to(weight_dtype)
-    nans = {torch.bfloat16: [0x7FFF, -1], torch.float16: [0x7FFF, -1, 0x7E01],
-            torch.float32: [0x7FFFFFFF, -1, 0x7F800001, 0x7FBFFFFF]}[weight_dtype]
-    as_int = torch.int32 if weight_dtype == torch.float32 else torch.int16
-    for i, bits in enumerate(nans):
-        weight.view(as_int)[5 + 7 * i] = bits
+    q, weight = nan_payload_q_and_weight(norm, weight_dtype)
+    width = weight.shape[0]
     inv_freq = FQ.rope(32)[0]
     out, _ = PF.qk_norm_rope(q, q, weight, weight, None, inv_freq, 1e-6, norm)
     x = q.double()
