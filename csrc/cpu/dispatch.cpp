@@ -22,6 +22,15 @@ Capability best_supported() {
 #endif
 }
 
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return best_supported() == Capability::AVX512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 Capability choose() {
   const Capability best = best_supported();
   const char* requested = std::getenv("POSENC_CPU_CAPABILITY");
@@ -61,6 +70,11 @@ int64_t choose_stream_bytes() {
 int64_t stream_bytes() {
   static const int64_t bytes = choose_stream_bytes();
   return bytes;
+}
+
+bool has_avx512_bf16() {
+  static const bool has = cpu_has_avx512_bf16();
+  return has;
 }
 
 Capability capability() {

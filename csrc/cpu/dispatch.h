@@ -19,6 +19,10 @@ constexpr int kNumCapabilities = 3;
 Capability capability();
 const char* capability_name(Capability capability);
 
+// Whether the CPU has AVX-512 BF16 (vcvtneps2bf16), which the AVX-512 build uses where it has it: the same bits
+// as without it (convert.h).
+bool has_avx512_bf16();
+
 // Outputs of at least this many bytes per call are stored past the caches (non-temporal stores): the size of the
 // last-level cache (one instance of it, as Linux describes it; 32 MiB where it does not), or the environment variable
 // POSENC_STREAM_BYTES. Read at the first call. Such an output would leave the cache before anyone reads it, and

@@ -115,6 +115,40 @@ POSENC_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
 }
 #endif
 
+// bf16 by AVX-512 BF16's vcvtneps2bf16 in the AVX-512 build, for the kernels that check the CPU has it
+// (cpu::has_avx512_bf16()). It rounds to nearest even as from_opmath does (checked on every float32 bit pattern),
+// but reads a denormal as zero, which from_opmath rounds, and keeps a NaN's payload, which from_opmath sets to 0x7FC0.
+// So a kernel keeps the least magnitude of the values it rounds (least_magnitude) and redoes the row by the integer
+// form unless that is a normal number (zeros, rare, take the integer form too), and sets every NaN it stores to
+// 0x7FC0 (narrow_bf16x16): the same bits as from_opmath. A NaN kept in 32-bit lanes (round_bf16x16) keeps its
+// payload until it is stored.
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
+#define POSENC_BF16_BY_AVX512BF16 1
+#define POSENC_TARGET_AVX512BF16 __attribute__((target("avx512bf16")))
+
+POSENC_TARGET_AVX512BF16 POSENC_INLINE __m256i narrow_bf16x16(__m512 v) {
+  const auto rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm256_mask_mov_epi16(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
+}
+
+POSENC_TARGET_AVX512BF16 POSENC_INLINE __m512 round_bf16x16(__m512 v) {
+  const auto rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  // a bf16 is a float's high half (the masks of all lanes: GCC 12 warns of its own placeholder in the unmasked forms)
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, rounded), 16));
+}
+
+// min(|a|, |b|) lane by lane (a NaN is passed over, as narrow_bf16x16 fixes it), in one vrangeps.
+POSENC_INLINE __m512 least_magnitude(__m512 a, __m512 b) {
+  return _mm512_range_ps(a, b, 0x0A);
+}
+
+// Whether every lane of a least_magnitude is a normal number (not zero, denormal or NaN).
+POSENC_INLINE bool all_normal(__m512 least) {
+  return _mm512_cmp_ps_mask(least, _mm512_set1_ps(0x1.0p-126f), _CMP_NGE_UQ) == 0;
+}
+#endif
+
 // n values widened to (narrowed from) maths precision. fp16 goes eight at a time through F16C where the
 // capability has it: the same bits as to_opmath / from_opmath, several times faster than their integer form; bf16
 // is narrowed eight at a time by SSE2 in the baseline build.

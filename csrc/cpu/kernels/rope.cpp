@@ -202,13 +202,53 @@ void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<s
   for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
 }
 
+// Whether normalize_rotate_heads rounds a view's heads by vcvtneps2bf16 (rmsnorm.h): contiguous bf16 heads rotated
+// whole in neox pairs, 16 or more, on a CPU with AVX-512 BF16, and no weight of zero ("gemma"'s 1 + w included),
+// which would send every head back through the integer form.
+template <typename scalar_t, typename opmath>
+bool rounds_by_instruction(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm,
+                           RopeLayout layout, int64_t pairs) {
+#if defined(POSENC_BF16_BY_AVX512BF16)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return layout == RopeLayout::Neox && view.out_stride[3] == 1 && 2 * pairs == view.head_dim && pairs % 16 == 0 &&
+           has_avx512_bf16() && std::find(norm.weight, norm.weight + norm.group, 0.0f) == norm.weight + norm.group;
+  }
+#endif
+  return false;
+}
+
+#if defined(POSENC_BF16_BY_AVX512BF16)
+// normalize_rotate_heads of the views rounds_by_instruction picks: each head rounded by vcvtneps2bf16, or by the
+// integer form where a zero, a denormal or a NaN met there asks for it (rmsnorm.h).
+template <QkNorm kConvention>
+POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const RmsNormView<c10::BFloat16, float>& norm,
+                                                         const float* inv_rms, PairCoeffs<float> k, int64_t pairs,
+                                                         const RotaryView<c10::BFloat16>& view, c10::BFloat16* out) {
+  const int64_t D = view.head_dim;
+  const bool per_head = norm.group == D;
+  for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
+    const float* w = per_head ? norm.weight : norm.weight + h * D;
+    const float r = inv_rms[per_head ? h : 0];
+    if (!rms_scale_rotate_neox_bf16<kConvention>(x, w, r, k, pairs, out)) {
+      rms_scale_rotate_row<RopeLayout::Neox, kConvention, true>(x, w, r, k, pairs, D, out, 1);
+    }
+  }
+}
+#endif
+
 // Every head of a view's token, from its channels x ([heads * head_dim], maths precision): normalized, rotated and
 // stored (the forward of qk_norm_rope).
 template <RopeLayout kLayout, QkNorm kConvention, typename scalar_t, typename opmath>
 void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
-                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out) {
+                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out,
+                            bool by_instruction) {
   const int64_t D = view.head_dim;
   const bool per_head = norm.group == D;
+#if defined(POSENC_BF16_BY_AVX512BF16)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Neox) {
+    if (by_instruction) return normalize_rotate_neox_bf16<kConvention>(x, norm, inv_rms, k, pairs, view, out);
+  }
+#endif
   for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
     const opmath* w = per_head ? norm.weight : norm.weight + h * D;
     const opmath r = inv_rms[per_head ? h : 0];
@@ -222,23 +262,25 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
 
 template <RopeLayout kLayout, typename scalar_t, typename opmath>
 void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
-                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out) {
+                            PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out,
+                            bool by_instruction) {
+  constexpr auto kLlama = QkNorm::Llama, kGemma = QkNorm::Gemma, kOlmo2 = QkNorm::Olmo2, kFused = QkNorm::Fused;
   switch (norm.convention) {
-    case QkNorm::Llama: return normalize_rotate_heads<kLayout, QkNorm::Llama>(x, norm, inv_rms, k, pairs, view, out);
-    case QkNorm::Gemma: return normalize_rotate_heads<kLayout, QkNorm::Gemma>(x, norm, inv_rms, k, pairs, view, out);
-    case QkNorm::Olmo2: return normalize_rotate_heads<kLayout, QkNorm::Olmo2>(x, norm, inv_rms, k, pairs, view, out);
-    case QkNorm::Fused: return normalize_rotate_heads<kLayout, QkNorm::Fused>(x, norm, inv_rms, k, pairs, view, out);
+    case kLlama: return normalize_rotate_heads<kLayout, kLlama>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    case kGemma: return normalize_rotate_heads<kLayout, kGemma>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    case kOlmo2: return normalize_rotate_heads<kLayout, kOlmo2>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    case kFused: return normalize_rotate_heads<kLayout, kFused>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
   }
 }
 
 template <typename scalar_t, typename opmath>
 void normalize_rotate_heads(RopeLayout layout, const opmath* x, const RmsNormView<scalar_t, opmath>& norm,
                             const opmath* inv_rms, PairCoeffs<opmath> k, int64_t pairs,
-                            const RotaryView<scalar_t>& view, scalar_t* out) {
+                            const RotaryView<scalar_t>& view, scalar_t* out, bool by_instruction) {
   if (layout == RopeLayout::Neox) {
-    normalize_rotate_heads<RopeLayout::Neox>(x, norm, inv_rms, k, pairs, view, out);
+    normalize_rotate_heads<RopeLayout::Neox>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
   } else {
-    normalize_rotate_heads<RopeLayout::Gptj>(x, norm, inv_rms, k, pairs, view, out);
+    normalize_rotate_heads<RopeLayout::Gptj>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
   }
 }
 
@@ -261,6 +303,10 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
+  std::vector<char> by_instruction(problem.num_views);  // forward: rounds_by_instruction per view
+  for (int64_t v = 0; !problem.inverse && v < problem.num_views; ++v) {
+    by_instruction[v] = rounds_by_instruction(problem.views[v], problem.norms[v], problem.layout, pairs);
+  }
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
 
   // Views [first_view, last_view) of every token.
@@ -290,7 +336,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           if (!problem.inverse) {
             const opmath* x = token_channels(in, view.in_stride, H, D, row);
             inverse_rms_of_groups(x, H * D, norm, inv_rms);
-            normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out);
+            normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out, by_instruction[v]);
             continue;
           }
           const scalar_t* input = norm.input + b * norm.input_stride[0] + s * norm.input_stride[1];
