@@ -24,8 +24,7 @@ Capability best_supported() {
 
 bool cpu_has_avx512_bf16() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return best_supported() == Capability::AVX512 && __builtin_cpu_supports("avx512bf16");
+  return best_supported() == Capability::AVX512 && __builtin_cpu_supports("avx512bf16");  // best_supported inits
 #else
   return false;
 #endif

@@ -163,10 +163,10 @@ def far_angles_and_special_values():
     for norm in ("llama", "gemma", "olmo2", "fused"):
         for values, qk in (("bits", data((2, 4, 5, 64), torch.bfloat16, 11)), ("denormals", about_one.bfloat16())):
             q, k = qk[:, :, :3], qk[:, :, 3:]
-            width = 64 if norm != "olmo2" else None
+            q_width, k_width = (3 * 64, 2 * 64) if norm == "olmo2" else (64, 64)
             for weights, scale in (("about_one", 1.0), ("tiny", 2.0 ** -120)):
-                qw = (torch.randint(-255, 256, (width or 3 * 64,), generator=g).double() * 2.0 ** -7 * scale).float()
-                kw = (torch.randint(-255, 256, (width or 2 * 64,), generator=g).double() * 2.0 ** -7).bfloat16()
+                qw = (torch.randint(-255, 256, (q_width,), generator=g).double() * 2.0 ** -7 * scale).float()
+                kw = (torch.randint(-255, 256, (k_width,), generator=g).double() * 2.0 ** -7).bfloat16()
                 qo, ko = PF.qk_norm_rope(q, k, qw, kw, torch.arange(4).expand(2, 4), inv_freq, 1e-6, norm)
                 out[f"qk_norm_rope/{norm}/{values}/{weights}"] = torch.cat([qo.flatten(), ko.flatten()])
 

@@ -244,7 +244,7 @@ inline void inverse_rms_of_rows(const float* row, int64_t heads, int64_t n, floa
 #endif
 
 // The inverse root mean square of every group of a token's row. bf16 and fp16 rows, widened into a row in L1, go 16
-// groups at a time in the AVX-512 build (inverse_rms_of_rows: at the bench shape of docs/benchmarks.md, 1.08-1.11x
+// groups at a time in the AVX-512 build (inverse_rms_of_rows: at the bench shape of docs/benchmarks.md, 1.08-1.12x
 // the whole bf16 forward); float32 rows are read where they are, from memory, where reading 16 rows at once measured
 // 1.3x slower and reading them one after the other no faster than this loop.
 template <typename scalar_t, typename opmath>
