@@ -227,6 +227,9 @@ void check_resample_learned_backward(const at::Tensor& grad, at::IntArrayRef sou
 //   resample<scalar_t>(table, out, grid)
 //                           out = the contiguous table resampled to grid.*.out (portable/resample.h), prefix rows
 //                           copied, float64 sums rounded once;
+//   add_resampled<scalar_t>(in, out, table, grid)
+//                           out = in + the contiguous table resampled as resample's out (rounded to scalar_t),
+//                           each sum rounded once: add_rows of those rows, arange(S), scale 1;
 //   resample_adjoint<scalar_t>(grad, out, grid)
 //                           out = the adjoint applied to the contiguous grad's rows summed over its leading
 //                           dimensions in order, float64 sums rounded once, the same bits for any thread count.
@@ -314,23 +317,20 @@ struct LearnedOps {
     return resampled(weight, plan, grid_tokens(grid, num_prefix_tokens));
   }
 
-  // x + the resampled table, by the additive kernel of add_learned (rows arange(S) of the resampled table).
+  // x + the resampled table, the sums of add_learned (rows arange(S) of the resampled table).
   static at::Tensor add_resampled_learned(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef source_grid,
                                           at::IntArrayRef grid, c10::string_view mode, bool align_corners,
                                           bool antialias, std::optional<at::ArrayRef<double>> scale_factor,
                                           int64_t num_prefix_tokens) {
-    constexpr const char* op = "add_resampled_learned";
     check_add_resampled_learned(x, weight, source_grid, grid, mode, scale_factor, num_prefix_tokens);
     const auto plan = resample_plan(source_grid, grid, mode, align_corners, antialias, scale_factor, num_prefix_tokens);
     const typename Device::Guard guard(x.device());
-    const int64_t tokens = grid_tokens(grid, num_prefix_tokens);
     const auto input = x.contiguous();
     auto out = Device::empty(input.sizes(), input.options());
     if (out.numel() == 0) return out;
-    const auto table = resampled(weight, plan, tokens);
-    const auto rows = Device::read_table_rows(op, std::nullopt, tokens, 0, table_domain(tokens, "the resampled table"));
+    const auto table = weight.contiguous();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "posenc_add_resampled_learned", [&] {
-      Device::template add_rows<scalar_t>(input, {}, out, table, rows, 1.0);
+      Device::template add_resampled<scalar_t>(input, out, table, plan);
     });
     return out;
   }

@@ -1,6 +1,6 @@
 // The learned family on the CPU: how table rows are read and the kernels called under the op layer of
 // common/learned.h; the loops are in cpu/kernels/additive.cpp (table rows added) and cpu/kernels/resample.cpp
-// (tables resampled to a new grid).
+// (tables resampled to a new grid, and added to an input's rows as they are resampled).
 #include "common/learned.h"
 #include "common/positions.h"
 #include "cpu/device.h"
@@ -41,6 +41,14 @@ struct CpuLearned : CpuDevice {
   static void resample(const at::Tensor& table, const at::Tensor& out, const ResampleGrid& grid) {
     cpu::resample_stub<scalar_t>(
         {table.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), out.size(1), grid});
+  }
+
+  template <typename scalar_t>
+  static void add_resampled(const at::Tensor& in, const at::Tensor& out, const at::Tensor& table,
+                            const ResampleGrid& grid) {
+    cpu::add_resampled_stub<scalar_t>({in.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+                                       out.numel() / out.size(-1), table.const_data_ptr<scalar_t>(), table.size(1),
+                                       grid});
   }
 
   template <typename scalar_t>

@@ -187,6 +187,16 @@ struct CudaLearned : CudaDevice {
     POSENC_CUDA_LAUNCH_CHECK();
   }
 
+  // The table resampled into a temporary, then its rows added as add_rows adds a table's.
+  template <typename scalar_t>
+  static void add_resampled(const at::Tensor& in, const at::Tensor& out, const at::Tensor& table,
+                            const ResampleGrid& grid) {
+    const int64_t tokens = grid.prefix + grid.height.out * grid.width.out;
+    const auto resampled = at::empty({tokens, table.size(1)}, table.options());
+    resample<scalar_t>(table, resampled, grid);
+    add_rows<scalar_t>(in, {}, out, resampled, DevicePositions({}, tokens, 0), 1.0);
+  }
+
   template <typename scalar_t>
   static void resample_adjoint(const at::Tensor& grad, const at::Tensor& out, const ResampleGrid& grid) {
     const GridWeights weights(grid, grad.device());

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import randn
+from helpers import randn, same_bits
 from mutations import grow, not_floating, on_meta, set_value, small, to_dtype, unknown_string, wrong_rank
 from op_registry import bad_inputs, call_args, property_check, sample
 from posenc import functional as PF
@@ -197,6 +197,25 @@ def test_add_matches_hugging_face_x_plus_pos(dtype, mode, align_corners, antiali
     step = {torch.float32: 4e-6, torch.float64: 1e-13, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
     ratio = (out.double() - hf.double()).abs() / (x.double().abs() + magnitude(weight, args))
     assert ratio.max().item() <= step[dtype], ratio.max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_add_over_many_blocks_is_x_plus_the_table(dtype, same_bits_for_any_thread_count):
+    """The CPU add forms the table's rows block by block as x streams past them (blocks of 128 KiB: 32 to 131 rows of
+    1000 channels, which cut the 13-token grid rows anywhere, the 3 prefix rows in the first), for 1 to 5 leading
+    rows and any thread count: the same bits as x + resample_learned's table, summed in maths precision."""
+    torch.manual_seed(8)
+    args = ((11, 7), (19, 13), "bicubic", False, False, None, 3)
+    weight = (torch.randn(3 + 77, 1000) * 4).to(dtype)
+    weight[5, 7], weight[40, 999] = float("nan"), float("inf")
+    table = PF.resample_learned(weight, *args)
+    opmath = torch.float64 if dtype == torch.float64 else torch.float32
+    for leads in (1, 3, 5):
+        x = torch.randn(leads, 3 + 19 * 13, 1000).to(dtype)
+        out = same_bits_for_any_thread_count(lambda: PF.add_resampled_learned(x, weight, *args))
+        # any NaN: torch's own rounding to bf16 keeps a NaN's sign and payload, posenc's gives 0x7FC0
+        assert same_bits(out, (x.to(opmath) + table.to(opmath)).to(dtype), any_nan=True)
+        assert out.isnan().any() and out.isinf().any()
 
 
 def test_reduced_precision_tables_round_once_from_float64():

@@ -4,9 +4,8 @@
 #include "cpu/kernels/additive.h"
 
 POSENC_KERNELS_BEGIN
+#include "cpu/kernels/row_tiles.h"
 #include "portable/angle.h"
-#include "portable/rows.h"
-#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
@@ -35,60 +34,6 @@ void encode_position(double position, const double* inv_freq, int64_t pairs, dou
       }
       break;
   }
-}
-
-template <typename scalar_t>
-const scalar_t* input_row(const RowInput<scalar_t>& in, int64_t n, int64_t width) {
-  if (in.data == nullptr) return nullptr;
-  return in.data + (in.ids == nullptr ? n : in.ids[n]) * width;
-}
-
-// out[n] = in(n) * scale + pe(n mod P) for rows n = l * P + p, P positions shared by L = rows / P leading
-// indices. The work is cut into tiles (block of positions, group of up to kRowsPerEncoding leading indices),
-// block-major: a task prepares a block's encodings once (Blocks::prepare: sin/cos computed, or nothing for table
-// rows), then streams the rows of every leading index it owns past them, which stay in L2, each encoding row
-// read once for the rows of its group. So sin/cos are computed about once per (position, frequency) however the
-// tiles are split, no table is bigger than a block, and a few positions with many leading indices (decoding:
-// P = 1) still split over the threads. Rows gathered by id (fused embeddings) are prefetched one position ahead.
-template <typename scalar_t, typename MakeBlocks>
-void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int64_t width, int64_t num_positions,
-                 int64_t block, double scale, const MakeBlocks& make_blocks) {
-  const int64_t leads = rows / num_positions;
-  const int64_t group = std::min(leads, kRowsPerEncoding);
-  const int64_t groups = (leads + group - 1) / group;
-  const int64_t num_blocks = (num_positions + block - 1) / block;
-  const auto row_scale = static_cast<opmath_t<scalar_t>>(scale);
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(scalar_t));
-  // Outputs larger than the last-level cache go past it (streaming.h): in-process A/B, float32 [8, 2048, 1024]
-  // add_sinusoidal 5.98 -> 5.12 ms, add_learned 6.03 -> 5.04, embed_learned 6.65 -> 5.49; bfloat16 was no faster.
-  const bool stream = streams_output<scalar_t>(in.data != out ? rows * row_bytes : 0);
-  parallel_for(0, num_blocks * groups, rows_per_task(block * group * width), [&](int64_t begin, int64_t end) {
-    auto blocks = make_blocks();
-    int64_t prepared = -1;
-    const scalar_t* in_rows[kRowsPerEncoding];
-    scalar_t* out_rows[kRowsPerEncoding];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t b = tile / groups;
-      const int64_t first = b * block;
-      const int64_t count = std::min(block, num_positions - first);
-      if (b != prepared) {
-        blocks.prepare(first, count);
-        prepared = b;
-      }
-      const int64_t lead = (tile % groups) * group;
-      const int64_t rows_here = std::min(group, leads - lead);
-      for (int64_t p = 0; p < count; ++p) {
-        for (int64_t r = 0; r < rows_here; ++r) {
-          const int64_t n = (lead + r) * num_positions + first + p;
-          if (in.ids != nullptr && p + 1 < count) prefetch_row(input_row(in, n + 1, width), row_bytes);
-          in_rows[r] = input_row(in, n, width);
-          out_rows[r] = out + n * width;
-        }
-        blocks.add(rows_here, in.data != nullptr ? in_rows : nullptr, first + p, out_rows, width, row_scale, stream);
-      }
-    }
-    store_fence();
-  });
 }
 
 // The encodings of rows [first, first + count) into consecutive rows of `buffer`, `encoded` values each:

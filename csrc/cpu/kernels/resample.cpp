@@ -1,14 +1,15 @@
-// resample_learned and its adjoint, compiled once per CPU capability: a learned table's grid rows interpolated to
-// a new grid one axis at a time (rows, then columns), the adjoint the same two passes transposed, each sum in
+// resample_learned, its fused add (add_resampled_learned) and its adjoint, compiled once per CPU capability: a
+// learned table's grid rows interpolated to a new grid one axis at a time (rows, then columns), added to an input's
+// rows as they are formed, the adjoint the same two passes transposed, each sum in
 // float64 in a fixed order (no thread ever adds into another's output), so the bits do not depend on the thread
 // count.
 #include "cpu/kernels/capability.h"
 #include "cpu/kernels/resample.h"
 
 POSENC_KERNELS_BEGIN
+#include "cpu/kernels/row_tiles.h"
 #include "portable/convert.h"
 #include "portable/resample.h"
-#include "portable/tiling.h"
 
 namespace posenc::cpu {
 inline namespace POSENC_CPU_CAPABILITY {
@@ -52,6 +53,25 @@ void load_row(const scalar_t* src, double* dst, int64_t width) {
   for (int64_t d = 0; d < width; ++d) dst[d] = static_cast<double>(to_opmath(src[d]));
 }
 
+// round_to_odd_float over n values. The AVX-512 build converts eight at a time toward zero (the conversion's own
+// rounding mode) and sets the last bit where the conversion was inexact, a NaN included: the same bits, in a third
+// of the instructions GCC makes of round_to_odd_float's compares and selects.
+inline void round_to_odd(const double* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+  for (; d + 8 <= n; d += 8) {
+    const __m512d value = _mm512_loadu_pd(src + d);
+    // (the masks of all lanes: GCC 12 warns of its own placeholder in the unmasked forms)
+    const __m256 toward_zero = _mm512_maskz_cvt_roundpd_ps(0xFF, value, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask8 inexact = _mm512_cmp_pd_mask(_mm512_maskz_cvtps_pd(0xFF, toward_zero), value, _CMP_NEQ_UQ);
+    const __m256i bits = _mm256_castps_si256(toward_zero);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        _mm256_mask_or_epi32(bits, inexact, bits, _mm256_set1_epi32(1)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = round_to_odd_float(src[d]);
+}
+
 // fp16 and bf16 go through float blocks rounded to odd, then narrow's vector conversions.
 template <typename scalar_t>
 void round_row(const double* src, scalar_t* dst, int64_t width) {
@@ -62,7 +82,7 @@ void round_row(const double* src, scalar_t* dst, int64_t width) {
     float odd[kBlock];
     for (int64_t d0 = 0; d0 < width; d0 += kBlock) {
       const int64_t n = std::min(kBlock, width - d0);
-      for (int64_t d = 0; d < n; ++d) odd[d] = round_to_odd_float(src[d0 + d]);
+      round_to_odd(src + d0, odd, n);
       narrow(odd, dst + d0, n);
     }
   }
@@ -117,6 +137,50 @@ void weighted_rows(const double* weights, const T* const* rows, int64_t count, d
   for (; k < count; ++k) axpy(weights[k], rows[k], acc, n);
 }
 
+// A task's resampling of the table's grid rows, one output row at a time: along the rows first, mid[j] = sum_k
+// rows(h, k) * table[first + k, j] for output grid row h (the taps are whole runs of table rows, read in order),
+// float64 [Ws, width], which stays in L2 and is kept for the next output of the same h; then along the columns,
+// out[h, w] = sum_l cols(w, l) * mid[first + l], rounded once.
+template <typename scalar_t>
+class GridRowResampler {
+ public:
+  GridRowResampler(const scalar_t* grid_table, int64_t width, const ResampleGrid& grid, const AxisTaps& rows,
+                   const AxisTaps& cols)
+      : table_(grid_table), width_(width), in_cols_(grid.width.in), rows_(rows), cols_(cols),
+        mid_(new double[in_cols_ * width]), acc_(width), row_taps_(rows.max_taps), col_taps_(cols.max_taps) {}
+
+  // Output grid row (h, w), rounded, into out[0, width).
+  void resample(int64_t h, int64_t w, scalar_t* out) {
+    if (h != formed_) form_row(h);
+    for (int64_t l = 0; l < cols_.count[w]; ++l) col_taps_[l] = mid_.get() + (cols_.first[w] + l) * width_;
+    weighted_rows(&cols_.weights[w * cols_.max_taps], col_taps_.data(), cols_.count[w], acc_.data(), width_);
+    round_row(acc_.data(), out, width_);
+  }
+
+ private:
+  void form_row(int64_t h) {
+    for (int64_t j = 0; j < in_cols_; ++j) {
+      for (int64_t k = 0; k < rows_.count[h]; ++k) {
+        row_taps_[k] = table_ + ((rows_.first[h] + k) * in_cols_ + j) * width_;
+      }
+      weighted_rows(&rows_.weights[h * rows_.max_taps], row_taps_.data(), rows_.count[h], mid_.get() + j * width_,
+                    width_);
+    }
+    formed_ = h;
+  }
+
+  const scalar_t* table_;
+  int64_t width_;
+  int64_t in_cols_;
+  const AxisTaps& rows_;
+  const AxisTaps& cols_;
+  std::unique_ptr<double[]> mid_;
+  std::vector<double> acc_;
+  std::vector<const scalar_t*> row_taps_;
+  std::vector<const double*> col_taps_;
+  int64_t formed_ = -1;
+};
+
 template <typename scalar_t>
 void resample_kernel(const ResampleProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
@@ -126,29 +190,67 @@ void resample_kernel(const ResampleProblem<scalar_t>& problem) {
   const AxisTaps cols(grid.width, false);
   const int64_t in_cols = grid.width.in;
   const int64_t out_cols = grid.width.out;
-  const scalar_t* table = problem.table + prefix * width;
   scalar_t* out = problem.out + prefix * width;
   std::copy_n(problem.table, prefix * width, problem.out);
-  // One output row h at a time: along the rows first, mid[j] = sum_k rows(h, k) * table[first + k, j] (the taps
-  // are whole runs of table rows, read in order), float64 [Ws, width], which stays in L2; then along the columns,
-  // out[h, w] = sum_l cols(w, l) * mid[first + l], rounded once.
   parallel_for(0, grid.height.out, rows_per_task(width * in_cols * rows.max_taps), [&](int64_t begin, int64_t end) {
-    const std::unique_ptr<double[]> mid(new double[in_cols * width]);
-    std::vector<double> acc(width);
-    std::vector<const scalar_t*> row_taps(rows.max_taps);
-    std::vector<const double*> col_taps(cols.max_taps);
+    GridRowResampler<scalar_t> resampler(problem.table + prefix * width, width, grid, rows, cols);
     for (int64_t h = begin; h < end; ++h) {
-      for (int64_t j = 0; j < in_cols; ++j) {
-        for (int64_t k = 0; k < rows.count[h]; ++k) row_taps[k] = table + ((rows.first[h] + k) * in_cols + j) * width;
-        weighted_rows(&rows.weights[h * rows.max_taps], row_taps.data(), rows.count[h], mid.get() + j * width, width);
-      }
-      for (int64_t w = 0; w < out_cols; ++w) {
-        for (int64_t l = 0; l < cols.count[w]; ++l) col_taps[l] = mid.get() + (cols.first[w] + l) * width;
-        weighted_rows(&cols.weights[w * cols.max_taps], col_taps.data(), cols.count[w], acc.data(), width);
-        round_row(acc.data(), out + (h * out_cols + w) * width, width);
-      }
+      for (int64_t w = 0; w < out_cols; ++w) resampler.resample(h, w, out + (h * out_cols + w) * width);
     }
   });
+}
+
+// A task's block of resampled table rows (add_to_rows' Blocks), rounded to scalar_t as resample_kernel rounds
+// them, so that x + the table is add_learned's sum of the same rows. A block (128 KiB) holds part of an output grid
+// row or a few; the resampler keeps the row pass of the last grid row it formed, so a task forms each grid row's
+// once. The table is never written out and read back: for DINOv2-L's [2117, 1024] float32 table that was 8.7 MB
+// stored, then read again past the input's stream.
+template <typename scalar_t>
+class ResampledBlocks {
+ public:
+  ResampledBlocks(const AddResampledProblem<scalar_t>& problem, const AxisTaps& rows, const AxisTaps& cols,
+                  int64_t block)
+      : problem_(problem),
+        resampler_(problem.table + problem.grid.prefix * problem.width, problem.width, problem.grid, rows, cols),
+        buffer_(block * problem.width) {}
+
+  void prepare(int64_t first, int64_t count) {
+    const int64_t width = problem_.width;
+    const int64_t prefix = problem_.grid.prefix;
+    const int64_t out_cols = problem_.grid.width.out;
+    for (int64_t p = 0; p < count; ++p) {
+      scalar_t* row = buffer_.data() + p * width;
+      const int64_t token = first + p;
+      if (token < prefix) {
+        std::copy_n(problem_.table + token * width, width, row);
+      } else {
+        resampler_.resample((token - prefix) / out_cols, (token - prefix) % out_cols, row);
+      }
+    }
+    first_ = first;
+  }
+
+  void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
+           opmath_t<scalar_t> scale, bool stream) const {
+    add_rows(count, in, buffer_.data() + (position - first_) * width, out, width, width, scale, stream);
+  }
+
+ private:
+  const AddResampledProblem<scalar_t>& problem_;
+  GridRowResampler<scalar_t> resampler_;
+  std::vector<scalar_t> buffer_;
+  int64_t first_ = 0;
+};
+
+template <typename scalar_t>
+void add_resampled_kernel(const AddResampledProblem<scalar_t>& problem) {
+  const auto& grid = problem.grid;
+  const AxisTaps rows(grid.height, false);
+  const AxisTaps cols(grid.width, false);
+  const int64_t tokens = grid.prefix + grid.height.out * grid.width.out;
+  const int64_t block = std::min(tokens, rows_per_block(problem.width * static_cast<int64_t>(sizeof(scalar_t))));
+  add_to_rows(RowInput<scalar_t>{problem.in, nullptr}, problem.out, problem.rows, problem.width, tokens, block, 1.0,
+              [&] { return ResampledBlocks<scalar_t>(problem, rows, cols, block); });
 }
 
 template <typename scalar_t>
@@ -209,6 +311,7 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
 POSENC_KERNELS_END  // the registrations below run when the library loads, on any CPU
 
 POSENC_REGISTER_FLOATING_KERNELS(resample_stub, resample_kernel);
+POSENC_REGISTER_FLOATING_KERNELS(add_resampled_stub, add_resampled_kernel);
 POSENC_REGISTER_FLOATING_KERNELS(resample_adjoint_stub, resample_adjoint_kernel);
 }  // namespace POSENC_CPU_CAPABILITY
 }  // namespace posenc::cpu

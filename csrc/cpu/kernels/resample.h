@@ -28,8 +28,22 @@ struct ResampleAdjointProblem {
   ResampleGrid grid;
 };
 
+// out [leads, prefix + H * W, width] = in + the table resampled (ResampleProblem's out, rounded to scalar_t), each
+// sum rounded once: add_learned of the resampled table, its rows formed block by block as the input streams past.
+template <typename scalar_t>
+struct AddResampledProblem {
+  const scalar_t* in;     // contiguous
+  scalar_t* out;          // contiguous
+  int64_t rows;           // leads * (prefix + H * W)
+  const scalar_t* table;  // contiguous [prefix + Hs * Ws, width]
+  int64_t width;
+  ResampleGrid grid;
+};
+
 template <typename scalar_t>
 inline DispatchStub<void(const ResampleProblem<scalar_t>&)> resample_stub;
+template <typename scalar_t>
+inline DispatchStub<void(const AddResampledProblem<scalar_t>&)> add_resampled_stub;
 template <typename scalar_t>
 inline DispatchStub<void(const ResampleAdjointProblem<scalar_t>&)> resample_adjoint_stub;
 
