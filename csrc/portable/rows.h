@@ -35,15 +35,41 @@ inline int64_t add_bf16_sse2(const c10::BFloat16* x, const float* pe, c10::BFloa
 }
 #endif
 
+// How add_rows stores its sums: as they are; past the caches (float32 outputs larger than the last-level cache,
+// streaming.h); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16, rounded by vcvtneps2bf16 (convert.h).
+enum class RowStores { kCached, kStreamed, kBf16ByInstruction };
+
+#if defined(POSENC_BF16_BY_AVX512BF16)
+// x * scale + pe over the first channels of a bf16 row, 16 at a time, rounded by vcvtneps2bf16, which rounds as
+// from_opmath does except on denormals (read as zero) and NaNs (payload kept): at the first 16 sums holding one
+// (vfpclassps: one instruction and a test per 16, against six for the integer rounding), it stops and leaves the
+// rest of the row to add_rows' loop. Returns the count added (a multiple of 16).
+POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloat16* x, const float* pe,
+                                                                c10::BFloat16* y, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d));
+    // a bf16 is a float's high half (the masks of all lanes: GCC 12 warns of its own placeholder in the unmasked forms)
+    const __m512 v = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bits), 16));
+    const __m512 sum = _mm512_add_ps(_mm512_mul_ps(v, s), _mm512_loadu_ps(pe + d));
+    if (_mm512_fpclass_ps_mask(sum, kNanOrDenormal) != 0) break;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
+  }
+  return d;
+}
+#endif
+
 // out[r] = in[r] * scale + pe for the `count` rows (at most kRowsPerEncoding) that share one encoding row pe
 // (in == nullptr: out[r] = pe), over `width` channels, the first `encoded` with pe. A chunk of pe is read once
 // for all the rows: the block of encodings sits in L2, and read again for every row it cost as much as the rows'
 // own loads (fp32 encodings are twice the bytes of a bf16 row). fp16 sums go through a float chunk narrowed at
-// once (eight values per instruction with F16C), the same bits as from_opmath value by value. `stream`: float32
-// sums are formed in a chunk in L1 and stored past the caches (streaming.h).
+// once (eight values per instruction with F16C), the same bits as from_opmath value by value. Streamed float32
+// sums are formed in a chunk in L1 and stored past the caches.
 template <typename scalar_t, typename pe_t>
 void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t* const* out, int64_t encoded,
-              int64_t width, opmath_t<scalar_t> scale, bool stream = false) {
+              int64_t width, opmath_t<scalar_t> scale, RowStores stores = RowStores::kCached) {
   using opmath = opmath_t<scalar_t>;
   constexpr int64_t kChunk = 256;
   constexpr bool kWidenPe = !std::is_same_v<pe_t, opmath>;
@@ -64,7 +90,7 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
     for (int64_t r = 0; r < count; ++r) {
       scalar_t* __restrict y = out[r] + d0;
       if constexpr (kStreams) {
-        if (stream) {
+        if (stores == RowStores::kStreamed) {
           if (in == nullptr) {
             store_streaming(e, y, with_pe);
             continue;
@@ -90,6 +116,11 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
 #if defined(POSENC_BF16_BY_SSE2)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           done = add_bf16_sse2(x, e, y, with_pe, scale);
+        }
+#endif
+#if defined(POSENC_BF16_BY_AVX512BF16)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (stores == RowStores::kBf16ByInstruction) done = add_bf16_by_instruction(x, e, y, with_pe, scale);
         }
 #endif
         for (int64_t d = done; d < with_pe; ++d) y[d] = from_opmath<scalar_t>(to_opmath(x[d]) * scale + e[d]);

@@ -75,8 +75,8 @@ class EncodingBlocks {
   }
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath scale, bool stream) const {
-    add_rows(count, in, buffer_.data() + (position - first_) * encoded_, out, encoded_, width, scale, stream);
+           opmath scale, RowStores stores) const {
+    add_rows(count, in, buffer_.data() + (position - first_) * encoded_, out, encoded_, width, scale, stores);
   }
 
  private:
@@ -249,12 +249,12 @@ class AxisEncodingBlocks {
   }
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath scale, bool stream) const {
+           opmath scale, RowStores stores) const {
     const int64_t p = position - first_;
     const int64_t* entries = entries_.data() + p * problem_.n_axes;
     const opmath* pe = buffer_.data() + p * encoded_;
     if (entries[0] < 0) {
-      add_rows(count, in, pe, out, encoded_, width, scale, stream);
+      add_rows(count, in, pe, out, encoded_, width, scale, stores);
       return;
     }
     const scalar_t* in_at[kRowsPerEncoding];
@@ -264,7 +264,7 @@ class AxisEncodingBlocks {
         in_at[r] = in != nullptr ? in[r] + channel : nullptr;
         out_at[r] = out[r] + channel;
       }
-      add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale, stream);
+      add_rows(count, in != nullptr ? in_at : nullptr, values, out_at, encoded, channels, scale, stores);
     };
     for (const auto& s : segments_) {
       add_at(s.channel, axes_[s.axis].values(entries[s.axis]) + s.offset, s.length, s.length);
@@ -300,9 +300,9 @@ struct TableBlocks {
 
   void prepare(int64_t, int64_t) {}
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath_t<scalar_t> scale, bool stream) const {
+           opmath_t<scalar_t> scale, RowStores stores) const {
     const int64_t row = problem.table_rows != nullptr ? problem.table_rows[position] : problem.first_row + position;
-    add_rows(count, in, problem.table + row * problem.width, out, width, width, scale, stream);
+    add_rows(count, in, problem.table + row * problem.width, out, width, width, scale, stores);
   }
 };
 

@@ -231,8 +231,8 @@ class ResampledBlocks {
   }
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath_t<scalar_t> scale, bool stream) const {
-    add_rows(count, in, buffer_.data() + (position - first_) * width, out, width, width, scale, stream);
+           opmath_t<scalar_t> scale, RowStores stores) const {
+    add_rows(count, in, buffer_.data() + (position - first_) * width, out, width, width, scale, stores);
   }
 
  private:
