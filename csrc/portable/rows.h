@@ -50,10 +50,7 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
   constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d));
-    // a bf16 is a float's high half (the masks of all lanes: GCC 12 warns of its own placeholder in the unmasked forms)
-    const __m512 v = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bits), 16));
-    const __m512 sum = _mm512_add_ps(_mm512_mul_ps(v, s), _mm512_loadu_ps(pe + d));
+    const __m512 sum = _mm512_add_ps(_mm512_mul_ps(widen_bf16x16(x + d), s), _mm512_loadu_ps(pe + d));
     if (_mm512_fpclass_ps_mask(sum, kNanOrDenormal) != 0) break;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
   }

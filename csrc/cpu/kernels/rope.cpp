@@ -243,6 +243,76 @@ inline void inverse_rms_of_rows(const float* row, int64_t heads, int64_t n, floa
 }
 #endif
 
+#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+// 16 values of a float32 or bf16 row in float32.
+template <typename scalar_t>
+inline __m512 load_floats(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return widen_bf16x16(p);
+  }
+}
+
+// 16 floats stored as from_opmath rounds them (bf16: to nearest even in 32-bit lanes, NaN to 0x7FC0).
+template <typename scalar_t>
+inline void store_floats(__m512 v, scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm512_storeu_ps(p, v);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_maskz_srli_epi32(
+        0xFFFF, _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __m512i kept = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xFFFF, kept));
+  }
+}
+
+// The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
+// its three steps in one call: rms_rotate_back_row (g and gw), normalized_dot (its 16 lanes in channel order, folded
+// by lane_sum's tree) and rms_input_grad into out, or into g where out is null. The same operations on the same
+// values, so the same bits.
+template <typename scalar_t>
+inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
+                                         float r, const float* w, float* gw, float* g, scalar_t* out) {
+  const __m512 vr = _mm512_set1_ps(r);
+  const auto through_norm = [&](int64_t d, __m512 gz) {
+    const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), vr);
+    _mm512_storeu_ps(gw + d, _mm512_add_ps(_mm512_loadu_ps(gw + d), _mm512_mul_ps(gz, xhat)));
+    _mm512_storeu_ps(g + d, _mm512_mul_ps(gz, _mm512_loadu_ps(w + d)));
+  };
+  for (int64_t i = 0; i < pairs; i += 16) {
+    const __m512 a = load_floats(grad + i);
+    const __m512 b = load_floats(grad + pairs + i);
+    through_norm(i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)),
+                                  _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i))));
+    through_norm(pairs + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)),
+                                          _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i))));
+  }
+  const int64_t n = 2 * pairs;
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(_mm512_loadu_ps(g + d), _mm512_mul_ps(_mm512_loadu_ps(x + d), vr)));
+  }
+  const __m256 eight = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xFF, lanes, 0),
+                                     _mm512_maskz_extractf32x8_ps(0xFF, lanes, 1));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
+  const __m512 mean_dot = _mm512_set1_ps(dot / static_cast<float>(n));
+  for (int64_t d = 0; d < n; d += 16) {
+    const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), vr);
+    const __m512 dx = _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_loadu_ps(g + d), _mm512_mul_ps(xhat, mean_dot)));
+    if (out != nullptr) {
+      store_floats(dx, out + d);
+    } else {
+      _mm512_storeu_ps(g + d, dx);
+    }
+  }
+}
+#endif
+
 // The inverse root mean square of every group of a token's row. bf16 and fp16 rows, widened into a row in L1, go 16
 // groups at a time in the AVX-512 build (inverse_rms_of_rows: at the bench shape of docs/benchmarks.md, 1.08-1.12x
 // the whole bf16 forward); float32 rows are read where they are, from memory, where reading 16 rows at once measured
@@ -257,6 +327,44 @@ void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<s
   }
 #endif
   for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
+}
+
+// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX-512 build, float32
+// and bf16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
+template <typename scalar_t, typename opmath>
+bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm, RopeLayout layout,
+                         int64_t pairs) {
+#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    return layout == RopeLayout::Neox && norm.group == view.head_dim && 2 * pairs == view.head_dim &&
+           pairs % 16 == 0 && view.in_stride[3] == 1 && view.out_stride[3] == 1;
+  }
+#endif
+  return false;
+}
+
+// The backward of a token's heads where backward_by_vectors: rotate_back_heads and store_input_grad, head by head.
+template <typename scalar_t, typename opmath>
+void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t* grad,
+                               const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
+                               PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* gw, opmath* g,
+                               scalar_t* out) {
+#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    const int64_t D = view.head_dim;
+    for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], out += view.out_stride[2], x += D, g += D) {
+      // the next token's rows of this head, as rotate_back_heads asks for them
+      prefetch_row(grad + view.in_stride[1], D * sizeof(scalar_t));
+      if (norm.input_stride[3] == 1) {
+        prefetch_row(input + norm.input_stride[1] + h * norm.input_stride[2], D * sizeof(scalar_t));
+      }
+      norm_rope_backward_neox_head(grad, k, pairs, x, inv_rms[h], norm.weight, gw, g, view.stream ? nullptr : out);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (view.stream) store_streaming(g, out, D);  // bf16 is never streamed
+      }
+    }
+  }
+#endif
 }
 
 // Whether normalize_rotate_heads rounds a view's heads by vcvtneps2bf16 (rmsnorm.h): contiguous bf16 heads rotated
@@ -365,6 +473,10 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
     by_instruction[v] = rounds_by_instruction(problem.views[v], problem.norms[v], problem.layout, pairs);
   }
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
+  std::vector<char> by_vectors(problem.num_views);  // backward: backward_by_vectors per view
+  for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) {
+    by_vectors[v] = backward_by_vectors(problem.views[v], problem.norms[v], problem.layout, pairs);
+  }
 
   // Views [first_view, last_view) of every token.
   const auto walk = [&](int64_t first_view, int64_t last_view) {
@@ -400,6 +512,10 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           const opmath* x = token_channels(input, norm.input_stride, H, D, row);
           inverse_rms_of_groups(x, H * D, norm, inv_rms);
           opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
+          if (by_vectors[v]) {
+            backward_heads_by_vectors(view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad, out);
+            continue;
+          }
           rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad);
           store_input_grad(x, grad, inv_rms, norm.group, out, view.out_stride, H, D, view.stream);
         }
