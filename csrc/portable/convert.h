@@ -115,7 +115,8 @@ POSENC_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
 }
 #endif
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
 // 16 bf16 values widened to float32 in the AVX-512 build: a bf16 is a float's high half (the masks of all lanes: GCC
 // 12 warns of its own placeholder in the unmasked forms).
 POSENC_INLINE __m512 widen_bf16x16(const c10::BFloat16* src) {

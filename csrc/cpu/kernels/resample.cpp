@@ -54,8 +54,8 @@ void load_row(const scalar_t* src, double* dst, int64_t width) {
 }
 
 // round_to_odd_float over n values. The AVX-512 build converts eight at a time toward zero (the conversion's own
-// rounding mode) and sets the last bit where the conversion was inexact, a NaN included: the same bits, in a third
-// of the instructions GCC makes of round_to_odd_float's compares and selects.
+// rounding mode) and sets the last bit where the conversion was inexact, a NaN included: the same bits, in half the
+// instructions GCC makes of round_to_odd_float's compares and selects.
 inline void round_to_odd(const double* src, float* dst, int64_t n) {
   int64_t d = 0;
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
@@ -202,9 +202,9 @@ void resample_kernel(const ResampleProblem<scalar_t>& problem) {
 
 // A task's block of resampled table rows (add_to_rows' Blocks), rounded to scalar_t as resample_kernel rounds
 // them, so that x + the table is add_learned's sum of the same rows. A block (128 KiB) holds part of an output grid
-// row or a few; the resampler keeps the row pass of the last grid row it formed, so a task forms each grid row's
-// once. The table is never written out and read back: for DINOv2-L's [2117, 1024] float32 table that was 8.7 MB
-// stored, then read again past the input's stream.
+// row or a few; the resampler keeps the row pass of the last grid row it formed, so a task runs each grid row's
+// row pass once. The table is never written out and read back: for DINOv2-L's [2117, 1024] float32 table that was
+// 8.7 MB stored, then read again past the input's stream.
 template <typename scalar_t>
 class ResampledBlocks {
  public:

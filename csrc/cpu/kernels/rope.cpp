@@ -264,7 +264,8 @@ inline void store_floats(__m512 v, scalar_t* p) {
     const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_maskz_srli_epi32(
         0xFFFF, _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    const __m512i kept = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i kept = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xFFFF, kept));
   }
 }
@@ -272,7 +273,7 @@ inline void store_floats(__m512 v, scalar_t* p) {
 // The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
 // its three steps in one call: rms_rotate_back_row (g and gw), normalized_dot (its 16 lanes in channel order, folded
 // by lane_sum's tree) and rms_input_grad into out, or into g where out is null. The same operations on the same
-// values, so the same bits.
+// values, so the same bits; 1.1-1.2x faster than the loops GCC vectorizes (float32 at the bench shape, bf16 in cache).
 template <typename scalar_t>
 inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
                                          float r, const float* w, float* gw, float* g, scalar_t* out) {
@@ -343,7 +344,8 @@ bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<sca
   return false;
 }
 
-// The backward of a token's heads where backward_by_vectors: rotate_back_heads and store_input_grad, head by head.
+// The backward of a token's heads where backward_by_vectors: rotate_back_heads and store_input_grad, head by head
+// (float32 rows stored past the caches go through g).
 template <typename scalar_t, typename opmath>
 void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t* grad,
                                const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
