@@ -191,7 +191,7 @@ struct CudaLearned : CudaDevice {
   template <typename scalar_t>
   static void add_resampled(const at::Tensor& in, const at::Tensor& out, const at::Tensor& table,
                             const ResampleGrid& grid) {
-    const int64_t tokens = grid.prefix + grid.height.out * grid.width.out;
+    const int64_t tokens = portable::resampled_tokens(grid);
     const auto resampled = at::empty({tokens, table.size(1)}, table.options());
     resample<scalar_t>(table, resampled, grid);
     add_rows<scalar_t>(in, {}, out, resampled, DevicePositions({}, tokens, 0), 1.0);

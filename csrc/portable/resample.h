@@ -38,6 +38,11 @@ POSENC_INLINE double antialias_filter(double x, bool cubic) {
 
 POSENC_INLINE int64_t clamp_index(int64_t i, int64_t size) { return i < 0 ? 0 : (i >= size ? size - 1 : i); }
 
+// Rows of the resampled table: the prefix rows, then the output grid's.
+POSENC_INLINE int64_t resampled_tokens(const ResampleGrid& grid) {
+  return grid.prefix + grid.height.out * grid.width.out;
+}
+
 // The run of input indices output index o reads: its first index (returned), its length (*count <= max_taps)
 // and, when `weights` is not null, their weights (*count values).
 POSENC_INLINE int64_t resample_taps(const ResampleAxis& axis, int64_t o, int64_t* count, double* weights) {

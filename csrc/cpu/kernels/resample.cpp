@@ -247,7 +247,7 @@ void add_resampled_kernel(const AddResampledProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
   const AxisTaps rows(grid.height, false);
   const AxisTaps cols(grid.width, false);
-  const int64_t tokens = grid.prefix + grid.height.out * grid.width.out;
+  const int64_t tokens = resampled_tokens(grid);
   const int64_t block = std::min(tokens, rows_per_block(problem.width * static_cast<int64_t>(sizeof(scalar_t))));
   add_to_rows(RowInput<scalar_t>{problem.in, nullptr}, problem.out, problem.rows, problem.width, tokens, block, 1.0,
               [&] { return ResampledBlocks<scalar_t>(problem, rows, cols, block); });
