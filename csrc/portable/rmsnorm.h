@@ -134,48 +134,37 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 #endif
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
-// z = rms_scale(x, w, r) for 16 channels, its bf16 roundings by vcvtneps2bf16 (convert.h), the least magnitude of
-// what they rounded folded into `least`.
-template <QkNorm kConvention>
-POSENC_TARGET_AVX512BF16 POSENC_INLINE __m512 rms_scale_bf16x16(const float* x, const float* w, __m512 r,
-                                                                __m512& least) {
-  const __m512 xr = _mm512_mul_ps(_mm512_loadu_ps(x), r);
-  const __m512 wd = _mm512_loadu_ps(w);
-  if constexpr (kConvention == QkNorm::Llama) {
-    const __m512 z = _mm512_mul_ps(wd, round_bf16x16(xr));
-    least = least_magnitude(least, least_magnitude(xr, z));
-    return round_bf16x16(z);
-  } else if constexpr (kConvention == QkNorm::Fused) {
-    return _mm512_mul_ps(wd, xr);
-  } else {
-    const __m512 z = _mm512_mul_ps(wd, xr);
-    least = least_magnitude(least, z);
-    return round_bf16x16(z);
-  }
-}
-
 // rms_scale_rotate_row of a contiguous bf16 head rotated whole in neox pairs, 16 pairs at a time (pairs a multiple
-// of 16), rounded by vcvtneps2bf16: the same products, sums and roundings as the integer form. Returns false, the
-// row stored wrong, where a rounding met a zero or a denormal (a NaN only reaches the stores, which fix it): the
+// of 16), rounded by vcvtne2ps2bf16 two vectors at a time (convert.h): the same products, sums and roundings as the
+// integer form. Returns false, the row stored wrong, where a rounding met a denormal or a NaN (rounds_apart): the
 // caller redoes that row.
 template <QkNorm kConvention>
 POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rms_scale_rotate_neox_bf16(const float* x, const float* w, float r,
                                                                        PairCoeffs<float> k, int64_t pairs,
                                                                        c10::BFloat16* out) {
   const __m512 vr = _mm512_set1_ps(r);
-  __m512 least = _mm512_set1_ps(1.0f);
+  __mmask16 apart = 0;
   for (int64_t i = 0; i < pairs; i += 16) {
-    const __m512 a = rms_scale_bf16x16<kConvention>(x + i, w + i, vr, least);
-    const __m512 b = rms_scale_bf16x16<kConvention>(x + pairs + i, w + pairs + i, vr, least);
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), vr);
+    __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + pairs + i), vr);
+    if constexpr (kConvention == QkNorm::Llama) {
+      apart |= rounds_apart(a) | rounds_apart(b);
+      round_bf16x32(a, b);
+    }
+    a = _mm512_mul_ps(_mm512_loadu_ps(w + i), a);
+    b = _mm512_mul_ps(_mm512_loadu_ps(w + pairs + i), b);
+    if constexpr (kConvention != QkNorm::Fused) {
+      apart |= rounds_apart(a) | rounds_apart(b);
+      round_bf16x32(a, b);
+    }
     const __m512 first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)),
                                        _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
     const __m512 second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)),
                                         _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
-    least = least_magnitude(least, least_magnitude(first, second));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), narrow_bf16x16(first));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + pairs + i), narrow_bf16x16(second));
+    apart |= rounds_apart(first) | rounds_apart(second);
+    store_bf16x32(first, second, out + i, out + pairs + i);
   }
-  return all_normal(least);
+  return apart == 0;
 }
 #endif
 

@@ -47,11 +47,10 @@ enum class RowStores { kCached, kStreamed, kBf16ByInstruction };
 POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloat16* x, const float* pe,
                                                                 c10::BFloat16* y, int64_t n, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
-  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
     const __m512 sum = _mm512_add_ps(_mm512_mul_ps(widen_bf16x16(x + d), s), _mm512_loadu_ps(pe + d));
-    if (_mm512_fpclass_ps_mask(sum, kNanOrDenormal) != 0) break;
+    if (rounds_apart(sum) != 0) break;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
   }
   return d;

@@ -152,13 +152,14 @@ def far_angles_and_special_values():
                     qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
                     out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
 
-    # qk_norm_rope's bf16 heads rotated whole in neox pairs, which a CPU with AVX-512 BF16 rounds by instruction and
-    # redoes by the integer form where a zero, a denormal or a NaN meets a rounding: random bit patterns, and values
-    # about 1 with bf16 denormals among them, times weights about 1 and weights that take the products below
-    # float32's normal range.
+    # qk_norm_rope's bf16 heads rotated whole in neox pairs, forward and backward, which a CPU with AVX-512 BF16
+    # rounds by instruction and redoes by the integer form where a denormal or a NaN meets a rounding: random bit
+    # patterns, and values about 1 with bf16 denormals and zeros among them, times weights about 1 (zeros among them)
+    # and weights that take the products below float32's normal range; gradients about 1 and tiny.
     g = torch.Generator().manual_seed(10)
     about_one = torch.randint(-255, 256, (2, 4, 3 + 2, 64), generator=g).double() * 2.0 ** -7
     about_one.view(-1)[::7] *= 2.0 ** -130
+    about_one.view(-1)[3::11] = 0
     inv_freq = posenc.frequencies.rope(64, 10000.0)[0]
     for norm in ("llama", "gemma", "olmo2", "fused"):
         for values, qk in (("bits", data((2, 4, 5, 64), torch.bfloat16, 11)), ("denormals", about_one.bfloat16())):
@@ -169,6 +170,10 @@ def far_angles_and_special_values():
                 kw = (torch.randint(-255, 256, (k_width,), generator=g).double() * 2.0 ** -7).bfloat16()
                 qo, ko = PF.qk_norm_rope(q, k, qw, kw, torch.arange(4).expand(2, 4), inv_freq, 1e-6, norm)
                 out[f"qk_norm_rope/{norm}/{values}/{weights}"] = torch.cat([qo.flatten(), ko.flatten()])
+                grads = torch.ops.posenc.qk_norm_rope_backward(qk[:, :, :3] * scale, qk[:, :, 3:], q, k, qw, kw,
+                                                               torch.arange(4).expand(2, 4), inv_freq, 1e-6, norm)
+                for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
+                    out[f"qk_norm_rope_backward/{norm}/{values}/{weights}/{name}"] = grad
 
     # posenc rounds every NaN result to bf16 as c10 does, to 0x7FC0, on every capability. The comparison lets a NaN
     # be any NaN (torch's own vectorized bf16 conversions, run by the samples around posenc's ops, give 0xFFFF);

@@ -270,13 +270,34 @@ inline void store_floats(__m512 v, scalar_t* p) {
   }
 }
 
+#if defined(POSENC_BF16_BY_AVX512BF16)
+// The input gradient r * (g - xhat * mean_dot) of a bf16 head's n channels (a multiple of 32), stored rounded by
+// vcvtne2ps2bf16 (convert.h). Returns false, the head stored wrong, where a value rounds apart: the caller stores it
+// again by the integer form.
+POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const float* g, int64_t n, __m512 r,
+                                                           __m512 mean_dot, c10::BFloat16* out) {
+  __mmask16 apart = 0;
+  for (int64_t d = 0; d < n; d += 32) {
+    const auto input_grad = [&](int64_t c) {
+      const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + c), r);
+      const __m512 dx = _mm512_mul_ps(r, _mm512_sub_ps(_mm512_loadu_ps(g + c), _mm512_mul_ps(xhat, mean_dot)));
+      apart |= rounds_apart(dx);
+      return dx;
+    };
+    store_bf16x32(input_grad(d), input_grad(d + 16), out + d, out + d + 16);
+  }
+  return apart == 0;
+}
+#endif
+
 // The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
 // its three steps in one call: rms_rotate_back_row (g and gw), normalized_dot (its 16 lanes in channel order, folded
 // by lane_sum's tree) and rms_input_grad into out, or into g where out is null. The same operations on the same
 // values, so the same bits; 1.1-1.2x faster than the loops GCC vectorizes (float32 at the bench shape, bf16 in cache).
 template <typename scalar_t>
 inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
-                                         float r, const float* w, float* gw, float* g, scalar_t* out) {
+                                         float r, const float* w, float* gw, float* g, scalar_t* out,
+                                         bool by_instruction) {
   const __m512 vr = _mm512_set1_ps(r);
   const auto through_norm = [&](int64_t d, __m512 gz) {
     const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), vr);
@@ -302,6 +323,11 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
   const __m512 mean_dot = _mm512_set1_ps(dot / static_cast<float>(n));
+#if defined(POSENC_BF16_BY_AVX512BF16)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (by_instruction && store_input_grad_bf16(x, g, n, vr, mean_dot, out)) return;
+  }
+#endif
   for (int64_t d = 0; d < n; d += 16) {
     const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), vr);
     const __m512 dx = _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_loadu_ps(g + d), _mm512_mul_ps(xhat, mean_dot)));
@@ -350,7 +376,7 @@ template <typename scalar_t, typename opmath>
 void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t* grad,
                                const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
                                PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* gw, opmath* g,
-                               scalar_t* out) {
+                               scalar_t* out, bool by_instruction) {
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
     const int64_t D = view.head_dim;
@@ -360,7 +386,8 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
       if (norm.input_stride[3] == 1) {
         prefetch_row(input + norm.input_stride[1] + h * norm.input_stride[2], D * sizeof(scalar_t));
       }
-      norm_rope_backward_neox_head(grad, k, pairs, x, inv_rms[h], norm.weight, gw, g, view.stream ? nullptr : out);
+      norm_rope_backward_neox_head(grad, k, pairs, x, inv_rms[h], norm.weight, gw, g, view.stream ? nullptr : out,
+                                   by_instruction);
       if constexpr (std::is_same_v<scalar_t, float>) {
         if (view.stream) store_streaming(g, out, D);  // bf16 is never streamed
       }
@@ -369,24 +396,24 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
 #endif
 }
 
-// Whether normalize_rotate_heads rounds a view's heads by vcvtneps2bf16 (rmsnorm.h): contiguous bf16 heads rotated
-// whole in neox pairs, 16 or more, on a CPU with AVX-512 BF16, and no weight of zero ("gemma"'s 1 + w included),
-// which would send every head back through the integer form.
+// Whether norm_rope_kernel rounds a view's bf16 values by AVX-512 BF16 (the forward's normalized heads, rmsnorm.h;
+// the backward's input gradients, store_input_grad_bf16): contiguous heads rotated whole in neox pairs, 16 or more,
+// on a CPU that has it.
 template <typename scalar_t, typename opmath>
 bool rounds_by_instruction(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm,
                            RopeLayout layout, int64_t pairs) {
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     return layout == RopeLayout::Neox && view.out_stride[3] == 1 && 2 * pairs == view.head_dim && pairs % 16 == 0 &&
-           has_avx512_bf16() && std::find(norm.weight, norm.weight + norm.group, 0.0f) == norm.weight + norm.group;
+           has_avx512_bf16();
   }
 #endif
   return false;
 }
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
-// normalize_rotate_heads of the views rounds_by_instruction picks: each head rounded by vcvtneps2bf16, or by the
-// integer form where a zero, a denormal or a NaN met there asks for it (rmsnorm.h).
+// normalize_rotate_heads of the views rounds_by_instruction picks: each head rounded by vcvtne2ps2bf16, or by the
+// integer form where a denormal or a NaN met there asks for it (rmsnorm.h).
 template <QkNorm kConvention>
 POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const RmsNormView<c10::BFloat16, float>& norm,
                                                          const float* inv_rms, PairCoeffs<float> k, int64_t pairs,
@@ -470,8 +497,8 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
-  std::vector<char> by_instruction(problem.num_views);  // forward: rounds_by_instruction per view
-  for (int64_t v = 0; !problem.inverse && v < problem.num_views; ++v) {
+  std::vector<char> by_instruction(problem.num_views);  // rounds_by_instruction per view
+  for (int64_t v = 0; v < problem.num_views; ++v) {
     by_instruction[v] = rounds_by_instruction(problem.views[v], problem.norms[v], problem.layout, pairs);
   }
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
@@ -515,7 +542,8 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           inverse_rms_of_groups(x, H * D, norm, inv_rms);
           opmath* weight_grad = &partial[v][(n / chunk) * norm.group];
           if (by_vectors[v]) {
-            backward_heads_by_vectors(view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad, out);
+            backward_heads_by_vectors(view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad, out,
+                                      by_instruction[v]);
             continue;
           }
           rotate_back_heads(problem.layout, view, in, norm, input, inv_rms, k, pairs, x, weight_grad, grad);
