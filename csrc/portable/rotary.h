@@ -252,6 +252,95 @@ void copy_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s) {
   }
 }
 
+#if defined(POSENC_BF16_BY_AVX512BF16)
+// Pairs [i, i + 16) of a contiguous bf16 row rotated in float32 as rotate_row rotates them: their first channels in
+// `first`, their partners in `second`. False where the instruction would round one of them otherwise than the
+// integer form (rounds_apart, convert.h).
+template <RopeLayout kLayout>
+POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rotate_bf16x16_pairs(const c10::BFloat16* in, PairCoeffs<float> k,
+                                                                 int64_t pairs, int64_t i, __m512& first,
+                                                                 __m512& second) {
+  __m512 a, b;
+  if constexpr (kLayout == RopeLayout::Neox) {
+    a = widen_bf16x16(in + i);
+    b = widen_bf16x16(in + pairs + i);
+  } else {  // a pair's two bf16 are the halves of one 32-bit word (masks of all lanes: GCC 12's placeholders)
+    const __m512i words = _mm512_loadu_si512(in + 2 * i);
+    a = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, words, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)), _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
+  second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)), _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
+  return (rounds_apart(first) | rounds_apart(second)) == 0;
+}
+
+// Pairs [i, i + count) of a bf16 row rotated and rounded by the integer form.
+template <RopeLayout kLayout>
+inline void rotate_bf16_pairs_by_integers(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k,
+                                          int64_t pairs, int64_t i, int64_t count) {
+  const int64_t step = kLayout == RopeLayout::Neox ? 1 : 2;
+  const int64_t partner = kLayout == RopeLayout::Neox ? pairs : 1;
+  for (int64_t j = i; j < i + count; ++j) {
+    const float x1 = to_opmath(in[j * step]);
+    const float x2 = to_opmath(in[j * step + partner]);
+    out[j * step] = from_opmath<c10::BFloat16>(rotate_first(x1, x2, k.c1[j], k.s1[j]));
+    out[j * step + partner] = from_opmath<c10::BFloat16>(rotate_second(x1, x2, k.c2[j], k.s2[j]));
+  }
+}
+
+// rotate_heads of a bf16 view whose rows are contiguous, pairs a multiple of 16, rounded by AVX-512 BF16 where that
+// gives the integer form's bits (rotate_bf16x16_pairs; each 16 pairs are rotated, checked, then stored, so rows
+// rotated in place are redone from their input). Where the view streams, whole 64-byte lines of the output go past
+// the caches from registers: gptj's 16 pairs are one, neox's first (and second) channels of 32 pairs another.
+template <RopeLayout kLayout>
+POSENC_TARGET_AVX512BF16 void rotate_heads_bf16(const RotaryView<c10::BFloat16>& v, int64_t b, int64_t s,
+                                                PairCoeffs<float> k, int64_t pairs) {
+  const c10::BFloat16* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
+  c10::BFloat16* out = output_token(v, b, s);
+  if (out == nullptr) return;
+  constexpr bool kNeox = kLayout == RopeLayout::Neox;
+  const auto store = [](__m512i line, c10::BFloat16* p, bool stream) POSENC_TARGET_AVX512BF16 {
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
+    } else {
+      _mm512_storeu_si512(p, line);
+    }
+  };
+  for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
+    prefetch_next_token(v, in, out);
+    const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+    __m512 first, second, first2, second2;
+    if (kNeox && stream && pairs % 32 == 0) {
+      for (int64_t i = 0; i < pairs; i += 32) {
+        if (rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second) &&
+            rotate_bf16x16_pairs<kLayout>(in, k, pairs, i + 16, first2, second2)) {
+          store(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)), out + i, true);
+          store(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)), out + pairs + i, true);
+        } else {
+          rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 32);
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < pairs; i += 16) {
+        if (!rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second)) {
+          rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 16);
+        } else if constexpr (kNeox) {
+          store_bf16x32(first, second, out + i, out + pairs + i);
+        } else {  // first's 16 in the low words, second's in the high, put back in pair order by one vpermw
+          const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
+          const __m512i pair_order = _mm512_setr_epi32(16 << 16, 1 | 17 << 16, 2 | 18 << 16, 3 | 19 << 16,
+                                                       4 | 20 << 16, 5 | 21 << 16, 6 | 22 << 16, 7 | 23 << 16,
+                                                       8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
+                                                       12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
+          store(_mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves), out + 2 * i, stream);
+        }
+      }
+    }
+    if (in != out) std::copy(in + 2 * pairs, in + v.head_dim, out + 2 * pairs);
+  }
+}
+#endif
+
 template <typename scalar_t, typename opmath_t>
 void rotate_token(const RotaryView<scalar_t>& v, int64_t b, int64_t s, PairCoeffs<opmath_t> k, int64_t pairs,
                   RopeLayout layout) {

@@ -175,6 +175,25 @@ def far_angles_and_special_values():
                 for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                     out[f"qk_norm_rope_backward/{norm}/{values}/{weights}/{name}"] = grad
 
+    # bf16 rows rotated token by token with whole vectors of pairs (16 or more), which a CPU with AVX-512 BF16 rounds
+    # by instruction and rounds by the integer form where a rotated value is a denormal or a NaN: random bit
+    # patterns and values about 1 with bf16 denormals and zeros among them; neox and gptj, out of place, in place
+    # and backward, a partial rotary (96 channels, 64 rotated).
+    positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
+    for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
+        inv_freq = posenc.frequencies.rope(rotary_dim, 10000.0)[0]
+        small = torch.randint(-255, 256, (2, 4, 3, head_dim), generator=g).double() * 2.0 ** -7
+        small.view(-1)[::7] *= 2.0 ** -130
+        small.view(-1)[3::11] = 0
+        for values, x in (("bits", data((2, 4, 3, head_dim), torch.bfloat16, 12)), ("denormals", small.bfloat16())):
+            for layout in ("neox", "gptj"):
+                key = f"{head_dim}/{rotary_dim}/{values}/{layout}"
+                out[f"rope_bf16_rows/{key}"] = PF.rope(x, positions, inv_freq, 0.9, layout)
+                rotated = x.clone()
+                PF.rope_(rotated, positions, inv_freq, 1.0, layout)
+                out[f"rope_bf16_rows_/{key}"] = rotated
+                out[f"rope_bf16_rows_backward/{key}"] = PF.rope_backward(x, positions, inv_freq, 1.0, layout)
+
     # posenc rounds every NaN result to bf16 as c10 does, to 0x7FC0, on every capability. The comparison lets a NaN
     # be any NaN (torch's own vectorized bf16 conversions, run by the samples around posenc's ops, give 0xFFFF);
     # these int16 patterns of the NaNs of posenc's own bf16 outputs above are compared exactly.

@@ -632,12 +632,45 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
 
+// Whether a bf16 view's tokens are rotated by rotate_heads_bf16 (rounded by AVX-512 BF16): rows contiguous, pairs a
+// multiple of 16, on a CPU that has it.
+template <typename scalar_t>
+bool rotates_by_instruction(const RotaryView<scalar_t>& v, int64_t pairs) {
+#if defined(POSENC_BF16_BY_AVX512BF16)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return v.in_stride[3] == 1 && v.out_stride[3] == 1 && pairs % 16 == 0 && has_avx512_bf16();
+  }
+#endif
+  return false;
+}
+
 // Tokens [first, last) of view v, a few heads at a time or token by token (head_by_head); coeffs(n, s) gives
 // token n's coefficients (s = n mod seq).
 template <typename scalar_t, typename CoeffsOf>
 void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
                    RopeLayout layout, const CoeffsOf& coeffs) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (v.stream && (head_by_head(v, seq) || !rotates_by_instruction(v, pairs))) {
+      RotaryView<scalar_t> cached = v;  // bf16 rows stream only from rotate_heads_bf16
+      cached.stream = false;
+      return rotate_tokens(cached, first, last, seq, pairs, layout, coeffs);
+    }
+  }
   if (!head_by_head(v, seq)) {
+#if defined(POSENC_BF16_BY_AVX512BF16)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (rotates_by_instruction(v, pairs)) {
+        for (int64_t n = first; n < last; ++n) {
+          if (layout == RopeLayout::Neox) {
+            rotate_heads_bf16<RopeLayout::Neox>(v, n / seq, n % seq, coeffs(n, n % seq), pairs);
+          } else {
+            rotate_heads_bf16<RopeLayout::Gptj>(v, n / seq, n % seq, coeffs(n, n % seq), pairs);
+          }
+        }
+        return;
+      }
+    }
+#endif
     for (int64_t n = first; n < last; ++n) rotate_token(v, n / seq, n % seq, coeffs(n, n % seq), pairs, layout);
     return;
   }
