@@ -34,9 +34,9 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // view with its rows stored past the caches where the call's output allows (cpu::streams_output). In-process A/Bs,
 // token by token: float32 M-RoPE q, k [1, 4096, 16, 128] 3.79 -> 2.32 ms and Llama-like q, k [4, 2048, 16, 128]
 // 5.65 -> 4.92; bfloat16 rows were 7-12% slower, but for those the kernels round by AVX-512 BF16 and store as whole
-// lines from registers (rotate_heads_bf16; not QK-norm's, which measured slower so): Llama-like 3.97-4.98 -> 2.42-3.40
-// ms, M-RoPE 1.41-1.72 -> 1.16-1.43. bf16_lines: the kernel is rope_kernel's rotation (other bf16 rows ignore the
-// flag).
+// lines from registers (rotate_heads_bf16; not QK-norm's, which measured slower so). Those rows, ordinary stores ->
+// streamed, in separate processes: Llama-like 3.97-4.98 -> 2.42-3.40 ms, M-RoPE 1.41-1.72 -> 1.16-1.43.
+// bf16_lines: the kernel is rope_kernel's rotation (other bf16 rows ignore the flag).
 template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written, bool bf16_lines = false) {
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
