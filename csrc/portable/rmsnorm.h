@@ -157,10 +157,8 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rms_scale_rotate_neox_bf16(const flo
       apart |= rounds_apart(a) | rounds_apart(b);
       round_bf16x32(a, b);
     }
-    const __m512 first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)),
-                                       _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
-    const __m512 second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)),
-                                        _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
+    __m512 first, second;
+    rotate_pairs16(a, b, k, i, first, second);
     apart |= rounds_apart(first) | rounds_apart(second);
     store_bf16x32(first, second, out + i, out + pairs + i);
   }

@@ -63,6 +63,17 @@ POSENC_INLINE T rotate_second(T x1, T x2, T c, T s) {
   return x2 * c + x1 * s;
 }
 
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
+// rotate_first and rotate_second of pairs [i, i + 16) in the AVX-512 build: a holds their first channels, b their
+// partners.
+POSENC_INLINE void rotate_pairs16(__m512 a, __m512 b, PairCoeffs<float> k, int64_t i, __m512& first,
+                                  __m512& second) {
+  first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)), _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
+  second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)), _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
+}
+#endif
+
 #if !defined(__CUDACC__)
 #if defined(POSENC_BF16_BY_SSE2)
 // The first pairs of a contiguous bf16 row in the baseline build, through convert.h's SSE2 widening and rounding,
@@ -269,8 +280,7 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rotate_bf16x16_pairs(const c10::BFlo
     a = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, words, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)), _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
-  second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)), _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
+  rotate_pairs16(a, b, k, i, first, second);
   return (rounds_apart(first) | rounds_apart(second)) == 0;
 }
 
@@ -299,13 +309,6 @@ POSENC_TARGET_AVX512BF16 void rotate_heads_bf16(const RotaryView<c10::BFloat16>&
   c10::BFloat16* out = output_token(v, b, s);
   if (out == nullptr) return;
   constexpr bool kNeox = kLayout == RopeLayout::Neox;
-  const auto store = [](__m512i line, c10::BFloat16* p, bool stream) POSENC_TARGET_AVX512BF16 {
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
-    } else {
-      _mm512_storeu_si512(p, line);
-    }
-  };
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
@@ -314,8 +317,10 @@ POSENC_TARGET_AVX512BF16 void rotate_heads_bf16(const RotaryView<c10::BFloat16>&
       for (int64_t i = 0; i < pairs; i += 32) {
         if (rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second) &&
             rotate_bf16x16_pairs<kLayout>(in, k, pairs, i + 16, first2, second2)) {
-          store(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)), out + i, true);
-          store(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)), out + pairs + i, true);
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i),
+                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)));
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i),
+                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)));
         } else {
           rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 32);
         }
@@ -332,7 +337,12 @@ POSENC_TARGET_AVX512BF16 void rotate_heads_bf16(const RotaryView<c10::BFloat16>&
                                                        4 | 20 << 16, 5 | 21 << 16, 6 | 22 << 16, 7 | 23 << 16,
                                                        8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
                                                        12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
-          store(_mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves), out + 2 * i, stream);
+          const __m512i line = _mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves);
+          if (stream) {
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 2 * i), line);
+          } else {
+            _mm512_storeu_si512(out + 2 * i, line);
+          }
         }
       }
     }

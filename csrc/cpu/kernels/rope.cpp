@@ -270,6 +270,12 @@ inline void store_floats(__m512 v, scalar_t* p) {
   }
 }
 
+// The input gradient r * (g - xhat * mean_dot), xhat = x * r, of channels [c, c + 16) (rms_input_grad's formula).
+inline __m512 input_grad16(const float* x, const float* g, int64_t c, __m512 r, __m512 mean_dot) {
+  const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + c), r);
+  return _mm512_mul_ps(r, _mm512_sub_ps(_mm512_loadu_ps(g + c), _mm512_mul_ps(xhat, mean_dot)));
+}
+
 #if defined(POSENC_BF16_BY_AVX512BF16)
 // The input gradient r * (g - xhat * mean_dot) of a bf16 head's n channels (a multiple of 32), stored rounded by
 // vcvtne2ps2bf16 (convert.h). Returns false, the head stored wrong, where a value rounds apart: the caller stores it
@@ -278,13 +284,10 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
                                                            __m512 mean_dot, c10::BFloat16* out) {
   __mmask16 apart = 0;
   for (int64_t d = 0; d < n; d += 32) {
-    const auto input_grad = [&](int64_t c) {
-      const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + c), r);
-      const __m512 dx = _mm512_mul_ps(r, _mm512_sub_ps(_mm512_loadu_ps(g + c), _mm512_mul_ps(xhat, mean_dot)));
-      apart |= rounds_apart(dx);
-      return dx;
-    };
-    store_bf16x32(input_grad(d), input_grad(d + 16), out + d, out + d + 16);
+    const __m512 low = input_grad16(x, g, d, r, mean_dot);
+    const __m512 high = input_grad16(x, g, d + 16, r, mean_dot);
+    apart |= rounds_apart(low) | rounds_apart(high);
+    store_bf16x32(low, high, out + d, out + d + 16);
   }
   return apart == 0;
 }
@@ -307,10 +310,10 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
   for (int64_t i = 0; i < pairs; i += 16) {
     const __m512 a = load_floats(grad + i);
     const __m512 b = load_floats(grad + pairs + i);
-    through_norm(i, _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)),
-                                  _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i))));
-    through_norm(pairs + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)),
-                                          _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i))));
+    __m512 first, second;
+    rotate_pairs16(a, b, k, i, first, second);
+    through_norm(i, first);
+    through_norm(pairs + i, second);
   }
   const int64_t n = 2 * pairs;
   __m512 lanes = _mm512_setzero_ps();
@@ -329,8 +332,7 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
   }
 #endif
   for (int64_t d = 0; d < n; d += 16) {
-    const __m512 xhat = _mm512_mul_ps(_mm512_loadu_ps(x + d), vr);
-    const __m512 dx = _mm512_mul_ps(vr, _mm512_sub_ps(_mm512_loadu_ps(g + d), _mm512_mul_ps(xhat, mean_dot)));
+    const __m512 dx = input_grad16(x, g, d, vr, mean_dot);
     if (out != nullptr) {
       store_floats(dx, out + d);
     } else {
@@ -399,9 +401,8 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
 // Whether norm_rope_kernel rounds a view's bf16 values by AVX-512 BF16 (the forward's normalized heads, rmsnorm.h;
 // the backward's input gradients, store_input_grad_bf16): contiguous heads rotated whole in neox pairs, 16 or more,
 // on a CPU that has it.
-template <typename scalar_t, typename opmath>
-bool rounds_by_instruction(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm,
-                           RopeLayout layout, int64_t pairs) {
+template <typename scalar_t>
+bool rounds_by_instruction(const RotaryView<scalar_t>& view, RopeLayout layout, int64_t pairs) {
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     return layout == RopeLayout::Neox && view.out_stride[3] == 1 && 2 * pairs == view.head_dim && pairs % 16 == 0 &&
@@ -499,7 +500,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
   std::vector<char> by_instruction(problem.num_views);  // rounds_by_instruction per view
   for (int64_t v = 0; v < problem.num_views; ++v) {
-    by_instruction[v] = rounds_by_instruction(problem.views[v], problem.norms[v], problem.layout, pairs);
+    by_instruction[v] = rounds_by_instruction(problem.views[v], problem.layout, pairs);
   }
   for (int64_t v = 0; problem.inverse && v < problem.num_views; ++v) partial.emplace_back(chunks * problem.norms[v].group);
   std::vector<char> by_vectors(problem.num_views);  // backward: backward_by_vectors per view
@@ -650,8 +651,8 @@ template <typename scalar_t, typename CoeffsOf>
 void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
                    RopeLayout layout, const CoeffsOf& coeffs) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (v.stream && (head_by_head(v, seq) || !rotates_by_instruction(v, pairs))) {
-      RotaryView<scalar_t> cached = v;  // bf16 rows stream only from rotate_heads_bf16
+    if (v.stream && !rotates_by_instruction(v, pairs)) {
+      RotaryView<scalar_t> cached = v;  // bf16 rows stream only from rotate_heads_bf16 (head runs never stream)
       cached.stream = false;
       return rotate_tokens(cached, first, last, seq, pairs, layout, coeffs);
     }
