@@ -37,6 +37,12 @@ bool streams_output(int64_t bytes_written) {
   return std::is_same_v<scalar_t, float> && bytes_written > 0 && bytes_written >= stream_bytes();
 }
 
+// Whether bf16 rows of such a size, rounded by AVX-512 BF16 in registers, go past the caches as whole 64-byte
+// lines, for the kernels that store them so (the rotations walked token by token, the row additions).
+inline bool streams_bf16_lines(int64_t bytes_written) {
+  return has_avx512_bf16() && bytes_written > 0 && bytes_written >= stream_bytes();
+}
+
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the
 // library loads (default always exists), and a call runs the best filled slot up to capability().
 template <typename Fn>

@@ -41,7 +41,7 @@ template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written, bool bf16_lines = false) {
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    view.stream = bf16_lines && cpu::has_avx512_bf16() && bytes_written > 0 && bytes_written >= cpu::stream_bytes();
+    view.stream = bf16_lines && cpu::streams_bf16_lines(bytes_written);
   }
   return view;
 }

@@ -36,20 +36,47 @@ inline int64_t add_bf16_sse2(const c10::BFloat16* x, const float* pe, c10::BFloa
 #endif
 
 // How add_rows stores its sums: as they are; past the caches (float32 outputs larger than the last-level cache,
-// streaming.h); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16, rounded by vcvtneps2bf16 (convert.h).
-enum class RowStores { kCached, kStreamed, kBf16ByInstruction };
+// streaming.h); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16, rounded by vcvtneps2bf16 (convert.h),
+// and for outputs larger than the last-level cache stored past it as whole 64-byte lines from registers.
+enum class RowStores { kCached, kStreamed, kBf16ByInstruction, kBf16Streamed };
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
 // x * scale + pe over the first channels of a bf16 row, 16 at a time, rounded by vcvtneps2bf16, which rounds as
 // from_opmath does except on denormals (read as zero) and NaNs (payload kept): at the first 16 sums holding one
 // (vfpclassps: one instruction and a test per 16, against six for the integer rounding), it stops and leaves the
-// rest of the row to add_rows' loop. Returns the count added (a multiple of 16).
+// rest of the row to add_rows' loop. Streamed, the row goes by y's 64-byte lines: the part of a line before the
+// first whole one by masked loads and store, then 32 sums at a time, both halves rounded by one vcvtne2ps2bf16
+// and stored as a whole line past the caches. Returns the count added.
 POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloat16* x, const float* pe,
-                                                                c10::BFloat16* y, int64_t n, float scale) {
+                                                                c10::BFloat16* y, int64_t n, float scale,
+                                                                bool stream) {
   const __m512 s = _mm512_set1_ps(scale);
+  // the sums of channels d.. d + 15 that `lanes` selects (the others 0, which both roundings give alike)
+  const auto sum16 = [&](int64_t d, __mmask16 lanes) {
+    const __m512i bits = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_maskz_loadu_epi16(lanes, x + d));
+    const __m512 widened = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, bits, 16));
+    return _mm512_add_ps(_mm512_mul_ps(widened, s), _mm512_maskz_loadu_ps(lanes, pe + d));
+  };
   int64_t d = 0;
+  if (stream && reinterpret_cast<uintptr_t>(y) % 2 == 0) {
+    const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(y) % 64) % 64 / 2);
+    if (head > 0) {
+      const auto lanes = static_cast<__mmask32>((uint64_t{1} << head) - 1);
+      const __m512 low = sum16(0, static_cast<__mmask16>(lanes));
+      const __m512 high = sum16(16, static_cast<__mmask16>(lanes >> 16));
+      if ((rounds_apart(low) | rounds_apart(high)) != 0) return 0;
+      _mm512_mask_storeu_epi16(y, lanes, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+      d = head;
+    }
+    for (; d + 32 <= n; d += 32) {
+      const __m512 low = sum16(d, 0xFFFF), high = sum16(d + 16, 0xFFFF);
+      if ((rounds_apart(low) | rounds_apart(high)) != 0) return d;
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + d),
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+    }
+  }
   for (; d + 16 <= n; d += 16) {
-    const __m512 sum = _mm512_add_ps(_mm512_mul_ps(widen_bf16x16(x + d), s), _mm512_loadu_ps(pe + d));
+    const __m512 sum = sum16(d, 0xFFFF);
     if (rounds_apart(sum) != 0) break;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
   }
@@ -116,7 +143,9 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
 #endif
 #if defined(POSENC_BF16_BY_AVX512BF16)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (stores == RowStores::kBf16ByInstruction) done = add_bf16_by_instruction(x, e, y, with_pe, scale);
+          if (stores == RowStores::kBf16ByInstruction || stores == RowStores::kBf16Streamed) {
+            done = add_bf16_by_instruction(x, e, y, with_pe, scale, stores == RowStores::kBf16Streamed);
+          }
         }
 #endif
         for (int64_t d = done; d < with_pe; ++d) y[d] = from_opmath<scalar_t>(to_opmath(x[d]) * scale + e[d]);
