@@ -298,55 +298,70 @@ inline void rotate_bf16_pairs_by_integers(const c10::BFloat16* in, c10::BFloat16
   }
 }
 
-// rotate_heads of a bf16 view whose rows are contiguous, pairs a multiple of 16, rounded by AVX-512 BF16 where that
-// gives the integer form's bits (rotate_bf16x16_pairs; each 16 pairs are rotated, checked, then stored, so rows
-// rotated in place are redone from their input). Where the view streams, whole 64-byte lines of the output go past
-// the caches from registers: gptj's 16 pairs are one, neox's first (and second) channels of 32 pairs another.
+// One contiguous bf16 row of `pairs` (a multiple of 16) rotated and rounded by AVX-512 BF16 where that gives the
+// integer form's bits (rotate_bf16x16_pairs; each 16 pairs are rotated, checked, then stored, so rows rotated in
+// place are redone from their input). `stream`: the output's 64-byte lines go past the caches from registers (out
+// on a line): gptj's 16 pairs are one, neox's first (and second) channels of 32 pairs another. The channels past
+// the pairs are copied.
+template <RopeLayout kLayout>
+POSENC_TARGET_AVX512BF16 POSENC_INLINE void rotate_bf16_row(const c10::BFloat16* in, c10::BFloat16* out,
+                                                            PairCoeffs<float> k, int64_t pairs, int64_t head_dim,
+                                                            bool stream) {
+  constexpr bool kNeox = kLayout == RopeLayout::Neox;
+  __m512 first, second, first2, second2;
+  if (kNeox && pairs % 32 == 0) {
+    for (int64_t i = 0; i < pairs; i += 32) {
+      if (rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second) &&
+          rotate_bf16x16_pairs<kLayout>(in, k, pairs, i + 16, first2, second2)) {
+        const auto firsts = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first));
+        const auto seconds = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second));
+        if (stream) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), firsts);
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), seconds);
+        } else {
+          _mm512_storeu_si512(out + i, firsts);
+          _mm512_storeu_si512(out + pairs + i, seconds);
+        }
+      } else {
+        rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 32);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < pairs; i += 16) {
+      if (!rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second)) {
+        rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 16);
+      } else if constexpr (kNeox) {
+        store_bf16x32(first, second, out + i, out + pairs + i);
+      } else {  // first's 16 in the low words, second's in the high, put back in pair order by one vpermw
+        const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
+        const __m512i pair_order = _mm512_setr_epi32(16 << 16, 1 | 17 << 16, 2 | 18 << 16, 3 | 19 << 16,
+                                                     4 | 20 << 16, 5 | 21 << 16, 6 | 22 << 16, 7 | 23 << 16,
+                                                     8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
+                                                     12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
+        const __m512i line = _mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves);
+        if (stream) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 2 * i), line);
+        } else {
+          _mm512_storeu_si512(out + 2 * i, line);
+        }
+      }
+    }
+  }
+  if (in != out) std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
+}
+
+// rotate_heads of a bf16 view whose rows are contiguous, pairs a multiple of 16, each head by rotate_bf16_row; heads
+// whose output starts on a line stream where the view does.
 template <RopeLayout kLayout>
 POSENC_TARGET_AVX512BF16 void rotate_heads_bf16(const RotaryView<c10::BFloat16>& v, int64_t b, int64_t s,
                                                 PairCoeffs<float> k, int64_t pairs) {
   const c10::BFloat16* in = v.in + b * v.in_stride[0] + s * v.in_stride[1];
   c10::BFloat16* out = output_token(v, b, s);
   if (out == nullptr) return;
-  constexpr bool kNeox = kLayout == RopeLayout::Neox;
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-    __m512 first, second, first2, second2;
-    if (kNeox && stream && pairs % 32 == 0) {
-      for (int64_t i = 0; i < pairs; i += 32) {
-        if (rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second) &&
-            rotate_bf16x16_pairs<kLayout>(in, k, pairs, i + 16, first2, second2)) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i),
-                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)));
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i),
-                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)));
-        } else {
-          rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 32);
-        }
-      }
-    } else {
-      for (int64_t i = 0; i < pairs; i += 16) {
-        if (!rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second)) {
-          rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 16);
-        } else if constexpr (kNeox) {
-          store_bf16x32(first, second, out + i, out + pairs + i);
-        } else {  // first's 16 in the low words, second's in the high, put back in pair order by one vpermw
-          const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second, first));
-          const __m512i pair_order = _mm512_setr_epi32(16 << 16, 1 | 17 << 16, 2 | 18 << 16, 3 | 19 << 16,
-                                                       4 | 20 << 16, 5 | 21 << 16, 6 | 22 << 16, 7 | 23 << 16,
-                                                       8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
-                                                       12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
-          const __m512i line = _mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves);
-          if (stream) {
-            _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 2 * i), line);
-          } else {
-            _mm512_storeu_si512(out + 2 * i, line);
-          }
-        }
-      }
-    }
-    if (in != out) std::copy(in + 2 * pairs, in + v.head_dim, out + 2 * pairs);
+    rotate_bf16_row<kLayout>(in, out, k, pairs, v.head_dim, stream);
   }
 }
 #endif

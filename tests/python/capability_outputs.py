@@ -178,7 +178,7 @@ def far_angles_and_special_values():
     # bf16 rows rotated token by token with whole vectors of pairs (16 or more), which a CPU with AVX-512 BF16 rounds
     # by instruction and rounds by the integer form where a rotated value is a denormal or a NaN: random bit
     # patterns and values about 1 with bf16 denormals and zeros among them; neox and gptj, out of place, in place
-    # and backward, a partial rotary (96 channels, 64 rotated).
+    # and backward, bshd and bhsd, a partial rotary (96 channels, 64 rotated).
     positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
     for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
         inv_freq = posenc.frequencies.rope(rotary_dim, 10000.0)[0]
@@ -193,6 +193,11 @@ def far_angles_and_special_values():
                 PF.rope_(rotated, positions, inv_freq, 1.0, layout)
                 out[f"rope_bf16_rows_/{key}"] = rotated
                 out[f"rope_bf16_rows_backward/{key}"] = PF.rope_backward(x, positions, inv_freq, 1.0, layout)
+                # bhsd: each head's rows walked as one run (gptj by AVX-512 BF16 too)
+                heads_first = x.transpose(1, 2).contiguous()
+                out[f"rope_bf16_rows_bhsd/{key}"] = PF.rope(heads_first, positions, inv_freq, 0.9, layout, "bhsd")
+                out[f"rope_bf16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
+                                                                              layout, "bhsd")
 
     # posenc rounds every NaN result to bf16 as c10 does, to 0x7FC0, on every capability. The comparison lets a NaN
     # be any NaN (torch's own vectorized bf16 conversions, run by the samples around posenc's ops, give 0xFFFF);

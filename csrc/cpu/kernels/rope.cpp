@@ -624,15 +624,6 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   }
 }
 
-template <RopeLayout kLayout, typename scalar_t, typename CoeffsOf>
-void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, int64_t first, int64_t last,
-                     int64_t seq, int64_t pairs, const CoeffsOf& coeffs) {
-  const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
-  if (fixed == 64) return rotate_head_run<kLayout, 64>(v, h, count, first, last, seq, pairs, coeffs);
-  if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, count, first, last, seq, pairs, coeffs);
-  rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
-}
-
 // Whether a bf16 view's tokens are rotated by rotate_heads_bf16 (rounded by AVX-512 BF16): rows contiguous, pairs a
 // multiple of 16, on a CPU that has it.
 template <typename scalar_t>
@@ -644,6 +635,50 @@ bool rotates_by_instruction(const RotaryView<scalar_t>& v, int64_t pairs) {
 #endif
   return false;
 }
+
+#if defined(POSENC_BF16_BY_AVX512BF16)
+// rotate_head_run of bf16 gptj rows rounded by AVX-512 BF16 (rotate_bf16_row, inlined here; called a row at a time
+// across the target boundary it was slower), ordinary stores. In-process A/B, bhsd q, k [32, 16, 1024, 64]: 1.11-1.14x
+// on 2 threads, 1.08-1.16x on one ([4, ...]). neox rows (DINOv3's [16, 16, 1029, 64]) ran 0.82-0.97x so out of place
+// and keep the integer form.
+template <RopeLayout kLayout, typename CoeffsOf>
+POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat16>& v, int64_t h, int64_t count,
+                                                   int64_t first, int64_t last, int64_t seq, int64_t pairs,
+                                                   const CoeffsOf& coeffs) {
+  for (int64_t n = first; n < last;) {
+    const int64_t b = n / seq;
+    const int64_t run_end = std::min(last, (b + 1) * seq);
+    const c10::BFloat16* in = v.in + b * v.in_stride[0] + (n - b * seq) * v.in_stride[1] + h * v.in_stride[2];
+    for (; n < run_end; ++n, in += v.in_stride[1]) {
+      const int64_t s = n - b * seq;
+      c10::BFloat16* out = output_token(v, b, s);
+      if (out == nullptr) continue;
+      out += h * v.out_stride[2];
+      const auto k = coeffs(n, s);
+      for (int64_t g = 0; g < count; ++g) {
+        rotate_bf16_row<kLayout>(in + g * v.in_stride[2], out + g * v.out_stride[2], k, pairs, v.head_dim, false);
+      }
+    }
+  }
+}
+#endif
+
+template <RopeLayout kLayout, typename scalar_t, typename CoeffsOf>
+void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, int64_t first, int64_t last,
+                     int64_t seq, int64_t pairs, const CoeffsOf& coeffs) {
+#if defined(POSENC_BF16_BY_AVX512BF16)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Gptj) {
+    if (rotates_by_instruction(v, pairs)) {
+      return rotate_head_run_bf16<kLayout>(v, h, count, first, last, seq, pairs, coeffs);
+    }
+  }
+#endif
+  const int64_t fixed = std::is_same_v<scalar_t, c10::Half> ? 0 : pairs;
+  if (fixed == 64) return rotate_head_run<kLayout, 64>(v, h, count, first, last, seq, pairs, coeffs);
+  if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, count, first, last, seq, pairs, coeffs);
+  rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
+}
+
 
 // Tokens [first, last) of view v, a few heads at a time or token by token (head_by_head); coeffs(n, s) gives
 // token n's coefficients (s = n mod seq).
