@@ -637,8 +637,9 @@ bool rotates_by_instruction(const RotaryView<scalar_t>& v, int64_t pairs) {
 }
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
-// rotate_head_run of bf16 gptj rows rounded by AVX-512 BF16 (rotate_bf16_row, inlined here; called a row at a time
-// across the target boundary it was slower), ordinary stores. In-process A/B, bhsd q, k [32, 16, 1024, 64]: 1.11-1.14x
+// rotate_head_run of bf16 gptj rows rounded by AVX-512 BF16, ordinary stores. Its walk is rotate_head_run's: written
+// again here so that rotate_bf16_row inlines into a function with the instruction set's target (called a row at a
+// time across that boundary it was slower). In-process A/B, bhsd q, k [32, 16, 1024, 64]: 1.11-1.14x
 // on 2 threads, 1.08-1.16x on one ([4, ...]). neox rows (DINOv3's [16, 16, 1029, 64]) ran 0.82-0.97x so out of place
 // and keep the integer form.
 template <RopeLayout kLayout, typename CoeffsOf>
@@ -678,7 +679,6 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   if (fixed == 32) return rotate_head_run<kLayout, 32>(v, h, count, first, last, seq, pairs, coeffs);
   rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
-
 
 // Tokens [first, last) of view v, a few heads at a time or token by token (head_by_head); coeffs(n, s) gives
 // token n's coefficients (s = n mod seq).
