@@ -118,9 +118,9 @@ POSENC_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
     (defined(__x86_64__) || defined(__i386__))
 // 16 bf16 values widened to float32 in the AVX-512 build: a bf16 is a float's high half (the masks of all lanes: GCC
-// 12 warns of its own placeholder in the unmasked forms).
-POSENC_INLINE __m512 widen_bf16x16(const c10::BFloat16* src) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+// 12 warns of its own placeholder in the unmasked forms). Only the `lanes` selected are read; the others are 0.
+POSENC_INLINE __m512 widen_bf16x16(const c10::BFloat16* src, __mmask16 lanes = 0xFFFF) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(lanes, src);
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bits), 16));
 }
 #endif

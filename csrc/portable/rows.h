@@ -53,9 +53,7 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
   const __m512 s = _mm512_set1_ps(scale);
   // the sums of channels d.. d + 15 that `lanes` selects (the others 0, which both roundings give alike)
   const auto sum16 = [&](int64_t d, __mmask16 lanes) {
-    const __m512i bits = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_maskz_loadu_epi16(lanes, x + d));
-    const __m512 widened = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, bits, 16));
-    return _mm512_add_ps(_mm512_mul_ps(widened, s), _mm512_maskz_loadu_ps(lanes, pe + d));
+    return _mm512_add_ps(_mm512_mul_ps(widen_bf16x16(x + d, lanes), s), _mm512_maskz_loadu_ps(lanes, pe + d));
   };
   int64_t d = 0;
   if (stream && reinterpret_cast<uintptr_t>(y) % 2 == 0) {
