@@ -175,6 +175,21 @@ def far_angles_and_special_values():
                 for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                     out[f"qk_norm_rope_backward/{norm}/{values}/{weights}/{name}"] = grad
 
+    # and float32, whose backward's input gradients go past the caches from registers where streamed; inputs on a
+    # 64-byte line and a channel past one
+    for norm in ("llama", "gemma", "fused"):
+        qk = data((2, 4, 5, 64), torch.float32, 12)
+        qw, kw = data((64,), torch.float32, 13), data((64,), torch.float32, 14)
+        grad = data((2, 4, 5, 64), torch.float32, 15)
+        for offset in (0, 1):
+            buffer = torch.zeros(qk.numel() + 16)
+            shifted = buffer[offset:offset + qk.numel()].view(qk.shape).copy_(qk)
+            q, k = shifted[:, :, :3], shifted[:, :, 3:]
+            grads = torch.ops.posenc.qk_norm_rope_backward(grad[:, :, :3], grad[:, :, 3:], q, k, qw, kw, None,
+                                                           inv_freq, 1e-6, norm)
+            for name, g32 in zip(("q", "k", "q_weight", "k_weight"), grads):
+                out[f"qk_norm_rope_backward/float32/{norm}/{offset}/{name}"] = g32
+
     # bf16 rows rotated token by token with whole vectors of pairs (16 or more), which a CPU with AVX-512 BF16 rounds
     # by instruction and rounds by the integer form where a rotated value is a denormal or a NaN: random bit
     # patterns and values about 1 with bf16 denormals and zeros among them; neox and gptj, out of place, in place
