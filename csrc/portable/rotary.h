@@ -162,14 +162,53 @@ inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* i
 }
 
 // A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
-// asks (float32 rows, through a row in L1; heads wider than it take ordinary stores). Not float64: rotated into a
+// asks (float32 rows: from registers where rotate_f32_row_streamed takes them, else through a row in L1; heads wider
+// than it take ordinary stores). Not float64: rotated into a
 // local row, its gptj pairs were compiled (GCC 12, AVX2 and AVX-512) to vfmaddsub, a fused multiply-add that
 // -ffp-contract=off does not stop, which changed the last bit.
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
+// A float32 head's row rotated as rotate_row rotates it and sent past the caches from registers in the AVX-512 build
+// (out on a 64-byte line, pairs a multiple of 16); the channels past the pairs are copied. Through a row in L1 and
+// store_streaming, the copy took a sixth of rope_qk's samples: in-process A/B, q, k [4, 2048, 16|8, 128], 1.07-1.14x.
+template <RopeLayout kLayout>
+POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoeffs<float> k, int64_t pairs,
+                                           int64_t head_dim) {
+  // gptj: a pair's channels are adjacent; 16 pairs are two vectors, split into firsts and partners and joined back
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  for (int64_t i = 0; i < pairs; i += 16) {
+    __m512 first, second;
+    if constexpr (kLayout == RopeLayout::Neox) {
+      rotate_pairs16(_mm512_loadu_ps(in + i), _mm512_loadu_ps(in + pairs + i), k, i, first, second);
+      _mm512_stream_ps(out + i, first);
+      _mm512_stream_ps(out + pairs + i, second);
+    } else {
+      const __m512 x0 = _mm512_loadu_ps(in + 2 * i), x1 = _mm512_loadu_ps(in + 2 * i + 16);
+      rotate_pairs16(_mm512_permutex2var_ps(x0, evens, x1), _mm512_permutex2var_ps(x0, odds, x1), k, i, first,
+                     second);
+      _mm512_stream_ps(out + 2 * i, _mm512_permutex2var_ps(first, low, second));
+      _mm512_stream_ps(out + 2 * i + 16, _mm512_permutex2var_ps(first, high, second));
+    }
+  }
+  std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
+}
+#endif
+
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
 POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
                                    PairCoeffs<opmath_t> k, int64_t pairs) {
   constexpr int64_t kRow = 512;
   if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
+    if (v.stream && in != out && pairs % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+      rotate_f32_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
+      return;
+    }
+#endif
     if (v.stream && in != out && v.head_dim <= kRow) {
       alignas(64) float row[kRow];
       rotate_row<kLayout, true, kPairs>(in, 1, row, 1, k, pairs, v.head_dim);
