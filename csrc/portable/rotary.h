@@ -161,11 +161,6 @@ inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* i
   }
 }
 
-// A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
-// asks (float32 rows: from registers where rotate_f32_row_streamed takes them, else through a row in L1; heads wider
-// than it take ordinary stores). Not float64: rotated into a
-// local row, its gptj pairs were compiled (GCC 12, AVX2 and AVX-512) to vfmaddsub, a fused multiply-add that
-// -ffp-contract=off does not stop, which changed the last bit.
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
     (defined(__x86_64__) || defined(__i386__))
 // A float32 head's row rotated as rotate_row rotates it and sent past the caches from registers in the AVX-512 build
@@ -197,6 +192,10 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 }
 #endif
 
+// A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
+// asks (float32 rows: from registers where rotate_f32_row_streamed takes them, else through a row in L1; heads wider
+// than it take ordinary stores). Not float64: rotated into a local row, its gptj pairs were compiled (GCC 12, AVX2
+// and AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off does not stop, which changed the last bit.
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
 POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
                                    PairCoeffs<opmath_t> k, int64_t pairs) {

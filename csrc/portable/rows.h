@@ -96,14 +96,16 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
 }
 #endif
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
-#define POSENC_F32_STREAMED_BY_AVX512 1
-// x * scale + pe over n float32 channels stored past the caches from registers in the AVX-512 build: y's whole
-// 64-byte lines by non-temporal stores, the parts of lines before and after them by masked ordinary stores. Through
-// a float chunk in L1 and store_streaming, the chunk's stores and loads cost 1-23% of the streamed rows (in-process
-// A/B). A masked store with no lane selected still slowed the rows to 0.6-0.85x (it touches the line the
-// non-temporal stores write next), so the ends are stored only where they hold a value. y holds whole floats.
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1 && (defined(__x86_64__) || defined(__i386__))
+#define POSENC_F32_STREAMED_FROM_REGISTERS 1
+// x * scale + pe over n float32 channels stored past the caches from registers in the AVX2 and AVX-512 builds: y's
+// whole vectors by non-temporal stores, the parts of lines before and after them by ordinary stores (AVX-512: masked;
+// AVX2: value by value, its masked store being microcoded on AMD's cores). Through a float chunk in L1 and
+// store_streaming, the chunk's stores and loads cost 1-23% of the streamed rows (in-process A/B, AVX-512). A masked
+// store with no lane selected still slowed the rows to 0.6-0.85x (it touches the line the non-temporal stores write
+// next), so the ends are stored only where they hold a value. y holds whole floats.
 inline void add_f32_streamed(const float* x, const float* pe, float* y, int64_t n, float scale) {
+#if POSENC_CPU_CAPABILITY_INDEX == 2
   const __m512 s = _mm512_set1_ps(scale);
   const auto sum16 = [&](int64_t d, __mmask16 lanes) {
     return _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + d), s), _mm512_maskz_loadu_ps(lanes, pe + d));
@@ -119,6 +121,16 @@ inline void add_f32_streamed(const float* x, const float* pe, float* y, int64_t 
     const auto last = static_cast<__mmask16>((1u << (n - d)) - 1);
     _mm512_mask_storeu_ps(y + d, last, sum16(d, last));
   }
+#else
+  const __m256 s = _mm256_set1_ps(scale);
+  const int64_t head = std::min<int64_t>(n, (32 - reinterpret_cast<uintptr_t>(y) % 32) % 32 / 4);
+  int64_t d = 0;
+  for (; d < head; ++d) y[d] = x[d] * scale + pe[d];
+  for (; d + 8 <= n; d += 8) {
+    _mm256_stream_ps(y + d, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d), s), _mm256_loadu_ps(pe + d)));
+  }
+  for (; d < n; ++d) y[d] = x[d] * scale + pe[d];
+#endif
 }
 #endif
 
@@ -127,8 +139,8 @@ inline void add_f32_streamed(const float* x, const float* pe, float* y, int64_t 
 // for all the rows: the block of encodings sits in L2, and read again for every row it cost as much as the rows'
 // own loads (fp32 encodings are twice the bytes of a bf16 row). fp16 sums go through a float chunk narrowed at
 // once (eight values per instruction with F16C), the same bits as from_opmath value by value. Streamed float32
-// sums go past the caches from registers in the AVX-512 build (add_f32_streamed), through a float chunk in L1
-// below it.
+// sums go past the caches from registers in the AVX2 and AVX-512 builds (add_f32_streamed), through a float chunk
+// in L1 in the baseline build.
 template <typename scalar_t, typename pe_t>
 void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t* const* out, int64_t encoded,
               int64_t width, opmath_t<scalar_t> scale, RowStores stores = RowStores::kCached) {
@@ -165,7 +177,7 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
             continue;
           }
           const scalar_t* __restrict x = in[r] + d0;
-#if defined(POSENC_F32_STREAMED_BY_AVX512)
+#if defined(POSENC_F32_STREAMED_FROM_REGISTERS)
           add_f32_streamed(x, e, y, with_pe, scale);
           for (int64_t d = with_pe; d < n; ++d) y[d] = x[d] * scale;
 #else

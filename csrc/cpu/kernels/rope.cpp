@@ -296,8 +296,8 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
 // The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
 // its three steps in one call: rms_rotate_back_row (g and gw), normalized_dot (its 16 lanes in channel order, folded
 // by lane_sum's tree) and rms_input_grad into out (float32 past the caches from registers where `stream`: out on a
-// 64-byte line), or into g where out is null. The same operations on the same
-// values, so the same bits; 1.1-1.2x faster than the loops GCC vectorizes (float32 at the bench shape, bf16 in cache).
+// 64-byte line), or into g where out is null. The same operations on the same values, so the same bits; 1.1-1.2x
+// faster than the loops GCC vectorizes (float32 at the bench shape, bf16 in cache).
 template <typename scalar_t>
 inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
                                          float r, const float* w, float* gw, float* g, scalar_t* out,
