@@ -161,14 +161,21 @@ inline void prefetch_next_token(const RotaryView<scalar_t>& v, const scalar_t* i
   }
 }
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1 && \
     (defined(__x86_64__) || defined(__i386__))
-// A float32 head's row rotated as rotate_row rotates it and sent past the caches from registers in the AVX-512 build
-// (out on a 64-byte line, pairs a multiple of 16); the channels past the pairs are copied. Through a row in L1 and
-// store_streaming, the copy took a sixth of rope_qk's samples: in-process A/B, q, k [4, 2048, 16|8, 128], 1.07-1.14x.
+#define POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS 1
+// The pairs a vector of rotate_f32_row_streamed holds: out's lines are whole vectors.
+constexpr int64_t kStreamedPairs = POSENC_CPU_CAPABILITY_INDEX == 2 ? 16 : 8;
+
+// A float32 head's row rotated as rotate_row rotates it and sent past the caches from registers in the AVX2 and
+// AVX-512 builds (out on a vector's boundary, pairs a multiple of kStreamedPairs); the channels past the pairs are
+// copied. Through a row in L1 and store_streaming, the copy took a sixth of rope_qk's samples: in-process A/B, q, k
+// [4, 2048, 16|8, 128], 1.07-1.14x (AVX-512).
 template <RopeLayout kLayout>
 POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoeffs<float> k, int64_t pairs,
                                            int64_t head_dim) {
+  constexpr bool kNeox = kLayout == RopeLayout::Neox;
+#if POSENC_CPU_CAPABILITY_INDEX == 2
   // gptj: a pair's channels are adjacent; 16 pairs are two vectors, split into firsts and partners and joined back
   const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
@@ -176,7 +183,7 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
   const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
   for (int64_t i = 0; i < pairs; i += 16) {
     __m512 first, second;
-    if constexpr (kLayout == RopeLayout::Neox) {
+    if constexpr (kNeox) {
       rotate_pairs16(_mm512_loadu_ps(in + i), _mm512_loadu_ps(in + pairs + i), k, i, first, second);
       _mm512_stream_ps(out + i, first);
       _mm512_stream_ps(out + pairs + i, second);
@@ -188,6 +195,31 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
       _mm512_stream_ps(out + 2 * i + 16, _mm512_permutex2var_ps(first, high, second));
     }
   }
+#else
+  for (int64_t i = 0; i < pairs; i += 8) {
+    __m256 a, b;
+    if constexpr (kNeox) {
+      a = _mm256_loadu_ps(in + i);
+      b = _mm256_loadu_ps(in + pairs + i);
+    } else {  // 8 pairs in two vectors: the firsts and the partners of each 128-bit lane, then the lanes' order
+      const __m256 x0 = _mm256_loadu_ps(in + 2 * i), x1 = _mm256_loadu_ps(in + 2 * i + 8);
+      a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
+      b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
+    }
+    const __m256 first = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(k.c1 + i)),
+                                       _mm256_mul_ps(b, _mm256_loadu_ps(k.s1 + i)));
+    const __m256 second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(k.c2 + i)),
+                                        _mm256_mul_ps(a, _mm256_loadu_ps(k.s2 + i)));
+    if constexpr (kNeox) {
+      _mm256_stream_ps(out + i, first);
+      _mm256_stream_ps(out + pairs + i, second);
+    } else {
+      const __m256 low = _mm256_unpacklo_ps(first, second), high = _mm256_unpackhi_ps(first, second);
+      _mm256_stream_ps(out + 2 * i, _mm256_permute2f128_ps(low, high, 0x20));
+      _mm256_stream_ps(out + 2 * i + 8, _mm256_permute2f128_ps(low, high, 0x31));
+    }
+  }
+#endif
   std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
 }
 #endif
@@ -201,9 +233,9 @@ POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t
                                    PairCoeffs<opmath_t> k, int64_t pairs) {
   constexpr int64_t kRow = 512;
   if constexpr (std::is_same_v<scalar_t, float>) {
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
-    (defined(__x86_64__) || defined(__i386__))
-    if (v.stream && in != out && pairs % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+#if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
+    if (v.stream && in != out && pairs % kStreamedPairs == 0 &&
+        reinterpret_cast<uintptr_t>(out) % (4 * kStreamedPairs) == 0) {
       rotate_f32_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
       return;
     }
