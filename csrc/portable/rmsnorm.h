@@ -166,6 +166,26 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rms_scale_rotate_neox_bf16(const flo
 }
 #endif
 
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
+// rms_scale_rotate_row of a contiguous float32 head rotated in neox pairs, 16 at a time (pairs a multiple of 16),
+// sent past the caches from registers (out on a 64-byte line): every convention is w * (x * r) in float32. The
+// channels past 2 * pairs are stored normalized by ordinary stores.
+inline void rms_scale_rotate_neox_f32_streamed(const float* x, const float* w, float r, PairCoeffs<float> k,
+                                               int64_t pairs, int64_t head_dim, float* out) {
+  const __m512 vr = _mm512_set1_ps(r);
+  for (int64_t i = 0; i < pairs; i += 16) {
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), vr));
+    const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(w + pairs + i), _mm512_mul_ps(_mm512_loadu_ps(x + pairs + i), vr));
+    __m512 first, second;
+    rotate_pairs16(a, b, k, i, first, second);
+    _mm512_stream_ps(out + i, first);
+    _mm512_stream_ps(out + pairs + i, second);
+  }
+  for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d] = w[d] * (x[d] * r);
+}
+#endif
+
 #if !defined(__CUDACC__)
 // The backward of one head, first pass: the gradient of the output (grad, read through grad_step) rotated back by the
 // inverse coefficients k into gz; then, with xhat = x * r (formed here, and again where the last step needs it, not

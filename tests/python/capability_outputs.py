@@ -175,20 +175,24 @@ def far_angles_and_special_values():
                 for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                     out[f"qk_norm_rope_backward/{norm}/{values}/{weights}/{name}"] = grad
 
-    # and float32, whose backward's input gradients go past the caches from registers where streamed; inputs on a
-    # 64-byte line and a channel past one
+    # and float32, whose outputs and backward's input gradients go past the caches from registers where streamed;
+    # inputs on a 64-byte line and a channel past one
     for norm in ("llama", "gemma", "fused"):
         qk = data((2, 4, 5, 64), torch.float32, 12)
         qw, kw = data((64,), torch.float32, 13), data((64,), torch.float32, 14)
         grad = data((2, 4, 5, 64), torch.float32, 15)
-        for offset in (0, 1):
+        # every channel rotated, and 16 pairs of 64 channels (the rest normalized only)
+        for offset, freq in ((0, inv_freq), (1, inv_freq), (0, posenc.frequencies.rope(32, 10000.0)[0])):
             buffer = torch.zeros(qk.numel() + 16)
             shifted = buffer[offset:offset + qk.numel()].view(qk.shape).copy_(qk)
             q, k = shifted[:, :, :3], shifted[:, :, 3:]
+            key = f"float32/{norm}/{offset}/{len(freq)}"
+            qo, ko = PF.qk_norm_rope(q, k, qw, kw, None, freq, 1e-6, norm)
+            out[f"qk_norm_rope/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
             grads = torch.ops.posenc.qk_norm_rope_backward(grad[:, :, :3], grad[:, :, 3:], q, k, qw, kw, None,
-                                                           inv_freq, 1e-6, norm)
+                                                           freq, 1e-6, norm)
             for name, g32 in zip(("q", "k", "q_weight", "k_weight"), grads):
-                out[f"qk_norm_rope_backward/float32/{norm}/{offset}/{name}"] = g32
+                out[f"qk_norm_rope_backward/{key}/{name}"] = g32
 
     # float32 rotations of 16 pairs or more, which the AVX-512 build sends past the caches from registers where
     # streamed and a head's output starts on a 64-byte line: head_dim 72 (every other row on a line), 64 channels
