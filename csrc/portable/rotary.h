@@ -72,6 +72,13 @@ POSENC_INLINE void rotate_pairs16(__m512 a, __m512 b, PairCoeffs<float> k, int64
   first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)), _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
   second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)), _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
 }
+#elif defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
+    (defined(__x86_64__) || defined(__i386__))
+// The same for pairs [i, i + 8) in the AVX2 build.
+POSENC_INLINE void rotate_pairs8(__m256 a, __m256 b, PairCoeffs<float> k, int64_t i, __m256& first, __m256& second) {
+  first = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(k.c1 + i)), _mm256_mul_ps(b, _mm256_loadu_ps(k.s1 + i)));
+  second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(k.c2 + i)), _mm256_mul_ps(a, _mm256_loadu_ps(k.s2 + i)));
+}
 #endif
 
 #if !defined(__CUDACC__)
@@ -206,10 +213,8 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
       a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
       b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
     }
-    const __m256 first = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(k.c1 + i)),
-                                       _mm256_mul_ps(b, _mm256_loadu_ps(k.s1 + i)));
-    const __m256 second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(k.c2 + i)),
-                                        _mm256_mul_ps(a, _mm256_loadu_ps(k.s2 + i)));
+    __m256 first, second;
+    rotate_pairs8(a, b, k, i, first, second);
     if constexpr (kNeox) {
       _mm256_stream_ps(out + i, first);
       _mm256_stream_ps(out + pairs + i, second);

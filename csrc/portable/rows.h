@@ -149,7 +149,12 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
   constexpr bool kWidenPe = !std::is_same_v<pe_t, opmath>;
   constexpr bool kHalf = std::is_same_v<scalar_t, c10::Half>;
   constexpr bool kStreams = std::is_same_v<scalar_t, float> && !kWidenPe;
-  alignas(64) opmath sum[kHalf || kStreams ? kChunk : 1];
+#if defined(POSENC_F32_STREAMED_FROM_REGISTERS)
+  constexpr bool kStreamsThroughChunk = false;
+#else
+  constexpr bool kStreamsThroughChunk = kStreams;
+#endif
+  alignas(64) opmath sum[kHalf || kStreamsThroughChunk ? kChunk : 1];
   opmath pe_chunk[kWidenPe ? kChunk : 1];
   bool by_instruction = false;  // bf16 sums rounded by AVX-512 BF16, a bf16 pe widened as it is read
 #if defined(POSENC_BF16_BY_AVX512BF16)
