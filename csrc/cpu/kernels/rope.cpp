@@ -664,11 +664,11 @@ bool rotates_by_instruction(const RotaryView<scalar_t>& v, int64_t pairs) {
 }
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
-// rotate_head_run of bf16 gptj rows rounded by AVX-512 BF16, ordinary stores. Its walk is rotate_head_run's: written
-// again here so that rotate_bf16_row inlines into a function with the instruction set's target (called a row at a
-// time across that boundary it was slower). In-process A/B, bhsd q, k [32, 16, 1024, 64]: 1.11-1.14x
-// on 2 threads, 1.08-1.16x on one ([4, ...]). neox rows (DINOv3's [16, 16, 1029, 64]) ran 0.82-0.97x so out of place
-// and keep the integer form.
+// rotate_head_run of bf16 gptj rows rounded by AVX-512 BF16, a row on a line sent past the caches where v streams.
+// Its walk is rotate_head_run's: written again here so that rotate_bf16_row inlines into a function with the
+// instruction set's target (called a row at a time across that boundary it was slower). In-process A/B, bhsd q, k
+// [32, 16, 1024, 64]: 1.11-1.14x on 2 threads, 1.08-1.16x on one ([4, ...]). neox rows (DINOv3's [16, 16, 1029,
+// 64]) ran 0.82-0.97x so out of place and keep the integer form.
 template <RopeLayout kLayout, typename CoeffsOf>
 POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat16>& v, int64_t h, int64_t count,
                                                    int64_t first, int64_t last, int64_t seq, int64_t pairs,
@@ -684,7 +684,9 @@ POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat1
       out += h * v.out_stride[2];
       const auto k = coeffs(n, s);
       for (int64_t g = 0; g < count; ++g) {
-        rotate_bf16_row<kLayout>(in + g * v.in_stride[2], out + g * v.out_stride[2], k, pairs, v.head_dim, false);
+        c10::BFloat16* row_out = out + g * v.out_stride[2];
+        rotate_bf16_row<kLayout>(in + g * v.in_stride[2], row_out, k, pairs, v.head_dim,
+                                 v.stream && reinterpret_cast<uintptr_t>(row_out) % 64 == 0);
       }
     }
   }
@@ -714,7 +716,7 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
                    RopeLayout layout, const CoeffsOf& coeffs) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (v.stream && !rotates_by_instruction(v, pairs)) {
-      RotaryView<scalar_t> cached = v;  // bf16 rows stream only from rotate_heads_bf16 (head runs never stream)
+      RotaryView<scalar_t> cached = v;  // bf16 rows stream only where rounded by instruction, as whole lines
       cached.stream = false;
       return rotate_tokens(cached, first, last, seq, pairs, layout, coeffs);
     }
@@ -738,9 +740,12 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
     return;
   }
   // Ordinary stores: a head's rows are long runs of its output, and stored past the caches they were slower
-  // (float32 DINOv3 rows 3.48 -> 3.79 ms in an in-process A/B).
+  // (float32 DINOv3 rows 3.48 -> 3.79 ms in an in-process A/B; bf16 neox runs rounded by instruction, 0.77-0.88x).
+  // But for bf16 gptj runs rounded by instruction (v.stream is left to bf16 views only where they are), whose 16
+  // pairs are one whole line sent from registers: Flux-like q, k [32, 16, 1024, 64] 1.18-1.26x on 2 threads, 1.16
+  // on one, fwd+bwd 1.21 (in-process A/B).
   RotaryView<scalar_t> run = v;
-  run.stream = false;
+  run.stream = std::is_same_v<scalar_t, c10::BFloat16> && v.stream && layout == RopeLayout::Gptj;
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   RotaryView<scalar_t> head = run;
   head.heads = 1;
