@@ -202,16 +202,19 @@ def far_angles_and_special_values():
 
     # float32 rotations of 16 pairs or more, which the AVX-512 build sends past the caches from registers where
     # streamed and a head's output starts on a 64-byte line: head_dim 72 (every other row on a line), 64 channels
-    # rotated, the rest copied
+    # rotated, the rest copied; token by token (bshd) and a few heads at a time (bhsd)
     for layout in ("neox", "gptj"):
-        q, k = data((2, 8, 3, 72), torch.float32, 16), data((2, 8, 3, 72), torch.float32, 17)
-        freq = posenc.frequencies.rope(64, 500.0)[0]
-        positions = torch.arange(8) * 1000
-        out[f"rope/float32/{layout}/16_pairs"] = PF.rope(q, positions.expand(2, 8), freq, 0.9, layout)
-        qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout)
-        out[f"rope_qk/float32/{layout}/16_pairs"] = torch.cat([qo.flatten(), ko.flatten()])
-        qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, "bshd", 1)
-        out[f"rope_qk_backward/float32/{layout}/16_pairs"] = torch.cat([qo.flatten(), ko.flatten()])
+        for fmt in ("bshd", "bhsd"):
+            q, k = data((2, 8, 3, 72), torch.float32, 16), data((2, 8, 3, 72), torch.float32, 17)
+            freq = posenc.frequencies.rope(64, 500.0)[0]
+            seq = q.shape[1 if fmt == "bshd" else 2]
+            positions = torch.arange(seq) * 1000
+            key = f"float32/{layout}/16_pairs" + ("" if fmt == "bshd" else "/bhsd")
+            out[f"rope/{key}"] = PF.rope(q, positions.expand(2, seq), freq, 0.9, layout, fmt)
+            qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
+            out[f"rope_qk/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+            qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
+            out[f"rope_qk_backward/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
 
     # bf16 rows rotated token by token with whole vectors of pairs (16 or more), which a CPU with AVX-512 BF16 rounds
     # by instruction and rounds by the integer form where a rotated value is a denormal or a NaN: random bit

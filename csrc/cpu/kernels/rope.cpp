@@ -643,6 +643,13 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
         scalar_t* head_out = out + g * v.out_stride[2];
         if constexpr (std::is_same_v<scalar_t, c10::Half>) {
           rotate_row_half<kLayout>(head_in, head_out, k, pairs, v.head_dim);
+#if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
+        } else if (std::is_same_v<scalar_t, float> && v.stream && pairs % kStreamedPairs == 0 &&
+                   reinterpret_cast<uintptr_t>(head_out) % (4 * kStreamedPairs) == 0) {
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
+          }
+#endif
         } else {
           rotate_row<kLayout, true, kPairs>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
         }
@@ -739,16 +746,19 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
     for (int64_t n = first; n < last; ++n) rotate_token(v, n / seq, n % seq, coeffs(n, n % seq), pairs, layout);
     return;
   }
-  // Ordinary stores: a head's rows are long runs of its output, and stored past the caches they were slower
-  // (float32 DINOv3 rows 3.48 -> 3.79 ms in an in-process A/B; bf16 neox runs rounded by instruction, 0.77-0.88x).
-  // But for bf16 gptj runs rounded by instruction (v.stream is left to bf16 views only where they are), whose 16
-  // pairs are one whole line sent from registers: Flux-like q, k [32, 16, 1024, 64] 1.18-1.26x on 2 threads, 1.16
-  // on one, fwd+bwd 1.21 (in-process A/B).
+  // A head's rows are long runs of its output. Where the output streams, float32 rows formed in registers
+  // (rotate_head_run) and bf16 gptj rows rounded by instruction, 16 pairs a line (rotate_head_run_bf16; v.stream is
+  // left to bf16 views only where they are), go past the caches: in-process A/Bs, DINOv3's neox [16, 16, 1029, 64]
+  // float32 1.24-1.25x on 2 threads, 1.23 on one, 1.20 under AVX2; Flux-like gptj [32, 16, 1024, 64] float32
+  // 1.20-1.35x, 1.21 on one, 1.17 under AVX2, bf16 1.18-1.26x, 1.16 on one. Formed through a row in L1 and copied
+  // past the caches, float32 rows had been slower (3.48 -> 3.79 ms), and bf16 neox rows rounded by instruction
+  // and streamed were too (0.77-0.88x): those keep ordinary stores.
   RotaryView<scalar_t> run = v;
-  run.stream = std::is_same_v<scalar_t, c10::BFloat16> && v.stream && layout == RopeLayout::Gptj;
+  run.stream = v.stream && (std::is_same_v<scalar_t, float> || layout == RopeLayout::Gptj);
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   RotaryView<scalar_t> head = run;
   head.heads = 1;
+  head.stream = false;
   for (int64_t h = 0; h < v.heads; h += unit ? kHeadsPerRun : 1) {
     const int64_t count = std::min(kHeadsPerRun, v.heads - h);
     if (unit && layout == RopeLayout::Neox) {
