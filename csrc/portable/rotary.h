@@ -229,6 +229,17 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 }
 #endif
 
+#if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
+// Whether rotate_f32_row_streamed takes a row of a view: float32, the view streams, out of place, out on a vector's
+// boundary, pairs a multiple of a vector's.
+template <typename scalar_t>
+POSENC_INLINE bool streams_from_registers(const RotaryView<scalar_t>& v, const scalar_t* in, const scalar_t* out,
+                                          int64_t pairs) {
+  return std::is_same_v<scalar_t, float> && v.stream && in != out && pairs % kStreamedPairs == 0 &&
+         reinterpret_cast<uintptr_t>(out) % (4 * kStreamedPairs) == 0;
+}
+#endif
+
 // A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
 // asks (float32 rows: from registers where rotate_f32_row_streamed takes them, else through a row in L1; heads wider
 // than it take ordinary stores). Not float64: rotated into a local row, its gptj pairs were compiled (GCC 12, AVX2
@@ -239,8 +250,7 @@ POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t
   constexpr int64_t kRow = 512;
   if constexpr (std::is_same_v<scalar_t, float>) {
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
-    if (v.stream && in != out && pairs % kStreamedPairs == 0 &&
-        reinterpret_cast<uintptr_t>(out) % (4 * kStreamedPairs) == 0) {
+    if (streams_from_registers(v, in, out, pairs)) {
       rotate_f32_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
       return;
     }

@@ -644,9 +644,8 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
         if constexpr (std::is_same_v<scalar_t, c10::Half>) {
           rotate_row_half<kLayout>(head_in, head_out, k, pairs, v.head_dim);
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
-        } else if (std::is_same_v<scalar_t, float> && v.stream && pairs % kStreamedPairs == 0 &&
-                   reinterpret_cast<uintptr_t>(head_out) % (4 * kStreamedPairs) == 0) {
-          if constexpr (std::is_same_v<scalar_t, float>) {
+        } else if (streams_from_registers(v, head_in, head_out, pairs)) {
+          if constexpr (std::is_same_v<scalar_t, float>) {  // the test above holds only for float32
             rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
           }
 #endif
