@@ -259,13 +259,14 @@ class AxisEncodingBlocks {
     }
 #if defined(POSENC_BF16_BY_AVX512BF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (stores == RowStores::kBf16Streamed && in != nullptr) {
-        for (int64_t r = 0; r < count; ++r) add_lines_bf16(in[r], entries, out[r], width, scale);
+      if (bf16_streamed(stores) && in != nullptr) {
+        const bool read_ahead = stores == RowStores::kBf16StreamedReadAhead;
+        for (int64_t r = 0; r < count; ++r) add_lines_bf16(in[r], entries, out[r], width, scale, read_ahead);
         return;
       }
     }
 #endif
-    if (stores == RowStores::kBf16Streamed) stores = RowStores::kBf16ByInstruction;
+    if (bf16_streamed(stores)) stores = RowStores::kBf16ByInstruction;
     const scalar_t* in_at[kRowsPerEncoding];
     scalar_t* out_at[kRowsPerEncoding];
     const auto add_at = [&](int64_t channel, const opmath* values, int64_t encoded, int64_t channels) {
@@ -309,10 +310,11 @@ class AxisEncodingBlocks {
   // (segments of 240 and 360 channels) 1.17-1.18x the speed of ordinary stores (in-process A/B, 1 and 2 threads);
   // streamed a segment at a time, the lines two segments share written both ways, 0.79-0.92x; a row assembled
   // first, 0.86-0.95x.
-  void add_lines_bf16(const scalar_t* x, const int64_t* entries, scalar_t* y, int64_t width, opmath scale) const {
+  void add_lines_bf16(const scalar_t* x, const int64_t* entries, scalar_t* y, int64_t width, opmath scale,
+                      bool read_ahead) const {
     alignas(64) opmath line[32];
     const auto add = [&](int64_t c, const opmath* pe, int64_t n, bool stream) {
-      const int64_t done = stream ? add_bf16_by_instruction(x + c, pe, y + c, n, scale, true) : 0;
+      const int64_t done = stream ? add_bf16_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead) : 0;
       if (done == n) return;
       const scalar_t* rest_in = x + c + done;
       scalar_t* rest_out = y + c + done;

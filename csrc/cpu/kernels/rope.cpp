@@ -618,8 +618,15 @@ bool head_by_head(const RotaryView<scalar_t>& v, int64_t seq) {
 // in-process A/Bs (bhsd q and k, out of place; DINOv3 [16, 16, 1029, 64] and [1, ...], Flux-like [1, 24, 4608, 128],
 // axial gptj [32, 16, 1024, 64]) four heads against one were 1.1-1.8x faster in bf16, 0.97-1.8x in float32 and
 // 1.1x in fp16 (1 and 2 threads); two were halfway, six and eight no faster or slower. With four runs in flight
-// asking for a row ahead gained nothing, and the walk asks for none.
+// asking for the next row gained nothing; only streamed bf16 gptj runs ask, 1 KiB ahead (kRunReadAheadBytes).
 constexpr int64_t kHeadsPerRun = 4;
+
+// How far ahead of its loads a streamed bf16 gptj run asks for its rows' input lines (rotate_head_run_bf16): with
+// the output going past the caches the hardware prefetchers fell behind. In-process A/B, Flux-like bhsd q, k
+// [32, 16, 1024, 64] bf16: 1.14-1.18x on 2 threads and one where the memory was in its slower state, 1.00-1.02 in
+// its faster (0.5-1.5 KiB ahead alike, 2 KiB 1.14x, 4 KiB 1.03x). The other runs (float32, fp16, bf16 neox in the
+// integer form) gained 0.94-1.09x that way and do not ask.
+constexpr int64_t kRunReadAheadBytes = 1024;
 
 // Heads [h, h + count) of tokens [first, last) of a view whose rows are contiguous, kPairs pairs each (0: any
 // count); coeffs(n, s) gives token n's coefficients (s = n mod seq). A bhsd head's rows follow each other: the loop
@@ -674,11 +681,13 @@ bool rotates_by_instruction(const RotaryView<scalar_t>& v, int64_t pairs) {
 // Its walk is rotate_head_run's: written again here so that rotate_bf16_row inlines into a function with the
 // instruction set's target (called a row at a time across that boundary it was slower). In-process A/B, bhsd q, k
 // [32, 16, 1024, 64]: 1.11-1.14x on 2 threads, 1.08-1.16x on one ([4, ...]). neox rows (DINOv3's [16, 16, 1029,
-// 64]) ran 0.82-0.97x so out of place and keep the integer form.
+// 64]) ran 0.82-0.97x so out of place and keep the integer form. Streamed, each row's input lines are asked for
+// kRunReadAheadBytes ahead (the rows a head's run reads next).
 template <RopeLayout kLayout, typename CoeffsOf>
 POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat16>& v, int64_t h, int64_t count,
                                                    int64_t first, int64_t last, int64_t seq, int64_t pairs,
                                                    const CoeffsOf& coeffs) {
+  const int64_t row_bytes = v.head_dim * static_cast<int64_t>(sizeof(c10::BFloat16));
   for (int64_t n = first; n < last;) {
     const int64_t b = n / seq;
     const int64_t run_end = std::min(last, (b + 1) * seq);
@@ -690,8 +699,13 @@ POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat1
       out += h * v.out_stride[2];
       const auto k = coeffs(n, s);
       for (int64_t g = 0; g < count; ++g) {
+        const c10::BFloat16* row_in = in + g * v.in_stride[2];
         c10::BFloat16* row_out = out + g * v.out_stride[2];
-        rotate_bf16_row<kLayout>(in + g * v.in_stride[2], row_out, k, pairs, v.head_dim,
+        if (v.stream) {  // hints, never faults: past the tensor they ask for nothing of use
+          const char* ahead = reinterpret_cast<const char*>(row_in) + kRunReadAheadBytes;
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
+        }
+        rotate_bf16_row<kLayout>(row_in, row_out, k, pairs, v.head_dim,
                                  v.stream && reinterpret_cast<uintptr_t>(row_out) % 64 == 0);
       }
     }

@@ -40,8 +40,11 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
     stores = portable::RowStores::kStreamed;
   } else if (std::is_same_v<scalar_t, c10::BFloat16> && has_avx512_bf16()) {
     // rounded by instruction: 2-9% faster on the bf16 rows of scripts/bench.py (three runs of each build in turn)
-    stores = streams_bf16_lines(bytes_written) ? portable::RowStores::kBf16Streamed
-                                               : portable::RowStores::kBf16ByInstruction;
+    if (!streams_bf16_lines(bytes_written)) {
+      stores = portable::RowStores::kBf16ByInstruction;
+    } else {
+      stores = in.ids == nullptr ? portable::RowStores::kBf16StreamedReadAhead : portable::RowStores::kBf16Streamed;
+    }
   }
   const int64_t grain = portable::rows_per_task(block * group * width);
   parallel_for(0, num_blocks * groups, grain, [&](int64_t begin, int64_t end) {
