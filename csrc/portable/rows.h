@@ -52,8 +52,8 @@ inline bool bf16_streamed(RowStores stores) {
 // threads, the memory in its faster and slower states: add_sinusoidal [8, 2048, 1024] 1.06-1.27, CogVideoX's grid
 // 1.11-1.23, DINOv2-L's resampled rows 1.01-1.08, add_learned 1.03-1.11; 1, 1.5 and 4 KiB ahead alike, to L2 rather
 // than L1 a little slower). Asked for a whole row at a time: 0.83-0.95x. Not asked for: rows gathered by id
-// (0.78-0.82x: the bytes past a row are another token's), bf16 rows kept in the caches (0.95-1.0x), float32 streamed
-// rows (0.97-1.09x).
+// (0.78-0.82x: the bytes past a row are another token's), bf16 rows kept in the caches (0.88-1.08x), float32 streamed
+// rows (0.91-1.13x, uneven).
 constexpr int64_t kReadAheadBytes = 2048;
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
