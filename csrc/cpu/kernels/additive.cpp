@@ -267,6 +267,9 @@ class AxisEncodingBlocks {
     }
 #endif
     if (bf16_streamed(stores)) stores = RowStores::kBf16ByInstruction;
+    // fp16 rows streamed a segment at a time would write the lines two segments share both ways (CogVideoX's grid:
+    // 0.83x ordinary stores, in-process A/B)
+    if (std::is_same_v<scalar_t, c10::Half>) stores = RowStores::kCached;
     const scalar_t* in_at[kRowsPerEncoding];
     scalar_t* out_at[kRowsPerEncoding];
     const auto add_at = [&](int64_t channel, const opmath* values, int64_t encoded, int64_t channels) {

@@ -35,15 +35,21 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
   // through a float chunk in L1, but rounded by AVX-512 BF16 and stored as whole lines from registers it is:
   // in-process A/B, [8, 2048, 1024]: add_sinusoidal 1.10-1.15x, add_learned 1.02-1.21x, fused embeddings 1.03-1.14x.
   const int64_t bytes_written = in.data != out ? rows * row_bytes : 0;
+  const bool rows_follow = in.ids == nullptr;  // the bytes past an input row are the next row read
   auto stores = portable::RowStores::kCached;
   if (streams_output<scalar_t>(bytes_written)) {
     stores = portable::RowStores::kStreamed;
+#if defined(POSENC_HAS_F16C) && POSENC_CPU_CAPABILITY_INDEX == 2
+  } else if (std::is_same_v<scalar_t, c10::Half> && bytes_written > 0 && bytes_written >= stream_bytes()) {
+    // fp16 rows formed in registers (add_half_by_instruction), streamed as whole lines
+    stores = rows_follow ? portable::RowStores::kStreamedReadAhead : portable::RowStores::kStreamed;
+#endif
   } else if (std::is_same_v<scalar_t, c10::BFloat16> && has_avx512_bf16()) {
     // rounded by instruction: 2-9% faster on the bf16 rows of scripts/bench.py (three runs of each build in turn)
     if (!streams_bf16_lines(bytes_written)) {
       stores = portable::RowStores::kBf16ByInstruction;
     } else {
-      stores = in.ids == nullptr ? portable::RowStores::kBf16StreamedReadAhead : portable::RowStores::kBf16Streamed;
+      stores = rows_follow ? portable::RowStores::kBf16StreamedReadAhead : portable::RowStores::kBf16Streamed;
     }
   }
   const int64_t grain = portable::rows_per_task(block * group * width);
