@@ -240,6 +240,27 @@ def far_angles_and_special_values():
                 out[f"rope_bf16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
                                                                               layout, "bhsd")
 
+    # qk_norm_rope's fp16 heads in neox pairs, which the AVX2 and AVX-512 builds round by F16C a vector of pairs at a
+    # time (8 and 16) where the pair count allows: random bit patterns, and values about 1 with fp16 denormals and
+    # zeros among them, times weights about 1 and weights that take the products into fp16's denormals; 24 pairs
+    # (AVX2's step only), 32 and 144.
+    g = torch.Generator().manual_seed(19)
+    for head_dim in (48, 64, 288):
+        about_one = torch.randint(-255, 256, (2, 4, 5, head_dim), generator=g).double() * 2.0 ** -7
+        about_one.view(-1)[::7] *= 2.0 ** -16
+        about_one.view(-1)[3::11] = 0
+        freq = posenc.frequencies.rope(head_dim, 10000.0)[0]
+        for norm in ("llama", "gemma", "olmo2", "fused"):
+            for values, qk in (("bits", data((2, 4, 5, head_dim), torch.float16, 18)), ("denormals", about_one.half())):
+                q, k = qk[:, :, :3], qk[:, :, 3:]
+                q_width, k_width = (3 * head_dim, 2 * head_dim) if norm == "olmo2" else (head_dim, head_dim)
+                for weights, scale in (("about_one", 1.0), ("tiny", 2.0 ** -12)):
+                    qw = (torch.randint(-255, 256, (q_width,), generator=g).double() * 2.0 ** -7 * scale).half()
+                    kw = (torch.randint(-255, 256, (k_width,), generator=g).double() * 2.0 ** -7).float()
+                    key = f"float16/{head_dim}/{norm}/{values}/{weights}"
+                    qo, ko = PF.qk_norm_rope(q, k, qw, kw, torch.arange(4).expand(2, 4), freq, 1e-6, norm)
+                    out[f"qk_norm_rope/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+
     # posenc rounds every NaN result to bf16 as c10 does, to 0x7FC0, on every capability. The comparison lets a NaN
     # be any NaN (torch's own vectorized bf16 conversions, run by the samples around posenc's ops, give 0xFFFF);
     # these int16 patterns of the NaNs of posenc's own bf16 outputs above are compared exactly.

@@ -474,6 +474,14 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
       }
     }
 #endif
+#if defined(POSENC_HAS_F16C) && POSENC_CPU_CAPABILITY_INDEX >= 1
+    if constexpr (std::is_same_v<scalar_t, c10::Half> && kLayout == RopeLayout::Neox) {
+      if (view.out_stride[3] == 1 && pairs % (POSENC_CPU_CAPABILITY_INDEX == 2 ? 16 : 8) == 0) {
+        rms_scale_rotate_neox_half<kConvention>(x, w, r, k, pairs, D, out);
+        continue;
+      }
+    }
+#endif
     if (view.out_stride[3] == 1) {
       rms_scale_rotate_row<kLayout, kConvention, true>(x, w, r, k, pairs, D, out, 1);
     } else {
