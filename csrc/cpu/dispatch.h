@@ -43,6 +43,12 @@ inline bool streams_bf16_lines(int64_t bytes_written) {
   return has_avx512_bf16() && bytes_written > 0 && bytes_written >= stream_bytes();
 }
 
+// Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
+// AVX-512 build's rotations walked token by token).
+inline bool streams_half_lines(int64_t bytes_written) {
+  return capability() == Capability::AVX512 && bytes_written > 0 && bytes_written >= stream_bytes();
+}
+
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the
 // library loads (default always exists), and a call runs the best filled slot up to capability().
 template <typename Fn>

@@ -229,6 +229,54 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 }
 #endif
 
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+    (defined(__x86_64__) || defined(__i386__))
+#define POSENC_ROTATES_HALF_STREAMED 1
+// A contiguous fp16 head's row rotated in registers and sent past the caches as whole 64-byte lines in the AVX-512
+// build (out on a line; neox: pairs a multiple of 32, the first channels of 32 pairs a line and their partners
+// another; gptj: a multiple of 16, 16 pairs a line): widened by vcvtph2ps, rotated as rotate_row rotates
+// (rotate_pairs16), rounded by vcvtps2ph as narrow rounds, so the same bits as rotate_row_half, which goes through a
+// float row in L1 and ordinary stores. The channels past the pairs are copied.
+template <RopeLayout kLayout>
+inline void rotate_half_row_streamed(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
+                                     int64_t head_dim) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  // (the masked forms: GCC 12 warns of its own placeholder in the unmasked conversions)
+  const auto widen16 = [&](const c10::Half* p) {
+    return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const auto stream_line = [&](c10::Half* p, __m512 low, __m512 high) {
+    const __m512i line = _mm512_maskz_inserti64x4(
+        0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
+        _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
+  };
+  if constexpr (kLayout == RopeLayout::Neox) {
+    for (int64_t i = 0; i < pairs; i += 32) {
+      __m512 first, second, first2, second2;
+      rotate_pairs16(widen16(in + i), widen16(in + pairs + i), k, i, first, second);
+      rotate_pairs16(widen16(in + i + 16), widen16(in + pairs + i + 16), k, i + 16, first2, second2);
+      stream_line(out + i, first, first2);
+      stream_line(out + pairs + i, second, second2);
+    }
+  } else {  // a pair's channels adjacent: 16 pairs split into firsts and partners, and joined back
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int64_t i = 0; i < pairs; i += 16) {
+      const __m512 x0 = widen16(in + 2 * i), x1 = widen16(in + 2 * i + 16);
+      __m512 first, second;
+      rotate_pairs16(_mm512_permutex2var_ps(x0, evens, x1), _mm512_permutex2var_ps(x0, odds, x1), k, i, first,
+                     second);
+      stream_line(out + 2 * i, _mm512_permutex2var_ps(first, low, second),
+                  _mm512_permutex2var_ps(first, high, second));
+    }
+  }
+  std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
+}
+#endif
+
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
 // Whether rotate_f32_row_streamed takes a row of a view: float32, the view streams, out of place, out on a vector's
 // boundary, pairs a multiple of a vector's.
@@ -305,6 +353,13 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+#if defined(POSENC_ROTATES_HALF_STREAMED)
+      if (v.stream && in != out && pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0 &&
+          reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+        rotate_half_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
+        continue;
+      }
+#endif
       rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
     } else {
       rotate_unit_row<kLayout, kPairs>(v, in, out, k, pairs);
