@@ -44,6 +44,10 @@ import torch.nn.functional as F
 import posenc
 from posenc import functional as PF
 
+# Each case compiles its baseline afresh, but Dynamo keeps one cache per code object (apply_rotary_pos_emb's): the
+# cases of three dtypes, two shapes and two modes pass its default limit of 8 recompilations.
+torch._dynamo.config.recompile_limit = 64
+
 
 COLD_BUFFER: Optional[torch.Tensor] = None  # --cold: read before every timed call
 
@@ -88,6 +92,12 @@ def medians_ms(fns: Dict[str, Callable[[], object]], repeat: int, warmup: int = 
 
 
 REUSE_MEMORY = False  # --reuse-memory: freed memory stays resident, so peak memory is not measured
+FP16 = False  # --fp16: the rotations', QK-norm's and the additive families' rows in float16 too
+
+
+def dtypes() -> tuple:
+    """The dtypes of the CPU rows that --fp16 extends."""
+    return (torch.float32, torch.bfloat16, torch.float16) if FP16 else (torch.float32, torch.bfloat16)
 
 
 def reuse_memory() -> None:
@@ -185,7 +195,7 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     batch, seq, dim = (2, 512, 1024) if quick else (8, 2048, 1024)
     inv_freq = posenc.frequencies.sinusoidal(dim)
     cached = PF.sinusoidal(torch.arange(seq), inv_freq)  # the eager path's cached table
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes():
         x = torch.randn(batch, seq, dim, dtype=dtype)
         pe = cached.to(dtype)
         table.add(f"x [{batch}, {seq}, {dim}]", dtype, "fwd", lambda: PF.add_sinusoidal(x, None, inv_freq, 2.0),
@@ -200,7 +210,7 @@ def bench_sinusoidal(repeat: int, quick: bool) -> List[dict]:
     vocab = 32000
     tokens = torch.randint(0, vocab, (batch, seq))
     positions = torch.arange(seq)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes():
         weight = torch.randn(vocab, dim, dtype=dtype)
         pe = cached.to(dtype)
         # zeros, not empty: an untouched tensor's pages all map the zero page, so copying it reads nothing
@@ -242,7 +252,7 @@ def bench_sincos_grid(repeat: int, quick: bool, device: str = "cpu") -> List[dic
     for shape, rows, channels, module, grid, diffusers_table in cases:
         cached = diffusers_table().float()
         module = module.to(device)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes():
             x = torch.randn(rows, cached.shape[0], channels, dtype=dtype, device=device)
             # diffusers adds its float32 table to the latent and casts back (PatchEmbed.forward)
             eager = lambda: (x + diffusers_table().float()).to(dtype)  # noqa: E731
@@ -267,7 +277,7 @@ def bench_resampled_learned(repeat: int, quick: bool, device: str = "cpu") -> Li
              ("DINOv2-L 644px", (2 if quick else 8) * scale, (37, 37), (46, 46), 1024)]
     for name, batch, source_grid, grid, dim in cases:
         tokens = 1 + grid[0] * grid[1]
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes():
             x = torch.randn(batch, tokens, dim, dtype=dtype, device=device)
             weight = torch.randn(1 + source_grid[0] * source_grid[1], dim, dtype=dtype, device=device)
 
@@ -308,7 +318,7 @@ def bench_learned(repeat: int, quick: bool) -> List[dict]:
     batch, seq, dim, vocab = (2, 512, 1024, 32000) if quick else (8, 2048, 1024, 32000)
     positions = torch.arange(seq)
     table = Table("add_learned", repeat)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes():
         x = torch.randn(batch, seq, dim, dtype=dtype)
         wpe = torch.randn(seq, dim, dtype=dtype)
         table.add(f"x [{batch}, {seq}, {dim}]", dtype, "fwd", lambda: PF.add_learned(x, wpe),
@@ -322,7 +332,7 @@ def bench_learned(repeat: int, quick: bool) -> List[dict]:
 
     fused = Table("embed_learned", repeat)
     tokens = torch.randint(0, vocab, (batch, seq))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes():
         wte, wpe = torch.randn(vocab, dim, dtype=dtype), torch.randn(seq, dim, dtype=dtype)
         out_like = torch.zeros(batch, seq, dim, dtype=dtype)
         fused.add(f"tokens [{batch}, {seq}], V {vocab}, D {dim}", dtype, "fwd", lambda: PF.embed_learned(tokens, wte, wpe),
@@ -491,7 +501,7 @@ def bench_rope(repeat: int, quick: bool) -> List[dict]:
         hf_pos = pos if positions else torch.arange(seq).expand(batch, seq)
         angle = hf_pos.double()[..., None] * inv_freq
         emb = torch.cat([angle, angle], dim=-1)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes():
             q = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
             k = torch.randn(batch, seq, heads, head_dim, dtype=dtype)
             cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -574,7 +584,7 @@ def bench_qk_norm_rope(repeat: int, quick: bool, device: str = "cpu") -> List[di
     batch, seq = (1, 512) if quick else (4, 4096 if device == "cuda" else 2048)
     angle = torch.arange(seq, device=device).double()[:, None] * inv_freq
     emb = torch.cat([angle, angle], dim=-1)[None]
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes():
         q = torch.randn(batch, seq, q_heads, head_dim, dtype=dtype, device=device)
         k = torch.randn(batch, seq, kv_heads, head_dim, dtype=dtype, device=device)
         q_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(device, dtype)
@@ -1410,6 +1420,9 @@ def main() -> None:
                         help="after the rows, each CPU target (TARGETS) with its measured ratio and met/missed")
     parser.add_argument("--reuse-memory", action="store_true",
                         help="keep freed memory mapped, so that no allocation pays page faults (glibc only)")
+    parser.add_argument("--fp16", action="store_true",
+                        help="float16 rows too, for rope, qk_norm_rope and the additive families (sinusoidal, "
+                        "sincos_grid, resampled_learned, learned)")
     parser.add_argument("--cold", action="store_true",
                         help="before every timed call, read a buffer twice the last-level cache: each call starts "
                         "with none of its data cached, whatever ran before it")
@@ -1422,13 +1435,17 @@ def main() -> None:
     if args.models:
         global MODELS
         MODELS = args.models.split(",")
+    if args.fp16:
+        global FP16
+        FP16 = True
     if args.reuse_memory:
         global REUSE_MEMORY
         REUSE_MEMORY = True
         reuse_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, posenc {posenc.library_path}"
-          + (", --reuse-memory" if args.reuse_memory else "") + (", --cold" if args.cold else ""))
+          + (", --reuse-memory" if args.reuse_memory else "") + (", --cold" if args.cold else "")
+          + (", --fp16" if args.fp16 else ""))
     rows = []
     if args.from_json:
         with open(args.from_json) as f:

@@ -36,7 +36,7 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // 5.65 -> 4.92; bfloat16 rows were 7-12% slower, but for those the kernels round by AVX-512 BF16 and store as whole
 // lines from registers (rotate_heads_bf16; not QK-norm's, which measured slower so). Those rows, ordinary stores ->
 // streamed, in separate processes: Llama-like 3.97-4.98 -> 2.42-3.40 ms, M-RoPE 1.41-1.72 -> 1.16-1.43. fp16 rows
-// likewise, rounded by F16C in the AVX-512 build (rotate_half_row_streamed; in-process A/B, Llama-like q, k
+// likewise, rounded by F16C in the AVX-512 build (rotate_half_row_by_instruction; in-process A/B, Llama-like q, k
 // [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
 // bf16_lines: the kernel is rope_kernel's rotation (other bf16 and fp16 rows ignore the flag).
 template <typename scalar_t>

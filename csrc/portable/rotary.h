@@ -231,15 +231,17 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
     (defined(__x86_64__) || defined(__i386__))
-#define POSENC_ROTATES_HALF_STREAMED 1
-// A contiguous fp16 head's row rotated in registers and sent past the caches as whole 64-byte lines in the AVX-512
-// build (out on a line; neox: pairs a multiple of 32, the first channels of 32 pairs a line and their partners
-// another; gptj: a multiple of 16, 16 pairs a line): widened by vcvtph2ps, rotated as rotate_row rotates
-// (rotate_pairs16), rounded by vcvtps2ph as narrow rounds, so the same bits as rotate_row_half, which goes through a
-// float row in L1 and ordinary stores. The channels past the pairs are copied.
+#define POSENC_ROTATES_HALF_BY_INSTRUCTION 1
+// A contiguous fp16 head's row rotated in registers in the AVX-512 build, 64 bytes of output a step (neox: pairs a
+// multiple of 32, the first channels of 32 pairs a line and their partners another; gptj: a multiple of 16, 16 pairs
+// a line), each step's inputs read before its stores (so in place too): widened by vcvtph2ps, rotated as rotate_row
+// rotates (rotate_pairs16), rounded by vcvtps2ph as narrow rounds, so the same bits as rotate_row_half, which goes
+// through a float row in L1 (in-process A/B against it, q [4, 2048, 16, 128] fp16, 1 and 2 threads: in place
+// 1.20-1.24x, out of place in the cache 1.21-1.25x). `stream`: the lines go past the caches (out on a line). The
+// channels past the pairs are copied.
 template <RopeLayout kLayout>
-inline void rotate_half_row_streamed(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
-                                     int64_t head_dim) {
+inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
+                                           int64_t head_dim, bool stream) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   // (the masked forms: GCC 12 warns of its own placeholder in the unmasked conversions)
   const auto widen16 = [&](const c10::Half* p) {
@@ -249,7 +251,11 @@ inline void rotate_half_row_streamed(const c10::Half* in, c10::Half* out, PairCo
     const __m512i line = _mm512_maskz_inserti64x4(
         0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
         _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
+    } else {
+      _mm512_storeu_si512(p, line);
+    }
   };
   if constexpr (kLayout == RopeLayout::Neox) {
     for (int64_t i = 0; i < pairs; i += 32) {
@@ -273,7 +279,7 @@ inline void rotate_half_row_streamed(const c10::Half* in, c10::Half* out, PairCo
                   _mm512_permutex2var_ps(first, high, second));
     }
   }
-  std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
+  if (in != out) std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
 }
 #endif
 
@@ -353,10 +359,10 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-#if defined(POSENC_ROTATES_HALF_STREAMED)
-      if (v.stream && in != out && pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0 &&
-          reinterpret_cast<uintptr_t>(out) % 64 == 0) {
-        rotate_half_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
+#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
+      if (pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0) {
+        const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+        rotate_half_row_by_instruction<kLayout>(in, out, k, pairs, v.head_dim, stream);
         continue;
       }
 #endif
