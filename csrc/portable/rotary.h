@@ -281,6 +281,12 @@ inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, 
   }
   if (in != out) std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
 }
+
+// Whether rotate_half_row_by_instruction takes a row of `pairs`: whole steps of 64 bytes of output.
+template <RopeLayout kLayout>
+POSENC_INLINE bool rotates_half_by_instruction(int64_t pairs) {
+  return pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0;
+}
 #endif
 
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
@@ -360,7 +366,7 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
     prefetch_next_token(v, in, out);
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
 #if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
-      if (pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0) {
+      if (rotates_half_by_instruction<kLayout>(pairs)) {
         const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
         rotate_half_row_by_instruction<kLayout>(in, out, k, pairs, v.head_dim, stream);
         continue;

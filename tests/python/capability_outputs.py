@@ -240,10 +240,10 @@ def far_angles_and_special_values():
                 out[f"rope_bf16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
                                                                               layout, "bhsd")
 
-    # fp16 rows rotated token by token, which the AVX-512 build rotates in registers (neox: 32 pairs a line pair, gptj:
-    # 16), sending the lines past the caches where the output streams: random bit patterns and values about 1 with
-    # fp16 denormals and zeros among them; out of place, in place, rope_qk and backward; a partial rotary (96
-    # channels).
+    # fp16 rows, which the AVX-512 build rotates in registers (neox: 32 pairs a line pair, gptj: 16), token by token
+    # and a few bhsd heads at a time, sending the lines past the caches where the output streams: random bit patterns
+    # and values about 1 with fp16 denormals and zeros among them; out of place, in place, rope_qk and backward; a
+    # partial rotary (96 channels).
     g = torch.Generator().manual_seed(20)
     positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
     for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
@@ -261,6 +261,13 @@ def far_angles_and_special_values():
                 rotated = x.clone()
                 PF.rope_(rotated, positions, inv_freq, 1.0, layout)
                 out[f"rope_fp16_rows_/{key}"] = rotated
+                # bhsd: each head's rows walked as one run, in registers too
+                heads_first = x.transpose(1, 2).contiguous()
+                out[f"rope_fp16_rows_bhsd/{key}"] = PF.rope(heads_first, positions, inv_freq, 0.9, layout, "bhsd")
+                out[f"rope_fp16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
+                                                                              layout, "bhsd")
+                PF.rope_(heads_first, positions, inv_freq, 1.0, layout, "bhsd")
+                out[f"rope_fp16_rows_bhsd_/{key}"] = heads_first
 
     # qk_norm_rope's fp16 heads in neox pairs, which the AVX2 and AVX-512 builds round by F16C a vector of pairs at a
     # time (8 and 16) where the pair count allows: random bit patterns, and values about 1 with fp16 denormals and
