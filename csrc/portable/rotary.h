@@ -357,6 +357,20 @@ void rotate_row_half(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, i
   for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d] = in[d];
 }
 
+// A contiguous fp16 head's row of view v: in registers where rotate_half_row_by_instruction takes its pairs (past the
+// caches where v streams and out starts on a line), else through rotate_row_half's float row.
+template <RopeLayout kLayout>
+POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::Half* in, c10::Half* out,
+                                    PairCoeffs<float> k, int64_t pairs) {
+#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
+  if (rotates_half_by_instruction<kLayout>(pairs)) {
+    const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+    return rotate_half_row_by_instruction<kLayout>(in, out, k, pairs, v.head_dim, stream);
+  }
+#endif
+  rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
+}
+
 // Every head of a token of a view whose rows are contiguous, from the token's first rows in and out, kPairs
 // pairs each (0: any count).
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
@@ -365,14 +379,7 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in, out);
     if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
-      if (rotates_half_by_instruction<kLayout>(pairs)) {
-        const bool stream = v.stream && in != out && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-        rotate_half_row_by_instruction<kLayout>(in, out, k, pairs, v.head_dim, stream);
-        continue;
-      }
-#endif
-      rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
+      rotate_half_head<kLayout>(v, in, out, k, pairs);
     } else {
       rotate_unit_row<kLayout, kPairs>(v, in, out, k, pairs);
     }

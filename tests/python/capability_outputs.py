@@ -216,58 +216,37 @@ def far_angles_and_special_values():
             qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
             out[f"rope_qk_backward/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
 
-    # bf16 rows rotated token by token with whole vectors of pairs (16 or more), which a CPU with AVX-512 BF16 rounds
-    # by instruction and rounds by the integer form where a rotated value is a denormal or a NaN: random bit
-    # patterns and values about 1 with bf16 denormals and zeros among them; neox and gptj, out of place, in place
-    # and backward, bshd and bhsd, a partial rotary (96 channels, 64 rotated).
+    # bf16 and fp16 rows rotated with whole vectors of pairs, token by token and a few bhsd heads at a time: a CPU with
+    # AVX-512 BF16 rounds bf16 by instruction (by the integer form where a rotated value is a denormal or a NaN), the
+    # AVX-512 build rotates fp16 in registers by F16C (neox 32 pairs a step, gptj 16), both sending whole lines past
+    # the caches where the output streams. Random bit patterns and values about 1 with denormals of the dtype and zeros
+    # among them; neox and gptj, out of place, in place, rope_qk and backward, bshd and bhsd, a partial rotary (96
+    # channels, 64 rotated).
     positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
-    for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
-        inv_freq = posenc.frequencies.rope(rotary_dim, 10000.0)[0]
-        small = torch.randint(-255, 256, (2, 4, 3, head_dim), generator=g).double() * 2.0 ** -7
-        small.view(-1)[::7] *= 2.0 ** -130
-        small.view(-1)[3::11] = 0
-        for values, x in (("bits", data((2, 4, 3, head_dim), torch.bfloat16, 12)), ("denormals", small.bfloat16())):
-            for layout in ("neox", "gptj"):
-                key = f"{head_dim}/{rotary_dim}/{values}/{layout}"
-                out[f"rope_bf16_rows/{key}"] = PF.rope(x, positions, inv_freq, 0.9, layout)
-                rotated = x.clone()
-                PF.rope_(rotated, positions, inv_freq, 1.0, layout)
-                out[f"rope_bf16_rows_/{key}"] = rotated
-                out[f"rope_bf16_rows_backward/{key}"] = PF.rope_backward(x, positions, inv_freq, 1.0, layout)
-                # bhsd: each head's rows walked as one run (gptj by AVX-512 BF16 too)
-                heads_first = x.transpose(1, 2).contiguous()
-                out[f"rope_bf16_rows_bhsd/{key}"] = PF.rope(heads_first, positions, inv_freq, 0.9, layout, "bhsd")
-                out[f"rope_bf16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
-                                                                              layout, "bhsd")
-
-    # fp16 rows, which the AVX-512 build rotates in registers (neox: 32 pairs a line pair, gptj: 16), token by token
-    # and a few bhsd heads at a time, sending the lines past the caches where the output streams: random bit patterns
-    # and values about 1 with fp16 denormals and zeros among them; out of place, in place, rope_qk and backward; a
-    # partial rotary (96 channels).
-    g = torch.Generator().manual_seed(20)
-    positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
-    for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
-        inv_freq = posenc.frequencies.rope(rotary_dim, 10000.0)[0]
-        small = torch.randint(-255, 256, (2, 4, 3, head_dim), generator=g).double() * 2.0 ** -7
-        small.view(-1)[::7] *= 2.0 ** -16
-        small.view(-1)[3::11] = 0
-        for values, x in (("bits", data((2, 4, 3, head_dim), torch.float16, 21)), ("denormals", small.half())):
-            for layout in ("neox", "gptj"):
-                key = f"{head_dim}/{rotary_dim}/{values}/{layout}"
-                out[f"rope_fp16_rows/{key}"] = PF.rope(x, positions, inv_freq, 0.9, layout)
-                qo, ko = PF.rope_qk(x, x.flip(2), positions, inv_freq, 1.0, layout)
-                out[f"rope_qk_fp16_rows/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-                out[f"rope_fp16_rows_backward/{key}"] = PF.rope_backward(x, positions, inv_freq, 1.0, layout)
-                rotated = x.clone()
-                PF.rope_(rotated, positions, inv_freq, 1.0, layout)
-                out[f"rope_fp16_rows_/{key}"] = rotated
-                # bhsd: each head's rows walked as one run, in registers too
-                heads_first = x.transpose(1, 2).contiguous()
-                out[f"rope_fp16_rows_bhsd/{key}"] = PF.rope(heads_first, positions, inv_freq, 0.9, layout, "bhsd")
-                out[f"rope_fp16_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq, 1.0,
-                                                                              layout, "bhsd")
-                PF.rope_(heads_first, positions, inv_freq, 1.0, layout, "bhsd")
-                out[f"rope_fp16_rows_bhsd_/{key}"] = heads_first
+    for name, dtype, tiny, seed in (("bf16", torch.bfloat16, 2.0 ** -130, 12), ("fp16", torch.float16, 2.0 ** -16, 21)):
+        for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):
+            inv_freq = posenc.frequencies.rope(rotary_dim, 10000.0)[0]
+            small = torch.randint(-255, 256, (2, 4, 3, head_dim), generator=g).double() * 2.0 ** -7
+            small.view(-1)[::7] *= tiny
+            small.view(-1)[3::11] = 0
+            for values, x in (("bits", data((2, 4, 3, head_dim), dtype, seed)), ("denormals", small.to(dtype))):
+                for layout in ("neox", "gptj"):
+                    key = f"{head_dim}/{rotary_dim}/{values}/{layout}"
+                    out[f"rope_{name}_rows/{key}"] = PF.rope(x, positions, inv_freq, 0.9, layout)
+                    rotated = x.clone()
+                    PF.rope_(rotated, positions, inv_freq, 1.0, layout)
+                    out[f"rope_{name}_rows_/{key}"] = rotated
+                    out[f"rope_{name}_rows_backward/{key}"] = PF.rope_backward(x, positions, inv_freq, 1.0, layout)
+                    qo, ko = PF.rope_qk(x, x.flip(2), positions, inv_freq, 1.0, layout)
+                    out[f"rope_qk_{name}_rows/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                    # bhsd: each head's rows walked as one run
+                    heads_first = x.transpose(1, 2).contiguous()
+                    out[f"rope_{name}_rows_bhsd/{key}"] = PF.rope(heads_first, positions, inv_freq, 0.9, layout,
+                                                                  "bhsd")
+                    out[f"rope_{name}_rows_bhsd_backward/{key}"] = PF.rope_backward(heads_first, positions, inv_freq,
+                                                                                    1.0, layout, "bhsd")
+                    PF.rope_(heads_first, positions, inv_freq, 1.0, layout, "bhsd")
+                    out[f"rope_{name}_rows_bhsd_/{key}"] = heads_first
 
     # qk_norm_rope's fp16 heads in neox pairs, which the AVX2 and AVX-512 builds round by F16C a vector of pairs at a
     # time (8 and 16) where the pair count allows: random bit patterns, and values about 1 with fp16 denormals and

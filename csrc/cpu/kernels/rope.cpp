@@ -657,14 +657,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
         const scalar_t* head_in = in + g * v.in_stride[2];
         scalar_t* head_out = out + g * v.out_stride[2];
         if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
-          if (rotates_half_by_instruction<kLayout>(pairs)) {
-            const bool stream = v.stream && head_in != head_out && reinterpret_cast<uintptr_t>(head_out) % 64 == 0;
-            rotate_half_row_by_instruction<kLayout>(head_in, head_out, k, pairs, v.head_dim, stream);
-            continue;
-          }
-#endif
-          rotate_row_half<kLayout>(head_in, head_out, k, pairs, v.head_dim);
+          rotate_half_head<kLayout>(v, head_in, head_out, k, pairs);
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
         } else if (streams_from_registers(v, head_in, head_out, pairs)) {
           if constexpr (std::is_same_v<scalar_t, float>) {  // the test above holds only for float32
