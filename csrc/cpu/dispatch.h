@@ -44,7 +44,7 @@ inline bool streams_bf16_lines(int64_t bytes_written) {
 }
 
 // Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
-// AVX-512 build's rotations walked token by token).
+// AVX-512 build's rotations and row additions).
 inline bool streams_half_lines(int64_t bytes_written) {
   return capability() == Capability::AVX512 && bytes_written > 0 && bytes_written >= stream_bytes();
 }

@@ -38,14 +38,15 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // streamed, in separate processes: Llama-like 3.97-4.98 -> 2.42-3.40 ms, M-RoPE 1.41-1.72 -> 1.16-1.43. fp16 rows
 // likewise, rounded by F16C in the AVX-512 build (rotate_half_row_by_instruction; in-process A/B, Llama-like q, k
 // [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
-// bf16_lines: the kernel is rope_kernel's rotation (other bf16 and fp16 rows ignore the flag).
+// lines: the kernel is rope_kernel's rotation, which stores bf16 and fp16 rows as whole lines (other bf16 and fp16
+// rows ignore the flag).
 template <typename scalar_t>
-RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written, bool bf16_lines = false) {
+RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written, bool lines = false) {
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    view.stream = bf16_lines && cpu::streams_bf16_lines(bytes_written);
+    view.stream = lines && cpu::streams_bf16_lines(bytes_written);
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    view.stream = bf16_lines && cpu::streams_half_lines(bytes_written);
+    view.stream = lines && cpu::streams_half_lines(bytes_written);
   }
   return view;
 }

@@ -123,6 +123,18 @@ POSENC_INLINE __m512 widen_bf16x16(const c10::BFloat16* src, __mmask16 lanes = 0
   const __m256i bits = _mm256_maskz_loadu_epi16(lanes, src);
   return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_cvtepu16_epi32(0xFFFF, bits), 16));
 }
+
+// 16 fp16 values widened to float32 by vcvtph2ps (to_opmath's values); only the `lanes` selected are read.
+POSENC_INLINE __m512 widen_halfx16(const c10::Half* src, __mmask16 lanes = 0xFFFF) {
+  return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_maskz_loadu_epi16(lanes, src));
+}
+
+// 32 floats, low's 16 then high's, rounded to fp16 by vcvtps2ph as from_opmath rounds them: one 64-byte vector.
+POSENC_INLINE __m512i narrow_halfx32(__m512 low, __m512 high) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
+                                  _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
+}
 #endif
 
 // bf16 by AVX-512 BF16's vcvtneps2bf16 / vcvtne2ps2bf16 in the AVX-512 build, for the kernels that check the CPU has

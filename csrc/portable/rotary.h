@@ -72,6 +72,20 @@ POSENC_INLINE void rotate_pairs16(__m512 a, __m512 b, PairCoeffs<float> k, int64
   first = _mm512_sub_ps(_mm512_mul_ps(a, _mm512_loadu_ps(k.c1 + i)), _mm512_mul_ps(b, _mm512_loadu_ps(k.s1 + i)));
   second = _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(k.c2 + i)), _mm512_mul_ps(a, _mm512_loadu_ps(k.s2 + i)));
 }
+
+// gptj's 16 pairs, whose channels are adjacent, in two vectors x0, x1: split into their first channels and partners
+// (split_pairs16), and the rotated ones joined back in channel order (join_pairs16).
+POSENC_INLINE void split_pairs16(__m512 x0, __m512 x1, __m512& firsts, __m512& partners) {
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  firsts = _mm512_permutex2var_ps(x0, evens, x1);
+  partners = _mm512_permutex2var_ps(x0, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), x1);
+}
+
+POSENC_INLINE void join_pairs16(__m512 firsts, __m512 partners, __m512& x0, __m512& x1) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  x0 = _mm512_permutex2var_ps(firsts, low, partners);
+  x1 = _mm512_permutex2var_ps(firsts, _mm512_add_epi32(low, _mm512_set1_epi32(8)), partners);
+}
 #elif defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
     (defined(__x86_64__) || defined(__i386__))
 // The same for pairs [i, i + 8) in the AVX2 build.
@@ -183,11 +197,6 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
                                            int64_t head_dim) {
   constexpr bool kNeox = kLayout == RopeLayout::Neox;
 #if POSENC_CPU_CAPABILITY_INDEX == 2
-  // gptj: a pair's channels are adjacent; 16 pairs are two vectors, split into firsts and partners and joined back
-  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
   for (int64_t i = 0; i < pairs; i += 16) {
     __m512 first, second;
     if constexpr (kNeox) {
@@ -195,11 +204,12 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
       _mm512_stream_ps(out + i, first);
       _mm512_stream_ps(out + pairs + i, second);
     } else {
-      const __m512 x0 = _mm512_loadu_ps(in + 2 * i), x1 = _mm512_loadu_ps(in + 2 * i + 16);
-      rotate_pairs16(_mm512_permutex2var_ps(x0, evens, x1), _mm512_permutex2var_ps(x0, odds, x1), k, i, first,
-                     second);
-      _mm512_stream_ps(out + 2 * i, _mm512_permutex2var_ps(first, low, second));
-      _mm512_stream_ps(out + 2 * i + 16, _mm512_permutex2var_ps(first, high, second));
+      __m512 a, b, y0, y1;
+      split_pairs16(_mm512_loadu_ps(in + 2 * i), _mm512_loadu_ps(in + 2 * i + 16), a, b);
+      rotate_pairs16(a, b, k, i, first, second);
+      join_pairs16(first, second, y0, y1);
+      _mm512_stream_ps(out + 2 * i, y0);
+      _mm512_stream_ps(out + 2 * i + 16, y1);
     }
   }
 #else
@@ -242,15 +252,8 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 template <RopeLayout kLayout>
 inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
                                            int64_t head_dim, bool stream) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  // (the masked forms: GCC 12 warns of its own placeholder in the unmasked conversions)
-  const auto widen16 = [&](const c10::Half* p) {
-    return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  };
   const auto stream_line = [&](c10::Half* p, __m512 low, __m512 high) {
-    const __m512i line = _mm512_maskz_inserti64x4(
-        0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
-        _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
+    const __m512i line = narrow_halfx32(low, high);
     if (stream) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
     } else {
@@ -260,23 +263,18 @@ inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, 
   if constexpr (kLayout == RopeLayout::Neox) {
     for (int64_t i = 0; i < pairs; i += 32) {
       __m512 first, second, first2, second2;
-      rotate_pairs16(widen16(in + i), widen16(in + pairs + i), k, i, first, second);
-      rotate_pairs16(widen16(in + i + 16), widen16(in + pairs + i + 16), k, i + 16, first2, second2);
+      rotate_pairs16(widen_halfx16(in + i), widen_halfx16(in + pairs + i), k, i, first, second);
+      rotate_pairs16(widen_halfx16(in + i + 16), widen_halfx16(in + pairs + i + 16), k, i + 16, first2, second2);
       stream_line(out + i, first, first2);
       stream_line(out + pairs + i, second, second2);
     }
-  } else {  // a pair's channels adjacent: 16 pairs split into firsts and partners, and joined back
-    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  } else {
     for (int64_t i = 0; i < pairs; i += 16) {
-      const __m512 x0 = widen16(in + 2 * i), x1 = widen16(in + 2 * i + 16);
-      __m512 first, second;
-      rotate_pairs16(_mm512_permutex2var_ps(x0, evens, x1), _mm512_permutex2var_ps(x0, odds, x1), k, i, first,
-                     second);
-      stream_line(out + 2 * i, _mm512_permutex2var_ps(first, low, second),
-                  _mm512_permutex2var_ps(first, high, second));
+      __m512 a, b, first, second, y0, y1;
+      split_pairs16(widen_halfx16(in + 2 * i), widen_halfx16(in + 2 * i + 16), a, b);
+      rotate_pairs16(a, b, k, i, first, second);
+      join_pairs16(first, second, y0, y1);
+      stream_line(out + 2 * i, y0, y1);
     }
   }
   if (in != out) std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);

@@ -141,21 +141,16 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
 // DINOv2-L rows 1.51x and 1.38x, PixArt's grid 1.53x, CogVideoX's 1.17x; 1.35-1.88x on one thread.
 inline int64_t add_half_by_instruction(const c10::Half* x, const float* pe, c10::Half* y, int64_t n, float scale,
                                        bool stream, bool read_ahead) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #if POSENC_CPU_CAPABILITY_INDEX == 2
   const __m512 s = _mm512_set1_ps(scale);
-  // the rounded sums of channels d .. d + 31 that `lanes` selects, in pair order
+  // the rounded sums of channels d .. d + 31 that `lanes` selects
   const auto sum32 = [&](int64_t d, __mmask32 lanes) {
     const auto low_lanes = static_cast<__mmask16>(lanes), high_lanes = static_cast<__mmask16>(lanes >> 16);
-    // (the masked forms throughout: GCC 12 warns of its own placeholder in the unmasked conversions)
-    const auto widened = [&](int64_t c, __mmask16 m) {
-      return _mm512_maskz_cvtph_ps(0xFFFF, _mm256_maskz_loadu_epi16(m, x + c));
-    };
-    const __m512 low = _mm512_add_ps(_mm512_mul_ps(widened(d, low_lanes), s), _mm512_maskz_loadu_ps(low_lanes, pe + d));
-    const __m512 high =
-        _mm512_add_ps(_mm512_mul_ps(widened(d + 16, high_lanes), s), _mm512_maskz_loadu_ps(high_lanes, pe + d + 16));
-    return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
-                                    _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
+    const __m512 low =
+        _mm512_add_ps(_mm512_mul_ps(widen_halfx16(x + d, low_lanes), s), _mm512_maskz_loadu_ps(low_lanes, pe + d));
+    const __m512 high = _mm512_add_ps(_mm512_mul_ps(widen_halfx16(x + d + 16, high_lanes), s),
+                                      _mm512_maskz_loadu_ps(high_lanes, pe + d + 16));
+    return narrow_halfx32(low, high);
   };
   const auto first_lanes = [](int64_t count) { return static_cast<__mmask32>((uint64_t{1} << count) - 1); };
   int64_t d = 0;
@@ -178,6 +173,7 @@ inline int64_t add_half_by_instruction(const c10::Half* x, const float* pe, c10:
 #else
   (void)stream;
   (void)read_ahead;
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 s = _mm256_set1_ps(scale);
   const auto sum8 = [&](int64_t d) {
     const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));

@@ -260,7 +260,7 @@ class AxisEncodingBlocks {
 #if defined(POSENC_BF16_BY_AVX512BF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       if (bf16_streamed(stores) && in != nullptr) {
-        const bool read_ahead = stores == RowStores::kBf16StreamedReadAhead;
+        const bool read_ahead = reads_ahead(stores);
         for (int64_t r = 0; r < count; ++r) add_lines_bf16(in[r], entries, out[r], width, scale, read_ahead);
         return;
       }

@@ -709,10 +709,8 @@ POSENC_TARGET_AVX512BF16 void rotate_head_run_bf16(const RotaryView<c10::BFloat1
       for (int64_t g = 0; g < count; ++g) {
         const c10::BFloat16* row_in = in + g * v.in_stride[2];
         c10::BFloat16* row_out = out + g * v.out_stride[2];
-        if (v.stream) {  // hints, never faults: past the tensor they ask for nothing of use
-          const char* ahead = reinterpret_cast<const char*>(row_in) + kRunReadAheadBytes;
-          for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
-        }
+        // hints, never faults: past the tensor they ask for nothing of use
+        if (v.stream) prefetch_row(reinterpret_cast<const char*>(row_in) + kRunReadAheadBytes, row_bytes);
         rotate_bf16_row<kLayout>(row_in, row_out, k, pairs, v.head_dim,
                                  v.stream && reinterpret_cast<uintptr_t>(row_out) % 64 == 0);
       }
