@@ -1,8 +1,8 @@
 // How fast qk_norm_rope's bf16 forward and float32 backward could go on this core: the least arithmetic of each,
 // written out with AVX-512 intrinsics for one shape (head_dim 128, neox, a weight per head, q 16 + k 8 heads a
 // token), timed on one thread. Not the library's code and not its bits (its sums add in another order): a bound on
-// what any implementation of the same roundings can reach, for docs/benchmarks.md ("QK-norm's bf16 forward against
-// its arithmetic floor").
+// what any implementation of the same roundings can reach, for docs/benchmarks-log.md ("QK-norm's bf16 forward
+// against its arithmetic floor").
 //
 //   g++ -O3 -march=x86-64-v4 -ffp-contract=off scripts/probe_qk_norm_floor.cpp -o /tmp/probe && /tmp/probe
 //
