@@ -22,7 +22,14 @@ Capability best_supported() {
 #endif
 }
 
+// POSENC_AVX512_BF16=0 runs the AVX-512 kernels as a CPU without AVX-512 BF16 runs them (Skylake-X to Ice Lake), so
+// that their other bf16 paths are tested on a CPU that has it.
 bool cpu_has_avx512_bf16() {
+  const char* requested = std::getenv("POSENC_AVX512_BF16");
+  const std::string_view asked = requested != nullptr ? requested : "";
+  TORCH_CHECK(asked.empty() || asked == "0" || asked == "1",
+              "posenc: POSENC_AVX512_BF16 must be \"0\" or \"1\", got \"", asked, "\"");
+  if (asked == "0") return false;
 #if defined(__x86_64__) || defined(__i386__)
   return best_supported() == Capability::AVX512 && __builtin_cpu_supports("avx512bf16");  // best_supported inits
 #else
@@ -31,6 +38,7 @@ bool cpu_has_avx512_bf16() {
 }
 
 Capability choose() {
+  cpu_has_avx512_bf16();  // a bad POSENC_AVX512_BF16 is an error on every CPU, not only on one it applies to
   const Capability best = best_supported();
   const char* requested = std::getenv("POSENC_CPU_CAPABILITY");
   if (requested == nullptr || *requested == '\0') return best;

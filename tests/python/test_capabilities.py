@@ -26,11 +26,13 @@ OPENBLAS_CORE = {"max": "Haswell", "Nehalem": "Nehalem"}
 NOT_OUTPUTS = ("capability", "ops_called")
 
 
-def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900, stream_bytes=None):
+def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900, stream_bytes=None, avx512_bf16=None):
     out = tmp_path / f"{name}.pt"
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path)
-    env.pop("POSENC_CPU_CAPABILITY", None)
-    env.pop("POSENC_STREAM_BYTES", None)
+    for knob in ("POSENC_CPU_CAPABILITY", "POSENC_STREAM_BYTES", "POSENC_AVX512_BF16"):
+        env.pop(knob, None)
+    if avx512_bf16 is not None:
+        env["POSENC_AVX512_BF16"] = avx512_bf16
     if capability is not None:
         env["POSENC_CPU_CAPABILITY"] = capability
     if stream_bytes is not None:
@@ -103,6 +105,27 @@ def test_outputs_stored_past_the_caches_have_the_same_bits(native, tmp_path):
         result = run_outputs(tmp_path, f"{capability}-streamed", capability, stream_bytes=0)
         assert result["capability"] == capability
         assert_same_bits(result, native["default"], f"{capability} with every output streamed")
+
+
+def test_avx512_without_avx512_bf16_computes_the_same_bits(native, tmp_path):
+    """A CPU with AVX-512 but without AVX-512 BF16 (Skylake-X to Ice Lake) runs the AVX-512 kernels' other bf16 paths
+    (the integer rounding, rows through a float chunk, no bf16 lines streamed from registers):
+    POSENC_AVX512_BF16=0 runs them on a CPU that has the instructions, with outputs stored as usual and streamed."""
+    if "avx512" not in native:
+        pytest.skip("this CPU has no AVX-512")
+    for stream_bytes in (None, 0):
+        result = run_outputs(tmp_path, f"avx512-no-bf16-{stream_bytes}", "avx512", stream_bytes=stream_bytes,
+                             avx512_bf16="0")
+        assert result["capability"] == "avx512"
+        assert_same_bits(result, native["default"], f"avx512 without AVX-512 BF16, POSENC_STREAM_BYTES={stream_bytes}")
+
+
+def test_an_invalid_avx512_bf16_switch_is_an_error():
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_AVX512_BF16="yes")
+    code = "import torch, posenc.functional as PF; PF.rope(torch.ones(1, 2, 1, 4), None, torch.ones(2))"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert 'POSENC_AVX512_BF16 must be "0" or "1", got "yes"' in result.stderr
 
 
 def test_an_invalid_stream_threshold_is_an_error():
