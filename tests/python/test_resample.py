@@ -298,6 +298,29 @@ def test_backward_is_bitwise_identical_for_any_thread_count(same_bits_for_any_th
     assert_relative(grad, torch.autograd.grad(interpolated(weight, *args), weight, grad_out.sum(0))[0], 2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_sums_the_leading_rows_in_order(dtype):
+    """grad's leading rows are summed in float64 in their order, one after another, whatever their count (the CPU
+    adds up to eight in one sweep): rows 2^53, 1, ..., 1, -2^53 sum to 0, each 1 vanishing into 2^53 (half its last
+    place, rounded to even), and the same rows with the ones first to about their count."""
+    args = ((3, 4), (5, 6), "bicubic", False, False, None, 1)
+    tokens = 1 + 5 * 6
+
+    def in_order(values):  # Python's floats are float64: each sum rounded, left to right
+        total = values[0]
+        for value in values[1:]:
+            total = total + value
+        return total
+
+    for leads in (2, 3, 4, 7, 8, 9, 12, 13, 19):
+        for values in ([2.0 ** 53] + [1.0] * (leads - 2) + [-(2.0 ** 53)],
+                       [1.0] * (leads - 2) + [2.0 ** 53, -(2.0 ** 53)]):
+            grad = torch.tensor(values, dtype=torch.float64)[:, None, None].expand(leads, tokens, 70).to(dtype)
+            expected = PF.resample_learned_backward(torch.full((1, tokens, 70), in_order(values), dtype=dtype), *args)
+            assert same_bits(PF.resample_learned_backward(grad, *args), expected), (leads, values[0])
+        assert leads <= 3 or in_order(values) != 0  # the two orders differ (one 1 alone vanishes either way)
+
+
 # ---------------------------------------------------------------- errors
 
 
