@@ -1392,13 +1392,28 @@ def check(rows: List[dict]) -> List[str]:
     return lines
 
 
-def write_json(args, rows: List[dict]) -> None:
+def copy_bandwidth() -> float:
+    """GB/s (bytes read + written) of out.copy_(x) on 64 MiB float32 buffers, past the last-level cache of the
+    machines here: the state of the memory at that moment, which moves every row's copy bound between runs and
+    within one (docs/benchmarks.md, "The copy's two states"). Printed at a CPU run's start and end."""
+    x = torch.ones(16 * 2**20)
+    out = torch.empty_like(x)
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        out.copy_(x)
+        times.append(time.perf_counter() - start)
+    return 2 * x.numel() * x.element_size() / statistics.median(times) / 1e9
+
+
+def write_json(args, rows: List[dict], copy_gbps: Optional[List[float]] = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
                        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
-                       "reuse_memory": args.reuse_memory, "cold": args.cold, "rows": rows}, f, indent=1)
+                       "reuse_memory": args.reuse_memory, "cold": args.cold, "copy_gbps": copy_gbps or [],
+                       "rows": rows}, f, indent=1)
 
 
 def main() -> None:
@@ -1447,6 +1462,10 @@ def main() -> None:
           + (", --reuse-memory" if args.reuse_memory else "") + (", --cold" if args.cold else "")
           + (", --fp16" if args.fp16 else ""))
     rows = []
+    copy_gbps = []  # the memory's state: copy_bandwidth() at a CPU run's start and end
+    if args.device == "cpu" and not args.from_json:
+        copy_gbps.append(copy_bandwidth())
+        print(f"copy from memory at the start: {copy_gbps[0]:.0f} GB/s")
     if args.from_json:
         with open(args.from_json) as f:
             rows = json.load(f)["rows"]
@@ -1464,6 +1483,9 @@ def main() -> None:
                 traceback.print_exc()
                 failed.append(name)
             write_json(args, rows)  # the groups so far, should the run be cut short
+    if copy_gbps:
+        copy_gbps.append(copy_bandwidth())
+        print(f"copy from memory at the end: {copy_gbps[1]:.0f} GB/s (at the start: {copy_gbps[0]:.0f})")
     if args.check:
         print("\n== targets (from the rows above" + ("" if args.reuse_memory else "; they are set for the kernels "
               "alone: run with --reuse-memory") + ("; measured --cold, where they are set on rows timed without it"
@@ -1472,7 +1494,7 @@ def main() -> None:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows))
-    write_json(args, rows)
+    write_json(args, rows, copy_gbps)
     if not args.from_json and args.device == "cuda" and failed:
         return f"bench.py: the {', '.join(failed)} benchmarks failed (tracebacks above)"
 
