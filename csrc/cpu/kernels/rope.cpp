@@ -244,21 +244,27 @@ inline void inverse_rms_of_rows(const float* row, int64_t heads, int64_t n, floa
 #endif
 
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
-// 16 values of a float32 or bf16 row in float32.
+// 16 values of a float32, bf16 or fp16 row in float32.
 template <typename scalar_t>
 inline __m512 load_floats(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    return widen_halfx16(p);
   } else {
     return widen_bf16x16(p);
   }
 }
 
-// 16 floats stored as from_opmath rounds them (bf16: to nearest even in 32-bit lanes, NaN to 0x7FC0).
+// 16 floats stored as from_opmath rounds them (bf16: to nearest even in 32-bit lanes, NaN to 0x7FC0; fp16: by
+// vcvtps2ph, which rounds as convert.h does).
 template <typename scalar_t>
 inline void store_floats(__m512 v, scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     _mm512_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_maskz_cvtps_ph(0xFFFF, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xFFFF, bits, 16), _mm512_set1_epi32(1));
@@ -377,13 +383,14 @@ void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<s
   for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
 }
 
-// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX-512 build, float32
-// and bf16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
+// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX-512 build, float32,
+// bf16 and fp16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
 template <typename scalar_t, typename opmath>
 bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm, RopeLayout layout,
                          int64_t pairs) {
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                std::is_same_v<scalar_t, c10::Half>) {
     return layout == RopeLayout::Neox && norm.group == view.head_dim && 2 * pairs == view.head_dim &&
            pairs % 16 == 0 && view.in_stride[3] == 1 && view.out_stride[3] == 1;
   }
@@ -400,7 +407,8 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
                                PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* gw, opmath* g,
                                scalar_t* out, bool by_instruction) {
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
-  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                std::is_same_v<scalar_t, c10::Half>) {
     const int64_t D = view.head_dim;
     for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], out += view.out_stride[2], x += D, g += D) {
       // the next token's rows of this head, as rotate_back_heads asks for them
@@ -412,7 +420,7 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
       norm_rope_backward_neox_head(grad, k, pairs, x, inv_rms[h], norm.weight, gw, g,
                                    view.stream && !direct ? nullptr : out, by_instruction, direct);
       if constexpr (std::is_same_v<scalar_t, float>) {
-        if (view.stream && !direct) store_streaming(g, out, D);  // bf16 is never streamed
+        if (view.stream && !direct) store_streaming(g, out, D);  // bf16 and fp16 are never streamed here
       }
     }
   }
