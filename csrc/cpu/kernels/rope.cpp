@@ -365,6 +365,87 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
     }
   }
 }
+#elif POSENC_CPU_CAPABILITY_INDEX == 1 && (defined(__x86_64__) || defined(__i386__))
+// 8 values of a float32, bf16 or fp16 row in float32 (the AVX2 build).
+template <typename scalar_t>
+inline __m256 load_floats(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));  // a bf16 is a float's high half
+  }
+}
+
+// 8 floats stored as from_opmath rounds them (bf16: to nearest even in 32-bit lanes, NaN to 0x7FC0; fp16: by
+// vcvtps2ph, which rounds as convert.h does).
+template <typename scalar_t>
+inline void store_floats(__m256 v, scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm256_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+    const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+    const __m256 kept = _mm256_blendv_ps(_mm256_castsi256_ps(rounded), nan_bits, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(kept), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+}
+
+// norm_rope_backward_neox_head in the AVX2 build, 8 pairs a step: the same operations on the same values, the sum of
+// normalized_dot's 16 lanes kept in two vectors (lanes 0-7 and 8-15) and folded by lane_sum's tree, so the same bits.
+template <typename scalar_t>
+inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
+                                         float r, const float* w, float* gw, float* g, scalar_t* out,
+                                         bool /*by_instruction*/, bool stream) {
+  const __m256 vr = _mm256_set1_ps(r);
+  const auto through_norm = [&](int64_t d, __m256 gz) {  // as the AVX-512 build's, 8 channels
+    const __m256 xhat = _mm256_mul_ps(_mm256_loadu_ps(x + d), vr);
+    _mm256_storeu_ps(gw + d, _mm256_add_ps(_mm256_loadu_ps(gw + d), _mm256_mul_ps(gz, xhat)));
+    const __m256 gv = _mm256_mul_ps(gz, _mm256_loadu_ps(w + d));
+    _mm256_storeu_ps(g + d, gv);
+    return _mm256_mul_ps(gv, xhat);
+  };
+  __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // channel c's term goes to lane c mod 16
+  for (int64_t i = 0; i < pairs; i += 8) {
+    __m256 first, second;
+    rotate_pairs8(load_floats(grad + i), load_floats(grad + pairs + i), k, i, first, second);
+    lanes[(i / 8) % 2] = _mm256_add_ps(lanes[(i / 8) % 2], through_norm(i, first));
+    through_norm(pairs + i, second);
+  }
+  for (int64_t i = 0; i < pairs; i += 8) {  // the partners' terms after the first channels', read back from g
+    const int64_t d = pairs + i;
+    const __m256 term = _mm256_mul_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(_mm256_loadu_ps(x + d), vr));
+    lanes[(i / 8) % 2] = _mm256_add_ps(lanes[(i / 8) % 2], term);
+  }
+  const int64_t n = 2 * pairs;
+  const __m256 eight = _mm256_add_ps(lanes[0], lanes[1]);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
+  const __m256 mean_dot = _mm256_set1_ps(dot / static_cast<float>(n));
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 xhat = _mm256_mul_ps(_mm256_loadu_ps(x + d), vr);
+    const __m256 dx = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(xhat, mean_dot)));
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (stream) {
+        _mm256_stream_ps(out + d, dx);
+        continue;
+      }
+    }
+    if (out != nullptr) {
+      store_floats(dx, out + d);
+    } else {
+      _mm256_storeu_ps(g + d, dx);
+    }
+  }
+}
 #endif
 
 // The inverse root mean square of every group of a token's row. bf16 and fp16 rows, widened into a row in L1, go 16
@@ -383,12 +464,12 @@ void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<s
   for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
 }
 
-// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX-512 build, float32,
-// bf16 and fp16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
+// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX2 and AVX-512
+// builds; float32, bf16 and fp16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
 template <typename scalar_t, typename opmath>
 bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm, RopeLayout layout,
                          int64_t pairs) {
-#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+#if POSENC_CPU_CAPABILITY_INDEX >= 1 && (defined(__x86_64__) || defined(__i386__))
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
                 std::is_same_v<scalar_t, c10::Half>) {
     return layout == RopeLayout::Neox && norm.group == view.head_dim && 2 * pairs == view.head_dim &&
@@ -406,7 +487,7 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
                                const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
                                PairCoeffs<opmath> k, int64_t pairs, const opmath* x, opmath* gw, opmath* g,
                                scalar_t* out, bool by_instruction) {
-#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+#if POSENC_CPU_CAPABILITY_INDEX >= 1 && (defined(__x86_64__) || defined(__i386__))
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
                 std::is_same_v<scalar_t, c10::Half>) {
     const int64_t D = view.head_dim;
