@@ -38,7 +38,7 @@ bool cpu_has_avx512_bf16() {
 }
 
 Capability choose() {
-  cpu_has_avx512_bf16();  // a bad POSENC_AVX512_BF16 is an error on every CPU, not only on one it applies to
+  has_avx512_bf16();  // a bad POSENC_AVX512_BF16 is an error on every CPU, not only on one it applies to
   const Capability best = best_supported();
   const char* requested = std::getenv("POSENC_CPU_CAPABILITY");
   if (requested == nullptr || *requested == '\0') return best;

@@ -249,7 +249,7 @@ def far_angles_and_special_values():
                     out[f"rope_{name}_rows_bhsd_/{key}"] = heads_first
 
     # qk_norm_rope's fp16 heads in neox pairs, which the AVX2 and AVX-512 builds round by F16C a vector of pairs at a
-    # time (8 and 16) where the pair count allows, and whose backward the AVX-512 build takes 16 pairs at a time: random
+    # time (8 and 16) where the pair count allows, and whose backward they take 8 and 16 pairs at a time: random
     # bit patterns, and values about 1 with fp16 denormals and zeros among them, times weights about 1 and weights that
     # take the products into fp16's denormals; 24 pairs (AVX2's step only), 32 and 144.
     g = torch.Generator().manual_seed(19)
@@ -265,11 +265,12 @@ def far_angles_and_special_values():
                 for weights, scale in (("about_one", 1.0), ("tiny", 2.0 ** -12)):
                     qw = (torch.randint(-255, 256, (q_width,), generator=g).double() * 2.0 ** -7 * scale).half()
                     kw = (torch.randint(-255, 256, (k_width,), generator=g).double() * 2.0 ** -7).float()
+                    positions = torch.arange(4).expand(2, 4)
                     key = f"float16/{head_dim}/{norm}/{values}/{weights}"
-                    qo, ko = PF.qk_norm_rope(q, k, qw, kw, torch.arange(4).expand(2, 4), freq, 1e-6, norm)
+                    qo, ko = PF.qk_norm_rope(q, k, qw, kw, positions, freq, 1e-6, norm)
                     out[f"qk_norm_rope/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                     grads = torch.ops.posenc.qk_norm_rope_backward(qk[:, :, :3] * scale, qk[:, :, 3:], q, k, qw, kw,
-                                                                   torch.arange(4).expand(2, 4), freq, 1e-6, norm)
+                                                                   positions, freq, 1e-6, norm)
                     for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                         out[f"qk_norm_rope_backward/{key}/{name}"] = grad
 
