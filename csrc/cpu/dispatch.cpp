@@ -37,8 +37,20 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+int64_t choose_encoding_cache_bytes() {
+  const char* requested = std::getenv("POSENC_ENCODING_CACHE_MB");
+  if (requested == nullptr || *requested == '\0') return int64_t{64} << 20;
+  char* end = nullptr;
+  const long long mib = std::strtoll(requested, &end, 10);
+  TORCH_CHECK(*end == '\0' && mib >= 0 && mib < (1LL << 40),
+              "posenc: POSENC_ENCODING_CACHE_MB must be a count of MiB >= 0, got \"", requested, "\"");
+  return static_cast<int64_t>(mib) << 20;
+}
+
 Capability choose() {
-  has_avx512_bf16();  // a bad POSENC_AVX512_BF16 is an error on every CPU, not only on one it applies to
+  // A bad switch is an error at the first call of any op, on every CPU, not only where it applies.
+  has_avx512_bf16();
+  encoding_cache_bytes();
   const Capability best = best_supported();
   const char* requested = std::getenv("POSENC_CPU_CAPABILITY");
   if (requested == nullptr || *requested == '\0') return best;
@@ -76,6 +88,11 @@ int64_t choose_stream_bytes() {
 
 int64_t stream_bytes() {
   static const int64_t bytes = choose_stream_bytes();
+  return bytes;
+}
+
+int64_t encoding_cache_bytes() {
+  static const int64_t bytes = choose_encoding_cache_bytes();
   return bytes;
 }
 

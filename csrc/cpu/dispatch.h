@@ -29,6 +29,10 @@ bool has_avx512_bf16();
 // an ordinary store first reads every line it writes: a third of the traffic of a rotation out of place.
 int64_t stream_bytes();
 
+// The most bytes of sinusoidal encoding tables kept between calls (cpu/sinusoidal.cpp): 64 MiB, or the environment
+// variable POSENC_ENCODING_CACHE_MB (0: none kept). Read at the first call.
+int64_t encoding_cache_bytes();
+
 // Whether a call that writes `bytes_written` out of place stores them past the caches: float32 outputs of at least
 // stream_bytes(). bfloat16 rows measured slower that way (their rounding and the pass through L1 cost more than
 // the lines not read); float64 rows, rotated into a row in L1, were compiled to fused multiply-adds.

@@ -29,7 +29,7 @@ NOT_OUTPUTS = ("capability", "ops_called")
 def run_outputs(tmp_path, name, capability=None, emulate=None, timeout=900, stream_bytes=None, avx512_bf16=None):
     out = tmp_path / f"{name}.pt"
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path)
-    for knob in ("POSENC_CPU_CAPABILITY", "POSENC_STREAM_BYTES", "POSENC_AVX512_BF16"):
+    for knob in ("POSENC_CPU_CAPABILITY", "POSENC_STREAM_BYTES", "POSENC_AVX512_BF16", "POSENC_ENCODING_CACHE_MB"):
         env.pop(knob, None)
     if avx512_bf16 is not None:
         env["POSENC_AVX512_BF16"] = avx512_bf16
@@ -116,6 +116,7 @@ def test_avx512_without_avx512_bf16_computes_the_same_bits(native, tmp_path):
     ("POSENC_CPU_CAPABILITY", "sse9", 'POSENC_CPU_CAPABILITY must be "default", "avx2" or "avx512", got "sse9"'),
     ("POSENC_AVX512_BF16", "yes", 'POSENC_AVX512_BF16 must be "0" or "1", got "yes"'),
     ("POSENC_STREAM_BYTES", "lots", 'POSENC_STREAM_BYTES must be a byte count >= 0, got "lots"'),
+    ("POSENC_ENCODING_CACHE_MB", "-1", 'POSENC_ENCODING_CACHE_MB must be a count of MiB >= 0, got "-1"'),
 ])
 def test_an_invalid_switch_is_an_error(switch, value, message):
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, **{switch: value})

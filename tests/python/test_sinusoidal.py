@@ -1,6 +1,10 @@
 """Sinusoidal family: values against float64 formulas written here, the primer's worked example, gradients,
 opcheck, torch.compile, torch.export, TorchScript and the bad inputs."""
+import concurrent.futures
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -246,6 +250,89 @@ def test_embed_sinusoidal_blocks_and_threads(shape):
     assert torch.equal(one, two)
     pe = reference_pe(torch.arange(shape[-1]), inv_freq, "interleaved")
     assert_close(one.double(), F.embedding(tokens, weight).double() * 2.0 + pe, **tolerance(torch.float32))
+
+
+# A call whose positions are an arange reads an encoding table the CPU keeps between calls, computed by the same
+# kernel; the reference: the encodings of those positions passed as a tensor (never kept), added in the maths type
+# as the kernel adds them (x * scale, then + pe, each rounded once to float32; float64 for float64 data).
+def kept_reference(x, inv_freq, layout, offset, prefix=0, scale=1.0):
+    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pe = PF.sinusoidal(torch.arange(x.shape[-2] - prefix) + offset, inv_freq, layout, dtype=opmath)
+    sums = x.to(opmath) * scale
+    sums[..., prefix:, :pe.shape[-1]] += pe
+    return sums.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("layout", ["interleaved", "half", "half_cos_first"])
+@pytest.mark.parametrize("seq, offset, prefix, width", [(300, 0, 0, 1024), (100, 4000, 0, 1025), (200, 7, 2, 512),
+                                                        (10, 0, 0, 64)])  # the last: too few pairs to keep
+def test_kept_tables_give_the_bits_of_computed_ones(dtype, layout, seq, offset, prefix, width):
+    x = torch.randn(2, seq, width, dtype=dtype)
+    inv_freq = posenc.frequencies.sinusoidal(width)
+    for _ in range(2):  # the call that computes the table, then one that finds it
+        out = PF.add_sinusoidal(x, None, inv_freq, 1.5, layout, offset, num_prefix_tokens=prefix)
+        assert same_bits(out, kept_reference(x, inv_freq, layout, offset, prefix, 1.5))
+
+
+def test_kept_tables_follow_frequencies_layout_dtype_and_length():
+    """No call reads a table kept for other frequencies (one of them changed), another layout or maths type, or
+    fewer positions (the table grows)."""
+    inv_freq = posenc.frequencies.sinusoidal(1024)
+    changed = inv_freq.clone()
+    changed[-1] *= 1.5
+    calls = [(inv_freq, "half", 0, torch.float32), (changed, "half", 0, torch.float32),
+             (inv_freq, "interleaved", 0, torch.float32), (inv_freq, "half", 0, torch.float64),
+             (inv_freq, "half", 3000, torch.bfloat16), (inv_freq, "half", 100, torch.float32),
+             (changed, "half", 9000, torch.float32), (inv_freq, "half", 0, torch.float32)]
+    for w, layout, offset, dtype in calls:
+        x = torch.randn(2, 256, 1024, dtype=dtype)
+        assert same_bits(PF.add_sinusoidal(x, None, w, 1.0, layout, offset), kept_reference(x, w, layout, offset))
+    x = torch.randn(1, 256, 1024)
+    assert not torch.equal(PF.add_sinusoidal(x, None, inv_freq), PF.add_sinusoidal(x, None, changed))
+
+
+def test_kept_tables_under_concurrent_calls():
+    """Threads that compute, grow and read kept tables at once each get their own encodings."""
+    freqs = [posenc.frequencies.sinusoidal(512, base) for base in (100.0, 1000.0, 10000.0, 50000.0)]
+    x = torch.randn(1, 128, 512)
+    cases = [(i % 4, (i // 4) * 300) for i in range(32)]
+    expected = [kept_reference(x, freqs[f], "half", offset) for f, offset in cases]
+
+    def call(i):
+        f, offset = cases[i]
+        return same_bits(PF.add_sinusoidal(x, None, freqs[f], 1.0, "half", offset), expected[i])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(call, list(range(32)) * 2))
+
+
+def test_embed_sinusoidal_reads_kept_tables_too():
+    tokens = torch.randint(0, 300, (2, 400))
+    weight = torch.randn(300, 256, dtype=torch.bfloat16)
+    inv_freq = posenc.frequencies.sinusoidal(256)
+    for _ in range(2):
+        out = PF.embed_sinusoidal(tokens, weight, None, inv_freq, 2.0, offset=5)
+        assert same_bits(out, kept_reference(F.embedding(tokens, weight), inv_freq, "interleaved", 5, scale=2.0))
+
+
+@pytest.mark.parametrize("megabytes", ["0", "1"])
+def test_kept_tables_switched_off_or_too_small_compute_the_same_bits(megabytes, tmp_path):
+    """POSENC_ENCODING_CACHE_MB=0 keeps no table; 1 keeps those that fit (one of the two calls' below)."""
+    code = ("import sys, torch, posenc, posenc.functional as PF\n"
+            "torch.manual_seed(0)\n"
+            "x = torch.randn(2, 600, 1024, dtype=torch.bfloat16)\n"
+            "w = posenc.frequencies.sinusoidal(1024)\n"
+            "torch.save([PF.add_sinusoidal(x, None, w, 1.0, 'half', o) for o in (0, 50)], sys.argv[1])\n")
+    outputs = {}
+    for name, value in (("kept", None), ("switched", megabytes)):
+        env = dict(os.environ, POSENC_LIBRARY=posenc.library_path)
+        env.pop("POSENC_ENCODING_CACHE_MB", None)
+        if value is not None:
+            env["POSENC_ENCODING_CACHE_MB"] = value
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], env=env, check=True, timeout=300)
+        outputs[name] = torch.load(tmp_path / name)
+    assert all(same_bits(a, b) for a, b in zip(outputs["kept"], outputs["switched"]))
 
 
 def test_add_sinusoidal_strided_input():

@@ -54,17 +54,27 @@ void encode_rows(const SequenceRows& sequence, int64_t first, int64_t count, int
 }
 
 // A task's block of encodings: sin/cos of `count` positions in maths precision, plus the interleaved
-// layout's scratch row.
+// layout's scratch row; or, where the op layer hands rows computed already, where each position's row is.
 template <typename scalar_t>
 class EncodingBlocks {
  public:
   using opmath = opmath_t<scalar_t>;
 
   EncodingBlocks(const SinusoidalProblem<scalar_t>& problem, int64_t block)
-      : problem_(problem), encoded_(2 * problem.pairs), buffer_((block + 1) * encoded_) {}
+      : problem_(problem),
+        encoded_(2 * problem.pairs),
+        buffer_(problem.encodings != nullptr ? encoded_ : (block + 1) * encoded_, static_cast<opmath>(-0.0)),
+        rows_(problem.encodings != nullptr ? block : 0) {}
 
   void prepare(int64_t first, int64_t count) {
     first_ = first;
+    if (problem_.encodings != nullptr) {  // a prefix token's row: buffer_, all -0.0
+      for (int64_t p = 0; p < count; ++p) {
+        const int64_t index = sequence_position(problem_.sequence, first + p);
+        rows_[p] = index < 0 ? buffer_.data() : problem_.encodings + index * encoded_;
+      }
+      return;
+    }
     opmath* scratch = buffer_.data() + (buffer_.size() - encoded_);
     encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t, int64_t index, opmath* pe) {
       const double position = problem_.positions != nullptr ? problem_.positions[index]
@@ -76,13 +86,16 @@ class EncodingBlocks {
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
            opmath scale, RowStores stores) const {
-    add_rows(count, in, buffer_.data() + (position - first_) * encoded_, out, encoded_, width, scale, stores);
+    const int64_t p = position - first_;
+    const opmath* pe = problem_.encodings != nullptr ? rows_[p] : buffer_.data() + p * encoded_;
+    add_rows(count, in, pe, out, encoded_, width, scale, stores);
   }
 
  private:
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
   std::vector<opmath> buffer_;
+  std::vector<const opmath*> rows_;
   int64_t first_ = 0;
 };
 

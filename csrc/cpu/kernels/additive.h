@@ -27,6 +27,9 @@ struct SinusoidalProblem {
   double max_abs_freq;
   SinusoidalLayout layout;
   double scale;
+  // Not null: the encodings of positions first_position + index, rows of 2 * pairs values at index, computed
+  // already by this kernel (the op layer's kept tables, cpu/sinusoidal.cpp); null: computed here.
+  const opmath_t<scalar_t>* encodings = nullptr;
 };
 
 // out[n] = in(n) * scale + table[table_rows[n mod P]], rows = L * P (in absent: the table rows alone).
