@@ -252,12 +252,22 @@ def test_embed_sinusoidal_blocks_and_threads(shape):
     assert_close(one.double(), F.embedding(tokens, weight).double() * 2.0 + pe, **tolerance(torch.float32))
 
 
-# A call whose positions are an arange reads an encoding table the CPU keeps between calls, computed by the same
-# kernel; the reference: the encodings of those positions passed as a tensor (never kept), added in the maths type
-# as the kernel adds them (x * scale, then + pe, each rounded once to float32; float64 for float64 data).
-def kept_reference(x, inv_freq, layout, offset, prefix=0, scale=1.0):
+# A call whose positions are whole numbers >= 0 reads an encoding table the CPU keeps between calls, computed by the
+# same kernel. The reference: the encodings computed in calls too small to read a kept table (fewer than 8192
+# pairs each), added in the maths type as the kernel adds them (x * scale, then + pe, each rounded once to float32;
+# float64 for float64 data).
+def computed_encodings(positions, inv_freq, layout, dtype):
+    per_call = max(1, 8191 // inv_freq.numel())
+    flat = positions.reshape(-1)
+    pe = torch.cat([PF.sinusoidal(chunk, inv_freq, layout, dtype=dtype) for chunk in flat.split(per_call)])
+    return pe.reshape(*positions.shape, -1)
+
+
+def kept_reference(x, inv_freq, layout, offset, prefix=0, scale=1.0, positions=None):
     opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
-    pe = PF.sinusoidal(torch.arange(x.shape[-2] - prefix) + offset, inv_freq, layout, dtype=opmath)
+    if positions is None:
+        positions = torch.arange(x.shape[-2] - prefix)
+    pe = computed_encodings(positions + offset, inv_freq, layout, opmath)
     sums = x.to(opmath) * scale
     sums[..., prefix:, :pe.shape[-1]] += pe
     return sums.to(x.dtype)
@@ -273,6 +283,24 @@ def test_kept_tables_give_the_bits_of_computed_ones(dtype, layout, seq, offset, 
     for _ in range(2):  # the call that computes the table, then one that finds it
         out = PF.add_sinusoidal(x, None, inv_freq, 1.5, layout, offset, num_prefix_tokens=prefix)
         assert same_bits(out, kept_reference(x, inv_freq, layout, offset, prefix, 1.5))
+
+
+@pytest.mark.parametrize("kind", ["arange", "per_row", "scattered", "whole_floats", "fractions", "negative"])
+def test_kept_tables_for_given_positions(kind):
+    """Given positions read kept rows where every one is a whole number >= 0 (shared, one per row as fairseq's
+    padding-aware ones, in any order, floating timesteps), and are computed otherwise: the same bits either way."""
+    batch, seq, width = 3, 200, 256
+    x = torch.randn(batch, seq, width, dtype=torch.bfloat16)
+    inv_freq = posenc.frequencies.sinusoidal(width)
+    real = torch.rand(batch, seq) > 0.2
+    positions = {"arange": torch.arange(seq), "per_row": torch.cumsum(real, 1) * real + 1,
+                 "scattered": torch.randint(0, 6000, (seq,)), "whole_floats": torch.arange(seq) * 5.0,
+                 "fractions": torch.arange(seq) + 0.5, "negative": torch.arange(seq) - 7}[kind]
+    for _ in range(2):
+        out = PF.add_sinusoidal(x, positions, inv_freq, 1.5, "half", 3)
+        assert same_bits(out, kept_reference(x, inv_freq, "half", 3, scale=1.5, positions=positions))
+        table = PF.sinusoidal(positions, inv_freq, "half", offset=3)
+        assert same_bits(table, computed_encodings(positions + 3, inv_freq, "half", torch.float32))
 
 
 def test_kept_tables_follow_frequencies_layout_dtype_and_length():

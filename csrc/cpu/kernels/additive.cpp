@@ -68,10 +68,16 @@ class EncodingBlocks {
 
   void prepare(int64_t first, int64_t count) {
     first_ = first;
-    if (problem_.encodings != nullptr) {  // a prefix token's row: buffer_, all -0.0
+    if (problem_.encodings != nullptr) {  // the kept rows; a prefix token's: buffer_, all -0.0
       for (int64_t p = 0; p < count; ++p) {
         const int64_t index = sequence_position(problem_.sequence, first + p);
-        rows_[p] = index < 0 ? buffer_.data() : problem_.encodings + index * encoded_;
+        if (index < 0) {
+          rows_[p] = buffer_.data();
+          continue;
+        }
+        const int64_t position = problem_.positions != nullptr ? static_cast<int64_t>(problem_.positions[index])
+                                                               : problem_.first_position + index;
+        rows_[p] = problem_.encodings + position * encoded_;
       }
       return;
     }

@@ -27,8 +27,9 @@ struct SinusoidalProblem {
   double max_abs_freq;
   SinusoidalLayout layout;
   double scale;
-  // Not null: the encodings of positions first_position + index, rows of 2 * pairs values at index, computed
-  // already by this kernel (the op layer's kept tables, cpu/sinusoidal.cpp); null: computed here.
+  // Not null: the encodings of positions 0, 1, 2, ..., rows of 2 * pairs values computed already by this kernel (the
+  // op layer's kept tables, cpu/sinusoidal.cpp), covering every position read, each a whole number; null: computed
+  // here.
   const opmath_t<scalar_t>* encodings = nullptr;
 };
 
