@@ -3,8 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 
 namespace posenc::cpu {
@@ -37,14 +39,21 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
-int64_t choose_encoding_cache_bytes() {
-  const char* requested = std::getenv("POSENC_ENCODING_CACHE_MB");
-  if (requested == nullptr || *requested == '\0') return int64_t{64} << 20;
+// The count a switch asks for (a whole number in [0, limit)), or nullopt where it is unset; anything else is an error
+// naming the switch and what it counts.
+std::optional<int64_t> requested_count(const char* name, const char* what, long long limit) {
+  const char* requested = std::getenv(name);
+  if (requested == nullptr || *requested == '\0') return std::nullopt;
   char* end = nullptr;
-  const long long mib = std::strtoll(requested, &end, 10);
-  TORCH_CHECK(*end == '\0' && mib >= 0 && mib < (1LL << 40),
-              "posenc: POSENC_ENCODING_CACHE_MB must be a count of MiB >= 0, got \"", requested, "\"");
-  return static_cast<int64_t>(mib) << 20;
+  const long long count = std::strtoll(requested, &end, 10);
+  TORCH_CHECK(*end == '\0' && count >= 0 && count < limit, "posenc: ", name, " must be ", what, " >= 0, got \"",
+              requested, "\"");
+  return count;
+}
+
+int64_t choose_encoding_cache_bytes() {
+  const auto mib = requested_count("POSENC_ENCODING_CACHE_MB", "a count of MiB", 1LL << 40);
+  return (mib ? *mib : 64) << 20;
 }
 
 Capability choose() {
@@ -65,14 +74,7 @@ Capability choose() {
 }
 
 int64_t choose_stream_bytes() {
-  const char* requested = std::getenv("POSENC_STREAM_BYTES");
-  if (requested != nullptr && *requested != '\0') {
-    char* end = nullptr;
-    const long long bytes = std::strtoll(requested, &end, 10);
-    TORCH_CHECK(*end == '\0' && bytes >= 0, "posenc: POSENC_STREAM_BYTES must be a byte count >= 0, got \"",
-                requested, "\"");
-    return bytes;
-  }
+  if (const auto bytes = requested_count("POSENC_STREAM_BYTES", "a byte count", LLONG_MAX)) return *bytes;
   // One instance of the last-level cache as Linux describes it (sysconf's figure can be the whole package's:
   // 320 MiB where a virtual machine's cores share 32 MiB). Read with C's stdio, not an iostream: a library built
   // with a copy of libstdc++ of its own crashed on the iostream's locale (docs/install.md).
