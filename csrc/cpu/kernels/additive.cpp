@@ -75,17 +75,13 @@ class EncodingBlocks {
           rows_[p] = buffer_.data();
           continue;
         }
-        const int64_t position = problem_.positions != nullptr ? static_cast<int64_t>(problem_.positions[index])
-                                                               : problem_.first_position + index;
-        rows_[p] = problem_.encodings + position * encoded_;
+        rows_[p] = problem_.encodings + static_cast<int64_t>(position(index)) * encoded_;  // a whole number
       }
       return;
     }
     opmath* scratch = buffer_.data() + (buffer_.size() - encoded_);
     encode_rows(problem_.sequence, first, count, encoded_, buffer_.data(), [&](int64_t, int64_t index, opmath* pe) {
-      const double position = problem_.positions != nullptr ? problem_.positions[index]
-                                                            : static_cast<double>(problem_.first_position + index);
-      encode_position(position, problem_.inv_freq, problem_.pairs, problem_.max_abs_freq, problem_.layout, pe,
+      encode_position(position(index), problem_.inv_freq, problem_.pairs, problem_.max_abs_freq, problem_.layout, pe,
                       scratch);
     });
   }
@@ -98,6 +94,12 @@ class EncodingBlocks {
   }
 
  private:
+  // The position of the sequence's index-th encoded token: given, or first_position + index.
+  double position(int64_t index) const {
+    return problem_.positions != nullptr ? problem_.positions[index]
+                                         : static_cast<double>(problem_.first_position + index);
+  }
+
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
   std::vector<opmath> buffer_;
