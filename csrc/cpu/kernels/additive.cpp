@@ -102,7 +102,7 @@ class EncodingBlocks {
 
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
-  std::vector<opmath> buffer_;
+  ScratchVector<opmath> buffer_;
   std::vector<const opmath*> rows_;
   int64_t first_ = 0;
 };
@@ -182,7 +182,7 @@ class AxisValues {
   int64_t capacity_ = 0;
   std::vector<int64_t> slots_;
   std::vector<Key> keys_;
-  std::vector<opmath> values_;
+  ScratchVector<opmath> values_;
   int64_t last_ = -1;
 };
 
@@ -369,13 +369,13 @@ class AxisEncodingBlocks {
 
   const SinusoidalProblem<scalar_t>& problem_;
   int64_t encoded_;
-  std::vector<opmath> buffer_;
+  ScratchVector<opmath> buffer_;
   // Per position of the block, each axis's AxisValues entry; -1 first where the encoding is the row of buffer_.
   std::vector<int64_t> entries_;
   std::vector<Segment> segments_;
   bool segmented_ = false;  // segments long enough to add from where the values are kept
   std::vector<AxisValues<opmath>> axes_;
-  std::vector<std::vector<opmath>> scratch_;
+  std::vector<ScratchVector<opmath>> scratch_;
   std::vector<const opmath*> values_;
   int64_t first_ = 0;
 };

@@ -14,8 +14,8 @@ using namespace posenc::portable;
 
 // Key positions 0..K-1 in the maths type.
 template <typename T>
-std::vector<T> key_positions(int64_t k_len) {
-  std::vector<T> out(k_len);
+ScratchVector<T> key_positions(int64_t k_len) {
+  ScratchVector<T> out(k_len);
   for (int64_t j = 0; j < k_len; ++j) out[j] = static_cast<T>(j);
   return out;
 }

@@ -52,7 +52,7 @@ void embedding_backward_kernel(const EmbeddingBackwardProblem<scalar_t>& problem
   // (1 + num_grad_rows / num_rows) rows of work.
   const int64_t work_per_row = width + width * problem.num_grad_rows / std::max<int64_t>(problem.num_rows, 1);
   parallel_for(0, problem.num_rows, rows_per_task(work_per_row), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> sum(width);
+    ScratchVector<opmath> sum(width);
     opmath* __restrict__ acc = sum.data();
     // Gradient rows are read in table-row order, so scattered: the next one is prefetched.
     const int64_t last_of_task = groups.start[end];

@@ -153,12 +153,12 @@ class GridRowResampler {
   GridRowResampler(const scalar_t* grid_table, int64_t width, const ResampleGrid& grid, const AxisTaps& rows,
                    const AxisTaps& cols)
       : table_(grid_table), width_(width), in_cols_(grid.width.in), rows_(rows), cols_(cols),
-        mid_(new double[in_cols_ * width]), acc_(width), row_taps_(rows.max_taps), col_taps_(cols.max_taps) {}
+        mid_(in_cols_ * width), acc_(width), row_taps_(rows.max_taps), col_taps_(cols.max_taps) {}
 
   // Output grid row (h, w), rounded, into out[0, width).
   void resample(int64_t h, int64_t w, scalar_t* out) {
     if (h != formed_) form_row(h);
-    for (int64_t l = 0; l < cols_.count[w]; ++l) col_taps_[l] = mid_.get() + (cols_.first[w] + l) * width_;
+    for (int64_t l = 0; l < cols_.count[w]; ++l) col_taps_[l] = mid_.data() + (cols_.first[w] + l) * width_;
     weighted_rows(&cols_.weights[w * cols_.max_taps], col_taps_.data(), cols_.count[w], acc_.data(), width_);
     round_row(acc_.data(), out, width_);
   }
@@ -169,7 +169,7 @@ class GridRowResampler {
       for (int64_t k = 0; k < rows_.count[h]; ++k) {
         row_taps_[k] = table_ + ((rows_.first[h] + k) * in_cols_ + j) * width_;
       }
-      weighted_rows(&rows_.weights[h * rows_.max_taps], row_taps_.data(), rows_.count[h], mid_.get() + j * width_,
+      weighted_rows(&rows_.weights[h * rows_.max_taps], row_taps_.data(), rows_.count[h], mid_.data() + j * width_,
                     width_);
     }
     formed_ = h;
@@ -180,8 +180,8 @@ class GridRowResampler {
   int64_t in_cols_;
   const AxisTaps& rows_;
   const AxisTaps& cols_;
-  std::unique_ptr<double[]> mid_;
-  std::vector<double> acc_;
+  ScratchVector<double> mid_;
+  ScratchVector<double> acc_;
   std::vector<const scalar_t*> row_taps_;
   std::vector<const double*> col_taps_;
   int64_t formed_ = -1;
@@ -244,7 +244,7 @@ class ResampledBlocks {
  private:
   const AddResampledProblem<scalar_t>& problem_;
   GridRowResampler<scalar_t> resampler_;
-  std::vector<scalar_t> buffer_;
+  ScratchVector<scalar_t> buffer_;
   int64_t first_ = 0;
 };
 
@@ -303,8 +303,8 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   // reading j of cols(w, j) * mid[w], rounded once.
   const int64_t in_rows = grid.height.in;
   parallel_for(0, in_rows, rows_per_task(width * out_cols * rows.max_taps), [&](int64_t begin, int64_t end) {
-    const std::unique_ptr<double[]> mid(new double[out_cols * width]);
-    std::vector<double> acc(width);
+    ScratchVector<double> mid(out_cols * width);
+    ScratchVector<double> acc(width);
     std::vector<const double*> row_taps(max_users(rows));
     std::vector<const double*> col_taps(max_users(cols));
     for (int64_t i = begin; i < end; ++i) {
@@ -312,12 +312,12 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
       const int64_t users = rows.user_start[i + 1] - u0;
       for (int64_t w = 0; w < out_cols; ++w) {
         for (int64_t u = 0; u < users; ++u) row_taps[u] = grid_sum + (rows.users[u0 + u] * out_cols + w) * width;
-        weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.get() + w * width, width);
+        weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.data() + w * width, width);
       }
       for (int64_t j = 0; j < in_cols; ++j) {
         const int64_t v0 = cols.user_start[j];
         const int64_t readers = cols.user_start[j + 1] - v0;
-        for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.get() + cols.users[v0 + v] * width;
+        for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.data() + cols.users[v0 + v] * width;
         weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), width);
         round_row(acc.data(), out + (i * in_cols + j) * width, width);
       }

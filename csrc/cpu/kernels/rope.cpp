@@ -75,10 +75,10 @@ void rotate_back_heads(RopeLayout layout, const RotaryView<scalar_t>& view, cons
 // Positions shared by several batch rows: one table of [seq, 2 * pairs] coefficients (cos, then sin) for all of
 // them; else none (each token forms its own).
 template <typename scalar_t, typename opmath>
-std::vector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, opmath scale) {
+ScratchVector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, opmath scale) {
   const int64_t pairs = problem.pairs;
   if (!problem.shared_positions || problem.batch == 1) return {};
-  std::vector<opmath> coeffs(problem.seq * 2 * pairs);
+  ScratchVector<opmath> coeffs(problem.seq * 2 * pairs);
   // A sin/cos pair costs roughly as much as rotating 16 channels: weigh the grain accordingly.
   parallel_for(0, problem.seq, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
@@ -95,8 +95,8 @@ template <typename scalar_t, typename opmath>
 struct Coefficients {
   const RopeProblem<scalar_t>& problem;
   opmath scale;
-  std::vector<opmath> table;    // [seq, 2 * pairs], or empty
-  std::vector<opmath> q_table;  // the same rows scaled for q, or empty
+  ScratchVector<opmath> table;    // [seq, 2 * pairs], or empty
+  ScratchVector<opmath> q_table;  // the same rows scaled for q, or empty
 
   Coefficients(const RopeProblem<scalar_t>& p, opmath attention_scale)
       : problem(p), scale(attention_scale), table(coefficient_table(p, attention_scale)) {
@@ -300,14 +300,16 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
 #endif
 
 // The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
-// its three steps in one call: rms_rotate_back_row (g and gw), normalized_dot (its 16 lanes in channel order, folded
-// by lane_sum's tree) and rms_input_grad into out (float32 past the caches from registers where `stream`: out on a
-// 64-byte line), or into g where out is null. The same operations on the same values, so the same bits; 1.1-1.2x
-// faster than the loops GCC vectorizes (float32 at the bench shape, bf16 in cache).
+// in two calls. neox_head_mean_dot: rms_rotate_back_row (g and gw), then normalized_dot (its 16 lanes in channel
+// order, folded by lane_sum's tree) over the head's n channels, returned divided by n. store_neox_head_input_grad:
+// rms_input_grad into out (float32 past the caches from registers where `stream`: out on a 64-byte line), or into g
+// where out is null. The same operations on the same values, so the same bits; 1.1-1.2x faster than the loops GCC
+// vectorizes (float32 at the bench shape, bf16 in cache). Always inlined: GCC called the fp16 one out of line, once a
+// head, and the backward took 1.25-1.4x the time.
 template <typename scalar_t>
-inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
-                                         float r, const float* w, float* gw, float* g, scalar_t* out,
-                                         bool by_instruction, bool stream) {
+__attribute__((always_inline)) inline float neox_head_mean_dot(const scalar_t* grad, PairCoeffs<float> k,
+                                                               int64_t pairs, const float* x, float r, const float* w,
+                                                               float* gw, float* g) {
   const __m512 vr = _mm512_set1_ps(r);
   // gw += gz * xhat and g = gz * w at channels [d, d + 16); returns g * xhat, the terms of normalized_dot
   const auto through_norm = [&](int64_t d, __m512 gz) {
@@ -338,20 +340,27 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
                                                 : _mm512_mul_ps(_mm512_loadu_ps(g + d),
                                                                 _mm512_mul_ps(_mm512_loadu_ps(x + d), vr)));
   }
-  const int64_t n = 2 * pairs;
   const __m256 eight = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(0xFF, lanes, 0),
                                      _mm512_maskz_extractf32x8_ps(0xFF, lanes, 1));
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
-  const __m512 mean_dot = _mm512_set1_ps(dot / static_cast<float>(n));
+  return dot / static_cast<float>(2 * pairs);
+}
+
+template <typename scalar_t>
+__attribute__((always_inline)) inline void store_neox_head_input_grad(const float* x, float* g, int64_t n, float r,
+                                                                      float mean_dot, scalar_t* out,
+                                                                      bool by_instruction, bool stream) {
+  const __m512 vr = _mm512_set1_ps(r);
+  const __m512 vmean_dot = _mm512_set1_ps(mean_dot);
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (by_instruction && store_input_grad_bf16(x, g, n, vr, mean_dot, out)) return;
+    if (by_instruction && store_input_grad_bf16(x, g, n, vr, vmean_dot, out)) return;
   }
 #endif
   for (int64_t d = 0; d < n; d += 16) {
-    const __m512 dx = input_grad16(x, g, d, vr, mean_dot);
+    const __m512 dx = input_grad16(x, g, d, vr, vmean_dot);
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (stream) {
         _mm512_stream_ps(out + d, dx);
@@ -398,12 +407,13 @@ inline void store_floats(__m256 v, scalar_t* p) {
   }
 }
 
-// norm_rope_backward_neox_head in the AVX2 build, 8 pairs a step: the same operations on the same values, the sum of
-// normalized_dot's 16 lanes kept in two vectors (lanes 0-7 and 8-15) and folded by lane_sum's tree, so the same bits.
+// neox_head_mean_dot and store_neox_head_input_grad in the AVX2 build, 8 pairs a step: the same operations on the
+// same values, the sum of normalized_dot's 16 lanes kept in two vectors (lanes 0-7 and 8-15) and folded by lane_sum's
+// tree, so the same bits.
 template <typename scalar_t>
-inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float> k, int64_t pairs, const float* x,
-                                         float r, const float* w, float* gw, float* g, scalar_t* out,
-                                         bool /*by_instruction*/, bool stream) {
+__attribute__((always_inline)) inline float neox_head_mean_dot(const scalar_t* grad, PairCoeffs<float> k,
+                                                               int64_t pairs, const float* x, float r, const float* w,
+                                                               float* gw, float* g) {
   const __m256 vr = _mm256_set1_ps(r);
   const auto through_norm = [&](int64_t d, __m256 gz) {  // as the AVX-512 build's, 8 channels
     const __m256 xhat = _mm256_mul_ps(_mm256_loadu_ps(x + d), vr);
@@ -424,15 +434,22 @@ inline void norm_rope_backward_neox_head(const scalar_t* grad, PairCoeffs<float>
     const __m256 term = _mm256_mul_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(_mm256_loadu_ps(x + d), vr));
     lanes[(i / 8) % 2] = _mm256_add_ps(lanes[(i / 8) % 2], term);
   }
-  const int64_t n = 2 * pairs;
   const __m256 eight = _mm256_add_ps(lanes[0], lanes[1]);
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
-  const __m256 mean_dot = _mm256_set1_ps(dot / static_cast<float>(n));
+  return dot / static_cast<float>(2 * pairs);
+}
+
+template <typename scalar_t>
+__attribute__((always_inline)) inline void store_neox_head_input_grad(const float* x, float* g, int64_t n, float r,
+                                                                      float mean_dot, scalar_t* out,
+                                                                      bool /*by_instruction*/, bool stream) {
+  const __m256 vr = _mm256_set1_ps(r);
+  const __m256 vmean_dot = _mm256_set1_ps(mean_dot);
   for (int64_t d = 0; d < n; d += 8) {
     const __m256 xhat = _mm256_mul_ps(_mm256_loadu_ps(x + d), vr);
-    const __m256 dx = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(xhat, mean_dot)));
+    const __m256 dx = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(xhat, vmean_dot)));
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (stream) {
         _mm256_stream_ps(out + d, dx);
@@ -464,7 +481,7 @@ void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<s
   for (int64_t g = 0; g * n < width; ++g) inv_rms[g] = inverse_rms(lane_dot(row + g * n, row + g * n, n), n, norm.eps);
 }
 
-// Whether norm_rope_kernel's backward takes a view's heads through norm_rope_backward_neox_head (AVX2 and AVX-512
+// Whether norm_rope_kernel's backward takes a view's heads through neox_head_mean_dot (AVX2 and AVX-512
 // builds; float32, bf16 and fp16): contiguous heads normalized on their own and rotated whole in neox pairs, 16 or more.
 template <typename scalar_t, typename opmath>
 bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<scalar_t, opmath>& norm, RopeLayout layout,
@@ -479,9 +496,13 @@ bool backward_by_vectors(const RotaryView<scalar_t>& view, const RmsNormView<sca
   return false;
 }
 
-// The backward of a token's heads where backward_by_vectors: rotate_back_heads and store_input_grad, head by head.
-// float32 rows stored past the caches go from registers where they start on a line (through g, then
-// store_streaming, they took 1.11-1.13x the time: in-process A/B, float32 [4, 2048, 16|8, 128], 1 and 2 threads).
+// The backward of a token's heads where backward_by_vectors: rotate_back_heads and store_input_grad, head by head,
+// each head's input gradient stored after the next head's first call. Its mean_dot ends a chain of additions, a fold
+// and a division, which stores made at once waited on. In-process A/B, q, k [4, 2048, 16|8, 128], 1 and 2 threads:
+// bf16 1.04-1.08x and fp16 1.04-1.06x faster (AVX2 build 1.17x and 1.05-1.06x), float32, streamed, 0.99-1.01x; in
+// cache ([4, 64, ...]) 1.03x float32, 1.14-1.25x bf16 and fp16; the same bits. float32 rows stored past the caches
+// go from registers where they start on a line (through g, then store_streaming, they took 1.11-1.13x the time:
+// in-process A/B, float32 [4, 2048, 16|8, 128], 1 and 2 threads).
 template <typename scalar_t, typename opmath>
 void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t* grad,
                                const RmsNormView<scalar_t, opmath>& norm, const scalar_t* input, const opmath* inv_rms,
@@ -491,19 +512,28 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
                 std::is_same_v<scalar_t, c10::Half>) {
     const int64_t D = view.head_dim;
-    for (int64_t h = 0; h < view.heads; ++h, grad += view.in_stride[2], out += view.out_stride[2], x += D, g += D) {
+    const auto store_head = [&](int64_t h, float mean_dot) {
+      scalar_t* head_out = out + h * view.out_stride[2];
+      const bool direct = view.stream && reinterpret_cast<uintptr_t>(head_out) % 64 == 0;
+      store_neox_head_input_grad(x + h * D, g + h * D, D, inv_rms[h], mean_dot,
+                                 view.stream && !direct ? nullptr : head_out, by_instruction, direct);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (view.stream && !direct) store_streaming(g + h * D, head_out, D);  // bf16 and fp16 are never streamed here
+      }
+    };
+    float mean_dot = 0;
+    for (int64_t h = 0; h < view.heads; ++h) {
+      const scalar_t* head_grad = grad + h * view.in_stride[2];
       // the next token's rows of this head, as rotate_back_heads asks for them
-      prefetch_row(grad + view.in_stride[1], D * sizeof(scalar_t));
+      prefetch_row(head_grad + view.in_stride[1], D * sizeof(scalar_t));
       if (norm.input_stride[3] == 1) {
         prefetch_row(input + norm.input_stride[1] + h * norm.input_stride[2], D * sizeof(scalar_t));
       }
-      const bool direct = view.stream && reinterpret_cast<uintptr_t>(out) % 64 == 0;
-      norm_rope_backward_neox_head(grad, k, pairs, x, inv_rms[h], norm.weight, gw, g,
-                                   view.stream && !direct ? nullptr : out, by_instruction, direct);
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (view.stream && !direct) store_streaming(g, out, D);  // bf16 and fp16 are never streamed here
-      }
+      const float next = neox_head_mean_dot(head_grad, k, pairs, x + h * D, inv_rms[h], norm.weight, gw, g + h * D);
+      if (h > 0) store_head(h - 1, mean_dot);
+      mean_dot = next;
     }
+    store_head(view.heads - 1, mean_dot);
   }
 #endif
 }
@@ -621,7 +651,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
-  std::vector<std::vector<opmath>> partial;  // backward: [chunks, group] per view
+  std::vector<ScratchVector<opmath>> partial;  // backward: [chunks, group] per view
   std::vector<char> by_instruction(problem.num_views);  // rounds_by_instruction per view
   for (int64_t v = 0; v < problem.num_views; ++v) {
     by_instruction[v] = rounds_by_instruction(problem.views[v], problem.layout, pairs);
@@ -639,7 +669,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
       token_work += 4 * problem.views[v].heads * problem.views[v].head_dim;
     }
     parallel_for(0, chunks, std::max<int64_t>(1, rows_per_task(token_work) / chunk), [&](int64_t begin, int64_t end) {
-      std::vector<opmath> own(4 * pairs + 2 * width + width / min_group);
+      ScratchVector<opmath> own(4 * pairs + 2 * width + width / min_group);
       opmath* coeff_rows = own.data();
       opmath* row = coeff_rows + 4 * pairs;
       opmath* grad = row + width;
@@ -935,7 +965,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
     const int64_t tokens_here = std::min(tile, end - begin);
-    std::vector<opmath> own(tokens_here * 4 * pairs);
+    ScratchVector<opmath> own(tokens_here * 4 * pairs);
     std::vector<std::pair<const opmath*, const opmath*>> token_rows(tokens_here);
     for (int64_t first = begin; first < end; first += tile) {
       const int64_t last = std::min(end, first + tile);
@@ -967,7 +997,7 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
   // Tokens per tile of a head-by-head walk (see rope_kernel): their gathered coefficients stay in L2.
   const int64_t tile = head_by_head(view, seq) ? rows_per_block(4 * pairs * static_cast<int64_t>(sizeof(opmath))) : 1;
   parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
-    std::vector<opmath> own(std::min(tile, end - begin) * 4 * pairs);  // c1, s1, c2, s2 of each token of a tile
+    ScratchVector<opmath> own(std::min(tile, end - begin) * 4 * pairs);  // c1, s1, c2, s2 of each token of a tile
     for (int64_t first = begin; first < end; first += tile) {
       const int64_t last = std::min(end, first + tile);
       for (int64_t n = first; n < last; ++n) {
