@@ -305,7 +305,7 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
 // rms_input_grad into out (float32 past the caches from registers where `stream`: out on a 64-byte line), or into g
 // where out is null. The same operations on the same values, so the same bits; 1.1-1.2x faster than the loops GCC
 // vectorizes (float32 at the bench shape, bf16 in cache). Always inlined: GCC called the fp16 one out of line, once a
-// head, and the backward took 1.25-1.4x the time.
+// head, and the backward took 1.2-1.4x the time.
 template <typename scalar_t>
 __attribute__((always_inline)) inline float neox_head_mean_dot(const scalar_t* grad, PairCoeffs<float> k,
                                                                int64_t pairs, const float* x, float r, const float* w,
