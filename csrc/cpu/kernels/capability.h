@@ -39,7 +39,7 @@ namespace posenc::cpu {
 // lines, as torch's tensors are. malloc's 16-byte alignment left each 64-byte vector load and store of a row split
 // over two lines, as often as where the row landed made them: on lines, the qk_norm_rope backward ran 1.07-1.18x
 // faster and its forward and rope_qk's 1.06-1.24x in cache (in-process A/B, the same bits); the additive, embedding,
-// ALiBi and resampled rows, which stream, measured 0.98-1.05x.
+// ALiBi and resampled rows, which stream, measured 0.97-1.05x.
 template <typename T>
 struct LineAllocator {
   using value_type = T;

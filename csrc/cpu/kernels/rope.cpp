@@ -533,7 +533,7 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
       if (h > 0) store_head(h - 1, mean_dot);
       mean_dot = next;
     }
-    store_head(view.heads - 1, mean_dot);
+    if (view.heads > 0) store_head(view.heads - 1, mean_dot);  // the last head's, after the loop
   }
 #endif
 }
