@@ -145,9 +145,10 @@ inline void rms_scale_rotate_row(const T* x, const T* w, T r, PairCoeffs<T> k, i
 #if defined(POSENC_BF16_BY_AVX512BF16)
 // Pairs [i, i + 16) of rms_scale_rotate_row's contiguous neox head in float32, rounded between the steps by
 // vcvtne2ps2bf16 two vectors at a time (convert.h): the same products, sums and roundings as the integer form. The
-// first channels of the pairs in `first`, their partners in `second`; false where a rounding met a denormal or a
-// NaN (rounds_apart), and the pairs must be redone by the integer form.
-template <QkNorm kConvention>
+// first channels of the pairs in `first`, their partners in `second`; kChecked: false where a rounding met a denormal
+// or a NaN (rounds_apart), and the pairs must be redone by the integer form. Unchecked where rounds_clean has shown
+// that no rounding of the head can meet one.
+template <QkNorm kConvention, bool kChecked>
 POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rms_scale_rotate_bf16x16_pairs(const float* x, const float* w, __m512 r,
                                                                            PairCoeffs<float> k, int64_t pairs,
                                                                            int64_t i, __m512& first, __m512& second) {
@@ -155,26 +156,131 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE bool rms_scale_rotate_bf16x16_pairs(const
   __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x + i), r);
   __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x + pairs + i), r);
   if constexpr (kConvention == QkNorm::Llama) {
-    apart |= rounds_apart(a) | rounds_apart(b);
+    if constexpr (kChecked) apart |= rounds_apart(a) | rounds_apart(b);
     round_bf16x32(a, b);
   }
   a = _mm512_mul_ps(_mm512_loadu_ps(w + i), a);
   b = _mm512_mul_ps(_mm512_loadu_ps(w + pairs + i), b);
   if constexpr (kConvention != QkNorm::Fused) {
-    apart |= rounds_apart(a) | rounds_apart(b);
+    if constexpr (kChecked) apart |= rounds_apart(a) | rounds_apart(b);
     round_bf16x32(a, b);
   }
   rotate_pairs16(a, b, k, i, first, second);
+  if constexpr (!kChecked) return true;
   return (apart | rounds_apart(first) | rounds_apart(second)) == 0;
+}
+
+// The least nonzero and the largest magnitude among some values (Magnitudes), gathered 16 floats or 32 bf16 at a time
+// as their bits doubled (the sign shifted out), whose unsigned order is the order of the magnitudes with every NaN
+// above infinity; less 2 for the least, so that a zero wraps to the top and never wins. `least` is infinity where
+// every value is zero, NaN where only NaNs are not; `largest` is NaN where any value is.
+struct Magnitudes {
+  float least;
+  float largest;
+};
+
+inline constexpr Magnitudes kUnknownMagnitudes{__builtin_nanf(""), __builtin_nanf("")};  // proves nothing
+
+class FloatMagnitudes {
+ public:
+  FloatMagnitudes() : least_(_mm512_set1_epi32(-1)), largest_(_mm512_setzero_si512()) {}
+  void add(const float* v, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) fold(_mm512_maskz_slli_epi32(0xFFFF, _mm512_loadu_si512(v + i), 1));
+    const auto rest = static_cast<__mmask16>((1u << (n - i)) - 1);
+    if (i < n) fold(_mm512_maskz_slli_epi32(0xFFFF, _mm512_maskz_loadu_epi32(rest, v + i), 1));
+  }
+  Magnitudes get() const {
+    const uint32_t least = least_of(least_);
+    const uint32_t largest = 0xFFFFFFFFu - least_of(_mm512_maskz_xor_epi32(0xFFFF, largest_, _mm512_set1_epi32(-1)));
+    return {least >= 0xFFFFFFFEu ? __builtin_inff() : bits_to_float((least + 2) >> 1), bits_to_float(largest >> 1)};
+  }
+
+ private:
+  static uint32_t least_of(__m512i v) {  // of 16 unsigned 32-bit lanes
+    const __m256i eight = _mm256_min_epu32(_mm512_maskz_extracti64x4_epi64(0xF, v, 0),
+                                           _mm512_maskz_extracti64x4_epi64(0xF, v, 1));
+    __m128i four = _mm_min_epu32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+    four = _mm_min_epu32(four, _mm_shuffle_epi32(four, _MM_SHUFFLE(1, 0, 3, 2)));
+    four = _mm_min_epu32(four, _mm_shuffle_epi32(four, _MM_SHUFFLE(2, 3, 0, 1)));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(four));
+  }
+  // a masked load's zeros are zeros: they never win
+  void fold(__m512i doubled) {
+    least_ = _mm512_maskz_min_epu32(0xFFFF, least_, _mm512_maskz_sub_epi32(0xFFFF, doubled, _mm512_set1_epi32(2)));
+    largest_ = _mm512_maskz_max_epu32(0xFFFF, largest_, doubled);
+  }
+  __m512i least_;
+  __m512i largest_;
+};
+
+class BFloat16Magnitudes {
+ public:
+  BFloat16Magnitudes() : least_(_mm512_set1_epi32(-1)), largest_(_mm512_setzero_si512()) {}
+  // n a multiple of 32
+  void add(const c10::BFloat16* v, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32) {
+      const __m512i doubled = _mm512_maskz_slli_epi16(0xFFFFFFFFu, _mm512_loadu_si512(v + i), 1);
+      const __m512i less_two = _mm512_maskz_sub_epi16(0xFFFFFFFFu, doubled, _mm512_set1_epi16(2));
+      least_ = _mm512_maskz_min_epu16(0xFFFFFFFFu, least_, less_two);
+      largest_ = _mm512_maskz_max_epu16(0xFFFFFFFFu, largest_, doubled);
+    }
+  }
+  Magnitudes get() const {
+    const uint32_t least = least_of(least_);
+    const uint32_t largest = 0xFFFFu - least_of(_mm512_maskz_xor_epi32(0xFFFF, largest_, _mm512_set1_epi32(-1)));
+    return {least >= 0xFFFEu ? __builtin_inff() : bits_to_float(((least + 2) >> 1) << 16),
+            bits_to_float((largest >> 1) << 16)};
+  }
+
+ private:
+  static uint32_t least_of(__m512i v) {  // of 32 unsigned 16-bit lanes, by phminposuw
+    const __m256i eight = _mm256_min_epu16(_mm512_maskz_extracti64x4_epi64(0xF, v, 0),
+                                           _mm512_maskz_extracti64x4_epi64(0xF, v, 1));
+    const __m128i four = _mm_min_epu16(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_minpos_epu16(four)) & 0xFFFF);
+  }
+  __m512i least_;
+  __m512i largest_;
+};
+
+// Whether no rounding of rms_scale_rotate_bf16x16_pairs can meet a denormal or a NaN in any head of a token, proved
+// from bounds: its channels x (magnitudes), their inverse RMS r in [r_least, r_largest], the weights w and the
+// coefficients c (magnitudes). Each step's least nonzero and largest magnitude follow from the last's by the same
+// product or rounding, which are monotone in magnitude: x * r, rounded for "llama"; times w, rounded but for "fused";
+// each rounded value must be normal (at least 2^-126). A rotated value is a sum or difference of two products of a
+// value and a coefficient, each zero or at least P = 2^-103, so each a multiple of 2^-126 (float32 keeps 24 bits):
+// a nonzero sum is normal too. Below 2Q = 2^127 no sum reaches infinity, so none is a NaN either. A NaN anywhere among
+// the bounds fails a comparison: nothing proved. Real heads pass, unless a nonzero value lies some 2^-90 below its
+// head's RMS (weights and coefficients about 1); tokens that fail take the checked path, whose bits are the same.
+template <QkNorm kConvention>
+inline bool rounds_clean(Magnitudes x, float r_least, float r_largest, Magnitudes w, Magnitudes c) {
+  constexpr float kNormal = 0x1p-126f;
+  if (!(r_largest <= 0x1p127f)) return false;
+  float least = x.least * r_least, largest = x.largest * r_largest;
+  if constexpr (kConvention == QkNorm::Llama) {
+    if (!(least >= kNormal)) return false;
+    least = round_to<c10::BFloat16>(least);
+    largest = round_to<c10::BFloat16>(largest);
+  }
+  least *= w.least;
+  largest *= w.largest;
+  if constexpr (kConvention != QkNorm::Fused) {
+    if (!(least >= kNormal)) return false;
+    least = round_to<c10::BFloat16>(least);
+    largest = round_to<c10::BFloat16>(largest);
+  }
+  return least * c.least >= 0x1p-103f && largest * c.largest <= 0x1p126f;
 }
 
 // rms_scale_rotate_row of a contiguous bf16 head rotated whole in neox pairs (a multiple of 16) by
 // rms_scale_rotate_bf16x16_pairs, each 16 pairs (32 where pairs is a multiple of 32) checked before they are
-// stored and redone by the integer form where the check asks for it. 32 pairs at a time, their first channels are
-// one 64-byte line and their partners another, each stored by one instruction: 1.07-1.09x the forward against 16
-// at a time in half lines (in-process A/B, q, k [4, 2048, 16|8, 128], 1 and 2 threads). Past the caches, those
-// lines made it 0.92-0.94x: the forward waits on its arithmetic, not on the lines its stores read.
-template <QkNorm kConvention>
+// stored and redone by the integer form where the check asks for it (kChecked; else rounds_clean). 32 pairs at a
+// time, their first channels are one 64-byte line and their partners another, each stored by one instruction:
+// 1.07-1.09x the forward against 16 at a time in half lines (in-process A/B, q, k [4, 2048, 16|8, 128], 1 and 2
+// threads). Past the caches, those lines made it 0.92-0.94x: the forward waits on its arithmetic, not on the lines
+// its stores read.
+template <QkNorm kConvention, bool kChecked>
 POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, const float* w, float r,
                                                                 PairCoeffs<float> k, int64_t pairs,
                                                                 c10::BFloat16* out) {
@@ -183,12 +289,12 @@ POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, 
   const int64_t step = pairs % 32 == 0 ? 32 : 16;
   for (int64_t i = 0; i < pairs; i += step) {
     if (step == 16) {
-      if (rms_scale_rotate_bf16x16_pairs<kConvention>(x, w, vr, k, pairs, i, first, second)) {
+      if (rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i, first, second)) {
         store_bf16x32(first, second, out + i, out + pairs + i);
         continue;
       }
-    } else if (rms_scale_rotate_bf16x16_pairs<kConvention>(x, w, vr, k, pairs, i, first, second) &&
-               rms_scale_rotate_bf16x16_pairs<kConvention>(x, w, vr, k, pairs, i + 16, first2, second2)) {
+    } else if (rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i, first, second) &&
+               rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i + 16, first2, second2)) {
       _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)));
       _mm512_storeu_si512(out + pairs + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)));
       continue;

@@ -181,6 +181,29 @@ def far_angles_and_special_values():
                     for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                         out[f"qk_norm_rope_backward/{key}/{name}"] = grad
 
+    # The same bf16 forward where its tokens are clean (values about 1, zeros among them): the rounding checks are then
+    # skipped where bounds prove that no rounding can meet a denormal or a NaN. Each token holds one value scaled down
+    # by 2^-e (e from 60 to 152: past bf16's smallest denormal) with a zero partner, so that its rotated values are
+    # its products alone; the weights and the coefficients (through attention_scale) scaled down too. Between them,
+    # tokens on both sides of the bounds and of the denormals the bounds keep out.
+    exponents = torch.arange(60, 154, 2)
+    about_one = torch.randint(-255, 256, (1, len(exponents), 3, 64), generator=g).double() * 2.0 ** -7
+    about_one.view(-1)[5::13] = 0
+    about_one[0, :, 0, 0] = 2.0 ** -exponents.double()
+    about_one[0, :, 0, 32] = 0
+    about_one = about_one.bfloat16()
+    freq = posenc.frequencies.rope(64, 10000.0)[0]
+    q, k = about_one[:, :, :2], about_one[:, :, 2:]
+    for norm in ("llama", "gemma", "olmo2", "fused"):
+        q_width, k_width = (128, 64) if norm == "olmo2" else (64, 64)
+        for weight_scale in (1.0, 2.0 ** -40, 2.0 ** -90):
+            qw = (torch.randint(1, 256, (q_width,), generator=g).double() * 2.0 ** -7 * weight_scale).bfloat16()
+            kw = (torch.randint(1, 256, (k_width,), generator=g).double() * 2.0 ** -7).bfloat16()
+            for attention_scale in (1.0, 2.0 ** -50, 2.0 ** -100):
+                qo, ko = PF.qk_norm_rope(q, k, qw, kw, None, freq, 1e-6, norm, attention_scale)
+                out[f"qk_norm_rope/clean/{norm}/{weight_scale}/{attention_scale}"] = torch.cat([qo.flatten(),
+                                                                                                 ko.flatten()])
+
     # and float32, whose outputs and backward's input gradients go past the caches from registers where streamed;
     # inputs on a 64-byte line and a channel past one
     for norm in ("llama", "gemma", "fused"):
