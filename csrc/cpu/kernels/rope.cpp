@@ -841,9 +841,15 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
         } else if (streams_from_registers(v, head_in, head_out, pairs)) {
           if constexpr (std::is_same_v<scalar_t, float>) {  // the test above holds only for float32
-            rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
+            if (shares_rows(k)) {
+              rotate_f32_row_streamed<kLayout, true>(head_in, head_out, k, pairs, v.head_dim);
+            } else {
+              rotate_f32_row_streamed<kLayout, false>(head_in, head_out, k, pairs, v.head_dim);
+            }
           }
 #endif
+        } else if (shares_rows(k)) {
+          rotate_row<kLayout, true, kPairs, true>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
         } else {
           rotate_row<kLayout, true, kPairs>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
         }
