@@ -591,9 +591,9 @@ POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const R
   const bool per_head = norm.group == D;
   const int64_t groups = per_head ? view.heads : 1;
   float r_least = inv_rms[0], r_largest = inv_rms[0];
-  for (int64_t g = 1; g < groups; ++g) {
-    r_least = std::min(r_least, inv_rms[g]);
-    r_largest = std::max(r_largest, inv_rms[g]);
+  for (int64_t g = 1; g < groups; ++g) {  // a NaN kept, where std::min and std::max would drop it
+    if (!(inv_rms[g] >= r_least)) r_least = inv_rms[g];
+    if (!(inv_rms[g] <= r_largest)) r_largest = inv_rms[g];
   }
   FloatMagnitudes coefficients;
   coefficients.add(k.c1, pairs);
