@@ -598,8 +598,10 @@ POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const R
   FloatMagnitudes coefficients;
   coefficients.add(k.c1, pairs);
   coefficients.add(k.s1, pairs);
-  if (k.c2 != k.c1) coefficients.add(k.c2, pairs);
-  if (k.s2 != k.s1) coefficients.add(k.s2, pairs);
+  if (!shares_rows(k)) {
+    coefficients.add(k.c2, pairs);
+    coefficients.add(k.s2, pairs);
+  }
   const bool clean = rounds_clean<kConvention>(bounds.x, r_least, r_largest, bounds.weight, coefficients.get());
   for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
     const float* w = per_head ? norm.weight : norm.weight + h * D;
@@ -841,17 +843,11 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
         } else if (streams_from_registers(v, head_in, head_out, pairs)) {
           if constexpr (std::is_same_v<scalar_t, float>) {  // the test above holds only for float32
-            if (shares_rows(k)) {
-              rotate_f32_row_streamed<kLayout, true>(head_in, head_out, k, pairs, v.head_dim);
-            } else {
-              rotate_f32_row_streamed<kLayout, false>(head_in, head_out, k, pairs, v.head_dim);
-            }
+            rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
           }
 #endif
-        } else if (shares_rows(k)) {
-          rotate_row<kLayout, true, kPairs, true>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
         } else {
-          rotate_row<kLayout, true, kPairs>(head_in, 1, head_out, 1, k, pairs, v.head_dim);
+          rotate_contiguous_row<kLayout, kPairs>(head_in, head_out, k, pairs, v.head_dim);
         }
       }
     }
