@@ -24,7 +24,7 @@ const char* capability_name(Capability capability);
 bool has_avx512_bf16();
 
 // Outputs of at least this many bytes per call are stored past the caches (non-temporal stores): the size of the
-// last-level cache (one instance of it, as Linux describes it; 32 MiB where it does not), or the environment variable
+// last-level cache (one instance of it, as Linux describes it), at most 32 MiB, or the environment variable
 // POSENC_STREAM_BYTES. Read at the first call. Such an output would leave the cache before anyone reads it, and
 // an ordinary store first reads every line it writes: a third of the traffic of a rotation out of place.
 int64_t stream_bytes();
