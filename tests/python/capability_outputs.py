@@ -125,6 +125,12 @@ def far_angles_and_special_values():
         weight = data((50, 130), dtype, 2)
         tokens = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(3))
         out[f"embed_sinusoidal/{d}"] = PF.embed_sinusoidal(tokens, weight, positions, inv_freq, 2.5)
+        # A video grid in CogVideoX's channel order: segments of 40 and 60 channels, each added from where its axis's
+        # values are kept; streamed, bf16 and fp16 rows go out as whole 64-byte lines, a line that two segments share
+        # assembled first. Rows that start on a line (320 channels) and rows that start anywhere (336).
+        for dim in (320, 336):
+            grid = posenc.nn.SinusoidalGridEncoding(dim, "cogvideox", interpolation_scale=[1.0, 1.875, 1.875])
+            out[f"grid_cogvideox/{d}/{dim}"] = grid(data((2, 30, dim), dtype, 12), [2, 3, 5])
 
         for layout in ("neox", "gptj"):
             for fmt, shape in (("bshd", (2, 8, 3, 134)), ("bhsd", (2, 3, 8, 134)), ("sbhd", (8, 2, 3, 134)),

@@ -279,17 +279,18 @@ class AxisEncodingBlocks {
       return;
     }
 #if defined(POSENC_BF16_BY_AVX512BF16)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (bf16_streamed(stores) && in != nullptr) {
+    constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>, kHalf = std::is_same_v<scalar_t, c10::Half>;
+    if constexpr (kBf16 || kHalf) {
+      if (in != nullptr && (kBf16 ? bf16_streamed(stores) : streamed(stores))) {
         const bool read_ahead = reads_ahead(stores);
-        for (int64_t r = 0; r < count; ++r) add_lines_bf16(in[r], entries, out[r], width, scale, read_ahead);
+        for (int64_t r = 0; r < count; ++r) add_lines(in[r], entries, out[r], width, scale, read_ahead);
         return;
       }
     }
 #endif
     if (bf16_streamed(stores)) stores = RowStores::kBf16ByInstruction;
     // fp16 rows streamed a segment at a time would write the lines two segments share both ways (CogVideoX's grid:
-    // 0.83x ordinary stores, in-process A/B)
+    // 0.83x ordinary stores, in-process A/B): those not streamed by add_lines keep ordinary stores
     if (std::is_same_v<scalar_t, c10::Half>) stores = RowStores::kCached;
     const scalar_t* in_at[kRowsPerEncoding];
     scalar_t* out_at[kRowsPerEncoding];
@@ -328,21 +329,31 @@ class AxisEncodingBlocks {
     return line;
   }
 
-  // One bf16 row of a kept token streamed past the caches as whole 64-byte lines: the lines inside a segment straight
-  // from the axis's values, a line across segments (or past the encoded channels) from its encoding assembled in
-  // `line`, the row's parts before its first whole line and after its last by ordinary stores. CogVideoX's grid
-  // (segments of 240 and 360 channels) 1.17-1.18x the speed of ordinary stores (in-process A/B, 1 and 2 threads);
-  // streamed a segment at a time, the lines two segments share written both ways, 0.79-0.92x; a row assembled
-  // first, 0.86-0.95x.
-  void add_lines_bf16(const scalar_t* x, const int64_t* entries, scalar_t* y, int64_t width, opmath scale,
-                      bool read_ahead) const {
+  // One bf16 or fp16 row of a kept token streamed past the caches as whole 64-byte lines, rounded in registers (bf16 by
+  // AVX-512 BF16, fp16 by F16C): the lines inside a segment straight from the axis's values, a line across segments
+  // (or past the encoded channels) from its encoding assembled in `line`, the row's parts before its first whole line
+  // and after its last by ordinary stores. CogVideoX's grid (segments of 240 and 360 channels) in-process A/B against
+  // ordinary stores, 1 and 2 threads: bf16 1.17-1.18x (Zen 5); fp16 1.60-1.73x (an Emerald Rapids guest); bf16
+  // streamed a segment at a time, the lines two segments share written both ways, 0.79-0.92x; a row assembled first,
+  // 0.86-0.95x.
+  void add_lines(const scalar_t* x, const int64_t* entries, scalar_t* y, int64_t width, opmath scale,
+                 bool read_ahead) const {
+    constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
     alignas(64) opmath line[32];
     const auto add = [&](int64_t c, const opmath* pe, int64_t n, bool stream) {
-      const int64_t done = stream ? add_bf16_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead) : 0;
+      int64_t done = 0;
+      if (stream) {
+        if constexpr (kBf16) {
+          done = add_bf16_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead);
+        } else {
+          done = add_half_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead);
+        }
+      }
       if (done == n) return;
       const scalar_t* rest_in = x + c + done;
       scalar_t* rest_out = y + c + done;
-      add_rows(1, &rest_in, pe + done, &rest_out, n - done, n - done, scale, RowStores::kBf16ByInstruction);
+      add_rows(1, &rest_in, pe + done, &rest_out, n - done, n - done, scale,
+               kBf16 ? RowStores::kBf16ByInstruction : RowStores::kCached);
     };
     const auto address = reinterpret_cast<uintptr_t>(y);  // even: a bf16 tensor's
     const int64_t head = std::min<int64_t>(width, (64 - address % 64) % 64 / 2);  // under 32 channels
