@@ -78,9 +78,9 @@ int64_t choose_stream_bytes() {
   if (const auto bytes = requested_count("POSENC_STREAM_BYTES", "a byte count", LLONG_MAX)) return *bytes;
   // One instance of the last-level cache as Linux describes it, but at most 32 MiB: a virtual machine is shown the
   // host's whole cache, not the share its cores keep. An Emerald Rapids guest of 2 cores lists 300 MiB, yet its
-  // copies slow to memory's speed past working sets of 64 MiB, and rope_qk writing 32 MiB of float32 ran 1.5-1.7x as fast
-  // past the caches. Read with C's stdio, not an iostream: a library built with a copy of libstdc++ of its own
-  // crashed on the iostream's locale (docs/install.md).
+  // copies slow to memory's speed past working sets of 64 MiB, and rope_qk writing 32 MiB of float32 ran 1.5-1.7x
+  // as fast past the caches. Read with C's stdio, not an iostream: a library built with a copy of libstdc++ of its
+  // own crashed on the iostream's locale (docs/install.md).
   constexpr int64_t kMostBytes = int64_t{32} << 20;
   long long kib = 0;
   if (std::FILE* file = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
