@@ -121,6 +121,8 @@ const char* capability_name(Capability capability) {
   return "default";
 }
 
+int64_t num_threads() { return at::get_num_threads(); }
+
 void parallel_for_range(int64_t begin, int64_t end, int64_t grain, RangeFn fn, const void* context) {
   at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(context, b, e); });
 }

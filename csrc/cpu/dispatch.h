@@ -72,6 +72,9 @@ struct DispatchStub<R(Args...)> {
   R operator()(Args... args) const { return get()(std::forward<Args>(args)...); }
 };
 
+// The threads parallel_for may run on (at::get_num_threads): for kernels that cut their work into as many tasks.
+int64_t num_threads();
+
 // at::parallel_for for the kernel builds, which hold no ATen: f(begin, end) over [begin, end) in chunks of
 // at least `grain`, on the intra-op thread pool (or inline when already inside a parallel region).
 using RangeFn = void (*)(const void* context, int64_t begin, int64_t end);

@@ -83,19 +83,40 @@ void round_row(const double* src, scalar_t* dst, int64_t width) {
   }
 }
 
+#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+// Eight fp16 values widened to float64 by vcvtph2ps and vcvtps2pd, in the AVX-512 build: to_opmath's integer form,
+// which GCC vectorizes into a dozen instructions a vector, took a third of the DINOv2-L fp16 adjoint's samples and a
+// fifth of its forward's.
+POSENC_INLINE __m512d widen_half_pd(const c10::Half* p) {
+  return _mm512_maskz_cvtps_pd(0xFF, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#define POSENC_HALF_BY_AVX512 1
+#endif
+
 // acc[d] = (acc[d] +) rows[0][d] + ... + rows[kRows - 1][d] in float64, the terms added in row order onto acc
 // (`onto`) or onto the first row's: the sums of adding one row at a time, in one sweep over acc.
 template <int kRows, typename scalar_t>
 void sum_rows(const scalar_t* const* rows, double* acc, int64_t n, bool onto) {
+  int64_t first = 0;
+#if defined(POSENC_HALF_BY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    for (; first + 8 <= n; first += 8) {
+      __m512d total = widen_half_pd(rows[0] + first);
+      if (onto) total = _mm512_add_pd(_mm512_loadu_pd(acc + first), total);
+      for (int k = 1; k < kRows; ++k) total = _mm512_add_pd(total, widen_half_pd(rows[k] + first));
+      _mm512_storeu_pd(acc + first, total);
+    }
+  }
+#endif
   const auto value = [&](int k, int64_t d) { return static_cast<double>(to_opmath(rows[k][d])); };
   const auto rest = [&](double total, int64_t d) {
     for (int k = 1; k < kRows; ++k) total += value(k, d);
     return total;
   };
   if (onto) {
-    for (int64_t d = 0; d < n; ++d) acc[d] = rest(acc[d] + value(0, d), d);
+    for (int64_t d = first; d < n; ++d) acc[d] = rest(acc[d] + value(0, d), d);
   } else {
-    for (int64_t d = 0; d < n; ++d) acc[d] = rest(value(0, d), d);
+    for (int64_t d = first; d < n; ++d) acc[d] = rest(value(0, d), d);
   }
 }
 
@@ -120,6 +141,26 @@ inline int64_t max_users(const AxisTaps& taps) {
 // without clearing acc first (a memset that took 15% of a DINOv2-L resample's samples) and reading it back.
 template <typename T>
 void weighted_rows(const double* weights, const T* const* rows, int64_t count, double* acc, int64_t n) {
+#if defined(POSENC_HALF_BY_AVX512)
+  if constexpr (std::is_same_v<T, c10::Half>) {  // the same sums, eight channels widened at a time
+    if (count > 0) {
+      int64_t d = 0;
+      for (; d + 8 <= n; d += 8) {
+        __m512d total = _mm512_setzero_pd();
+        for (int64_t k = 0; k < count; ++k) {
+          total = _mm512_add_pd(total, _mm512_mul_pd(_mm512_set1_pd(weights[k]), widen_half_pd(rows[k] + d)));
+        }
+        _mm512_storeu_pd(acc + d, total);
+      }
+      for (; d < n; ++d) {
+        double total = 0.0;
+        for (int64_t k = 0; k < count; ++k) total += weights[k] * static_cast<double>(to_opmath(rows[k][d]));
+        acc[d] = total;
+      }
+      return;
+    }
+  }
+#endif
   const auto value = [](const T* row, int64_t d) { return static_cast<double>(to_opmath(row[d])); };
   if (count == 0) {
     std::fill_n(acc, n, 0.0);
@@ -259,67 +300,119 @@ void add_resampled_kernel(const AddResampledProblem<scalar_t>& problem) {
               [&] { return ResampledBlocks<scalar_t>(problem, rows, cols, block); });
 }
 
+// to[w * to_stride + d] = the sum over blocks b < blocks of from[b * block + w * stride + d] (d < n, w < count) in
+// float64, added in block order: up to eight blocks in one sweep over the count rows (sum_rows), then the next eight
+// onto them, so that each block is read in one run of its rows.
+template <typename scalar_t>
+void sum_blocks(const scalar_t* from, int64_t blocks, int64_t block, int64_t count, int64_t stride, int64_t n,
+                double* to, int64_t to_stride) {
+  const scalar_t* rows[8];
+  for (int64_t b = 0; b < blocks;) {
+    const int64_t left = blocks - b;
+    const int64_t m = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    for (int64_t w = 0; w < count; ++w) {
+      for (int64_t k = 0; k < m; ++k) rows[k] = from + (b + k) * block + w * stride;
+      double* acc = to + w * to_stride;
+      switch (m) {
+        case 8: sum_rows<8>(rows, acc, n, b > 0); break;
+        case 4: sum_rows<4>(rows, acc, n, b > 0); break;
+        case 2: sum_rows<2>(rows, acc, n, b > 0); break;
+        default: sum_rows<1>(rows, acc, n, b > 0); break;
+      }
+    }
+    b += m;
+  }
+}
+
+// The adjoint's channels per task: one run of them per thread, or a multiple of the threads where a run's grid
+// rows (its window of sums, and its row pass's output) would pass kAdjointRunBytes; a multiple of 16.
+constexpr int64_t kAdjointRunBytes = 2 * 1024 * 1024;
+
+inline int64_t adjoint_channels(int64_t width, int64_t bytes_per_channel) {
+  const int64_t threads = num_threads();
+  const int64_t most = std::max<int64_t>(16, kAdjointRunBytes / bytes_per_channel);
+  const int64_t runs = threads * ((width + threads * most - 1) / (threads * most));
+  return ((width + runs - 1) / runs + 15) / 16 * 16;
+}
+
+// The adjoint, a run of channels per task through every pass, the forward's passes transposed in reverse: mid[w] =
+// sum over the output rows h reading table row i of rows(h, i) * sum[h, w], float64 [W, channels]; then out[i, j] =
+// sum over the output columns w reading j of cols(w, j) * mid[w], rounded once. sum is the gradient's leading blocks
+// summed in block order. With few blocks (leads * element size <= 32 bytes) each grid row's sums are formed where
+// the row pass first needs them, into a window of the last `window` formed, which the table rows reading them share
+// (the output rows reading an input are a run whose ends never decrease); with more, the whole sum is formed first,
+// by rows in contiguous runs, as the gradient's reads are then most of the work. Before, the whole sum was always
+// formed first and read by table rows, every channel at once, each grid row's sums read again by every table row
+// reading it. In-process A/B, resample_learned_backward, 2 threads: DINOv2-L [8, 2117, 1024] 1.10-1.19x (bf16,
+// float32), of one row 1.78-2.26x; ViT-B [1 | 8 | 32, 577, 768] bf16 1.32x, 1.01x, 0.97x (formed first; formed in
+// the pass there was 0.86-0.94x). Every sum of a channel is the same in any cut of the channels, and no task writes
+// another's.
 template <typename scalar_t>
 void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
   const int64_t width = problem.width;
   const int64_t prefix = grid.prefix;
-  const int64_t out_rows = grid.height.out;
   const int64_t out_cols = grid.width.out;
+  const int64_t in_rows = grid.height.in;
   const int64_t in_cols = grid.width.in;
-  const int64_t tokens = prefix + out_rows * out_cols;
+  const int64_t tokens = prefix + grid.height.out * out_cols;
+  const int64_t block = tokens * width;
   const AxisTaps rows(grid.height, true);
   const AxisTaps cols(grid.width, true);
-  // The gradient summed over its leading blocks, in block order: sum[s], float64 [tokens, width] (every row
-  // written whole before it is read). A task's rows are one contiguous run of every block, up to eight blocks' runs
-  // added in one sweep over the task's sum (a task's sum of DINOv2-L's is 8.7 MB: a sweep per block read and wrote it
-  // seven times; in-process A/B, resample_learned_backward of [8, 2117, 1024] 1.17x float32 and 1.20x bf16, of
-  // [32, 577, 768] 1.45x and 1.15x, 2 threads). Rows one by one, each from its own block, in chunks of a task's run
-  // were slower (0.72-0.97x): the blocks' rows lie a block apart and map to the same cache sets.
-  const std::unique_ptr<double[]> sums(new double[tokens * width]);
-  double* sum = sums.get();
-  parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
-    const int64_t count = (end - begin) * width;
-    const scalar_t* rows[8];
-    for (int64_t b = 0; b < problem.leads;) {
-      const int64_t left = problem.leads - b;
-      const int64_t m = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      for (int64_t k = 0; k < m; ++k) rows[k] = problem.grad + ((b + k) * tokens + begin) * width;
-      double* acc = sum + begin * width;
-      switch (m) {
-        case 8: sum_rows<8>(rows, acc, count, b > 0); break;
-        case 4: sum_rows<4>(rows, acc, count, b > 0); break;
-        case 2: sum_rows<2>(rows, acc, count, b > 0); break;
-        default: sum_rows<1>(rows, acc, count, b > 0); break;
-      }
-      b += m;
-    }
-  });
-  round_row(sum, problem.out, prefix * width);
-  const double* grid_sum = sum + prefix * width;
-  scalar_t* out = problem.out + prefix * width;
-  // One table row i at a time, the forward's passes transposed in reverse: mid[w] = sum over the output rows h
-  // reading i of rows(h, i) * sum[h, w], float64 [W, width]; then out[i, j] = sum over the output columns w
-  // reading j of cols(w, j) * mid[w], rounded once.
-  const int64_t in_rows = grid.height.in;
-  parallel_for(0, in_rows, rows_per_task(width * out_cols * rows.max_taps), [&](int64_t begin, int64_t end) {
-    ScratchVector<double> mid(out_cols * width);
-    ScratchVector<double> acc(width);
-    std::vector<const double*> row_taps(max_users(rows));
+  const int64_t window = std::max<int64_t>(1, max_users(rows));
+  const int64_t lanes = adjoint_channels(width, (window + 1) * out_cols * static_cast<int64_t>(sizeof(double)));
+  const bool summed_first = problem.leads * static_cast<int64_t>(sizeof(scalar_t)) > 32;
+  const std::unique_ptr<double[]> summed(summed_first ? new double[block] : nullptr);
+  if (summed_first) {
+    parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
+      sum_blocks(problem.grad + begin * width, problem.leads, block, 1, 0, (end - begin) * width,
+                 summed.get() + begin * width, 0);
+    });
+  }
+  parallel_for(0, (width + lanes - 1) / lanes, 1, [&](int64_t begin, int64_t end) {
+    ScratchVector<double> sums(summed_first ? 0 : window * out_cols * lanes);  // grid row h's in slot h % window
+    std::vector<int64_t> held(window);
+    ScratchVector<double> mid(out_cols * lanes);
+    ScratchVector<double> acc(lanes);
+    std::vector<const double*> grid_rows(window);
+    std::vector<const double*> row_taps(window);
     std::vector<const double*> col_taps(max_users(cols));
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t u0 = rows.user_start[i];
-      const int64_t users = rows.user_start[i + 1] - u0;
-      for (int64_t w = 0; w < out_cols; ++w) {
-        for (int64_t u = 0; u < users; ++u) row_taps[u] = grid_sum + (rows.users[u0 + u] * out_cols + w) * width;
-        weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.data() + w * width, width);
+    for (int64_t run = begin; run < end; ++run) {
+      const int64_t first = run * lanes;
+      const int64_t n = std::min(lanes, width - first);
+      const scalar_t* grad = problem.grad + first;
+      for (int64_t t = 0; t < prefix; ++t) {
+        if (!summed_first) sum_blocks(grad + t * width, problem.leads, block, 1, 0, n, acc.data(), 0);
+        round_row(summed_first ? summed.get() + t * width + first : acc.data(), problem.out + t * width + first, n);
       }
-      for (int64_t j = 0; j < in_cols; ++j) {
-        const int64_t v0 = cols.user_start[j];
-        const int64_t readers = cols.user_start[j + 1] - v0;
-        for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.data() + cols.users[v0 + v] * width;
-        weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), width);
-        round_row(acc.data(), out + (i * in_cols + j) * width, width);
+      // grid row h's sums of the run's channels, its rows `stride` apart
+      const int64_t stride = summed_first ? width : lanes;
+      std::fill(held.begin(), held.end(), -1);
+      const auto grid_row = [&](int64_t h) -> const double* {
+        const int64_t token = prefix + h * out_cols;
+        if (summed_first) return summed.get() + token * width + first;
+        double* slot = sums.data() + (h % window) * out_cols * lanes;
+        if (held[h % window] != h) {
+          sum_blocks(grad + token * width, problem.leads, block, out_cols, width, n, slot, lanes);
+          held[h % window] = h;
+        }
+        return slot;
+      };
+      for (int64_t i = 0; i < in_rows; ++i) {
+        const int64_t u0 = rows.user_start[i];
+        const int64_t users = rows.user_start[i + 1] - u0;
+        for (int64_t u = 0; u < users; ++u) grid_rows[u] = grid_row(rows.users[u0 + u]);
+        for (int64_t w = 0; w < out_cols; ++w) {
+          for (int64_t u = 0; u < users; ++u) row_taps[u] = grid_rows[u] + w * stride;
+          weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.data() + w * lanes, n);
+        }
+        for (int64_t j = 0; j < in_cols; ++j) {
+          const int64_t v0 = cols.user_start[j];
+          const int64_t readers = cols.user_start[j + 1] - v0;
+          for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.data() + cols.users[v0 + v] * lanes;
+          weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), n);
+          round_row(acc.data(), problem.out + (prefix + i * in_cols + j) * width + first, n);
+        }
       }
     }
   });
