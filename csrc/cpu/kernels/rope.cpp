@@ -707,13 +707,12 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
   const auto scale = static_cast<opmath>(problem.attention_scale);
   int64_t width = 0;
   int64_t min_group = width;
-  for (int64_t v = 0; v < problem.num_views; ++v) {
-    min_group = v == 0 ? problem.norms[v].group : std::min(min_group, problem.norms[v].group);
-    width = std::max(width, problem.views[v].heads * problem.views[v].head_dim);
-  }
   int64_t input_bytes = 0;
   for (int64_t v = 0; v < problem.num_views; ++v) {
-    input_bytes += tokens * problem.views[v].heads * problem.views[v].head_dim * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t channels = problem.views[v].heads * problem.views[v].head_dim;
+    min_group = v == 0 ? problem.norms[v].group : std::min(min_group, problem.norms[v].group);
+    width = std::max(width, channels);
+    input_bytes += tokens * channels * static_cast<int64_t>(sizeof(scalar_t));
   }
   const bool prefetches = !problem.inverse && input_bytes >= stream_bytes();  // prefetch_token_channels
   const int64_t chunk = norm_tokens_per_chunk(tokens);
