@@ -98,12 +98,12 @@ inline KvCacheArgs check_rope_qk_cache(const char* op, const at::Tensor& q, cons
 
 // The slots of caches of cache_seq (S_max) slots, as a domain of positions.
 inline PositionDomain slot_domain(int64_t cache_seq) {
-  return {0, cache_seq - 1, "[0, S_max) with S_max = " + std::to_string(cache_seq) + " (the slots of the caches)"};
+  return {0, cache_seq - 1, false, nullptr, true};
 }
 
 [[noreturn]] inline void cache_position_error(const char* op, int64_t n, int64_t value, int64_t cache_seq) {
   TORCH_CHECK(false, "posenc.", op, ": cache_positions holds ", value, " at flat index ", n, ", outside ",
-              slot_domain(cache_seq).description);
+              slot_domain(cache_seq).description());
 }
 
 // Tokens first < second (flat indices [batch * seq]) of one row, the two first in order, both at `slot`.

@@ -17,30 +17,29 @@ namespace posenc {
 // Angles are formed in float64, which holds every integer up to 2^53 exactly.
 constexpr int64_t kMaxExactPosition = int64_t{1} << 53;
 
-// The positions (offset included) a family accepts, inclusive bounds and how the error message names them.
+// The positions (offset included) a family accepts, inclusive bounds and how the error message names them. The
+// words are formed only for an error: built on every call, they cost a small rope call 300 instructions.
 struct PositionDomain {
   int64_t lo;
   int64_t hi;
-  std::string description;
-  bool finite = false;  // floating positions: NaN and infinities refused too (else they give NaN angles)
+  bool finite = false;            // floating positions: NaN and infinities refused too (else they give NaN angles)
+  const char* table = nullptr;    // positions index the rows [0, hi] of this table ("weight")
+  bool cache_slots = false;       // positions index the slots [0, hi] of the caches
+
+  std::string description() const {
+    if (cache_slots) return c10::str("[0, S_max) with S_max = ", hi + 1, " (the slots of the caches)");
+    if (table != nullptr) return c10::str("[0, L_max) with L_max = ", hi + 1, " (the rows of ", table, ")");
+    return finite ? "[-2^53, 2^53], the integers float64 holds exactly (floating positions: finite)"
+                  : "[-2^53, 2^53], the integers float64 holds exactly";
+  }
 };
 
-inline PositionDomain angle_domain() {
-  return {-kMaxExactPosition, kMaxExactPosition, "[-2^53, 2^53], the integers float64 holds exactly"};
-}
+inline PositionDomain angle_domain() { return {-kMaxExactPosition, kMaxExactPosition}; }
 
 // Rotary positions: a NaN or infinite one would make q and k NaN without a word, so they are refused.
-inline PositionDomain rotary_domain() {
-  auto domain = angle_domain();
-  domain.description += " (floating positions: finite)";
-  domain.finite = true;
-  return domain;
-}
+inline PositionDomain rotary_domain() { return {-kMaxExactPosition, kMaxExactPosition, true}; }
 
-inline PositionDomain table_domain(int64_t rows, const char* table) {
-  return {0, rows - 1,
-          "[0, L_max) with L_max = " + std::to_string(rows) + " (the rows of " + std::string(table) + ")"};
-}
+inline PositionDomain table_domain(int64_t rows, const char* table) { return {0, rows - 1, false, table}; }
 
 // The errors of the checks that read index data, each a function of the failing element alone: the CPU raises
 // them as it reads, and the CUDA ops raise the same words from the element their check kernels recorded.
@@ -53,7 +52,7 @@ enum class PositionSource { Given, Arange, Packed };
   const char* from = source == PositionSource::Given    ? "positions.flatten()["
                      : source == PositionSource::Packed ? "its index in its sequence, token ["
                                                         : "arange(S)[";
-  TORCH_CHECK(false, "posenc.", op, ": position ", result, " is outside ", domain.description, "; it is ", from, n,
+  TORCH_CHECK(false, "posenc.", op, ": position ", result, " is outside ", domain.description(), "; it is ", from, n,
               "] = ", value, " plus offset ", offset);
 }
 
@@ -150,7 +149,7 @@ std::vector<T> read_positions(const char* op, const std::optional<at::Tensor>& p
     }
     TORCH_CHECK(false, "posenc.", op, ": positions must be an integer tensor, got ", dtype);
   }
-  const auto values = (dtype == at::kInt ? *positions : positions->to(at::kLong)).contiguous();
+  const auto values = (dtype == at::kInt || dtype == at::kLong ? *positions : positions->to(at::kLong)).contiguous();
   out.resize(values.numel());
   AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "posenc_read_positions", [&] {
     const index_t* p = values.const_data_ptr<index_t>();
@@ -255,22 +254,36 @@ inline AxisPositions read_axis_positions(const char* op, const std::optional<at:
   return pos;
 }
 
-// inv_freq as contiguous float64 (the tensor's own data when it already is: no copy), and max |inv_freq|,
-// which decides the angle engine's path for each position.
+// inv_freq (1-D, float64 or float32, checked by the op) as contiguous float64: the tensor's own data when it already
+// is, else widened here on the host; an ATen conversion was a quarter of a small rope call's own instructions. Also
+// max |inv_freq|, which decides the angle engine's path for each position.
 class Frequencies {
  public:
-  explicit Frequencies(const at::Tensor& inv_freq)
-      : values_(inv_freq.scalar_type() == at::kDouble ? inv_freq.contiguous() : inv_freq.to(at::kDouble).contiguous()) {
+  explicit Frequencies(const at::Tensor& inv_freq) : size_(inv_freq.numel()) {
+    if (inv_freq.scalar_type() == at::kDouble && inv_freq.is_contiguous()) {
+      data_ = inv_freq.const_data_ptr<double>();
+    } else {
+      widened_.resize(size_);
+      const int64_t stride = inv_freq.stride(0);
+      AT_DISPATCH_FLOATING_TYPES(inv_freq.scalar_type(), "posenc_frequencies", [&] {
+        const scalar_t* w = inv_freq.const_data_ptr<scalar_t>();
+        for (int64_t i = 0; i < size_; ++i) widened_[i] = static_cast<double>(w[i * stride]);
+      });
+      data_ = widened_.data();
+    }
     // A NaN frequency is skipped here: it makes NaN angles on either path.
-    const double* w = data();
-    for (int64_t i = 0; i < size(); ++i) max_abs_ = std::max(max_abs_, std::abs(w[i]));
+    for (int64_t i = 0; i < size_; ++i) max_abs_ = std::max(max_abs_, std::abs(data_[i]));
   }
-  const double* data() const { return values_.const_data_ptr<double>(); }
-  int64_t size() const { return values_.numel(); }
+  Frequencies(const Frequencies&) = delete;  // data_ may point into widened_
+  Frequencies& operator=(const Frequencies&) = delete;
+  const double* data() const { return data_; }
+  int64_t size() const { return size_; }
   double max_abs() const { return max_abs_; }
 
  private:
-  at::Tensor values_;
+  int64_t size_;
+  std::vector<double> widened_;
+  const double* data_ = nullptr;
   double max_abs_ = 0.0;
 };
 

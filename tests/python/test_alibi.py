@@ -127,6 +127,18 @@ def test_add_alibi_any_strides(layout):
     assert_close(PF.add_alibi(scores, slopes, "symmetric"), expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("slopes_dtype", DTYPES)
+def test_add_alibi_slopes_read_in_any_dtype_and_strides(slopes_dtype):
+    """Slopes are read in their own dtype and strides, widened exactly: per-batch slopes of a strided view give
+    the float64 formula of the same values, head_offset applied."""
+    scores = torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    wide = (torch.rand(2, 10) + 0.1).to(slopes_dtype)
+    slopes = wide[:, ::2]  # [2, 5], stride 2 between heads
+    assert not slopes.is_contiguous()
+    expected = scores + reference_bias(slopes.double(), 4, 6, "causal", head_offset=1, num_heads=3)
+    assert_close(PF.add_alibi(scores, slopes, "causal", head_offset=1), expected, atol=1e-12, rtol=0)
+
+
 def test_add_alibi_per_batch_slopes_and_head_offset():
     scores = torch.randn(3, 2, 5, 8, dtype=torch.float64)
     slopes = torch.rand(3, 8, dtype=torch.float64)

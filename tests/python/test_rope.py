@@ -297,6 +297,22 @@ def test_rope_accuracy_float32_up_to_2_pow_20():
     assert naive_error > 100 * error
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rope_qk_inv_freq_read_in_its_dtype_and_stride(dtype):
+    """inv_freq of either dtype, strided, is read as float64 holds its values: the float64 formula of the same
+    frequencies, to float32 rounding, and the bits of the same values given contiguous in float64."""
+    wide = FQ.rope(64)[0].repeat_interleave(2).to(dtype)
+    inv_freq = wide[::2]  # stride 2
+    assert not inv_freq.is_contiguous()
+    positions = torch.tensor([[0, 7, 1000, -3], [5, 2 ** 20, 9, 1]])
+    q, k = torch.randn(2, 4, 3, 64), torch.randn(2, 4, 1, 64)
+    q_out, k_out = PF.rope_qk(q, k, positions, inv_freq)
+    assert_close(q_out.double(), reference_rope(q, positions, inv_freq.double()), atol=1e-6, rtol=0)
+    assert_close(k_out.double(), reference_rope(k, positions, inv_freq.double()), atol=1e-6, rtol=0)
+    same = PF.rope_qk(q, k, positions, inv_freq.double().contiguous())
+    assert torch.equal(q_out, same[0]) and torch.equal(k_out, same[1])
+
+
 def test_scores_depend_only_on_relative_position():
     """The defining property: <rope(q, m), rope(k, n)> is a function of m - n alone (float64)."""
     inv_freq = FQ.rope(32)[0]

@@ -746,7 +746,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
       token_work += 4 * problem.views[v].heads * problem.views[v].head_dim;
     }
     parallel_for(0, chunks, std::max<int64_t>(1, rows_per_task(token_work) / chunk), [&](int64_t begin, int64_t end) {
-      ScratchVector<opmath> own(4 * pairs + 2 * width + width / min_group);
+      SmallScratch<opmath> own(4 * pairs + 2 * width + width / min_group);
       opmath* coeff_rows = own.data();
       opmath* row = coeff_rows + 4 * pairs;
       opmath* grad = row + width;
@@ -1051,7 +1051,7 @@ void rope_kernel(const RopeProblem<scalar_t>& problem) {
   }
   parallel_for(0, problem.batch * seq, rows_per_task(token_work), [&](int64_t begin, int64_t end) {
     const int64_t tokens_here = std::min(tile, end - begin);
-    ScratchVector<opmath> own(tokens_here * 4 * pairs);
+    SmallScratch<opmath> own(tokens_here * 4 * pairs);
     std::vector<std::pair<const opmath*, const opmath*>> token_rows(tokens_here);
     for (int64_t first = begin; first < end; first += tile) {
       const int64_t last = std::min(end, first + tile);
@@ -1083,7 +1083,7 @@ void rope_tables_kernel(const RopeTablesProblem<scalar_t, opmath>& problem) {
   // Tokens per tile of a head-by-head walk (see rope_kernel): their gathered coefficients stay in L2.
   const int64_t tile = head_by_head(view, seq) ? rows_per_block(4 * pairs * static_cast<int64_t>(sizeof(opmath))) : 1;
   parallel_for(0, problem.batch * seq, rows_per_task(view.heads * view.head_dim), [&](int64_t begin, int64_t end) {
-    ScratchVector<opmath> own(std::min(tile, end - begin) * 4 * pairs);  // c1, s1, c2, s2 of each token of a tile
+    SmallScratch<opmath> own(std::min(tile, end - begin) * 4 * pairs);  // c1, s1, c2, s2 of each token of a tile
     for (int64_t first = begin; first < end; first += tile) {
       const int64_t last = std::min(end, first + tile);
       for (int64_t n = first; n < last; ++n) {
