@@ -7,6 +7,19 @@ from torch import Tensor
 __all__ = ["sinusoidal", "add_sinusoidal", "embed_sinusoidal", "embedding_backward"]
 
 
+def _given(args: tuple, defaults: tuple) -> tuple:
+    """``args`` without its trailing run of arguments that are their parameters' own default objects (left out by the
+    caller, as a rule): ``torch.ops`` parses and boxes every argument it is handed, about 1.3k instructions each, and
+    takes a missing one from the op's schema, whose defaults these are. Identity, not equality: a value passed
+    explicitly, or a SymInt while tracing, is passed on as given. TorchScript, which has no ``*args``, compiles each
+    wrapper's ``torch.jit.is_scripting()`` branch alone: the op with every argument."""
+    n = len(args)
+    first = n - len(defaults)
+    while n > first and args[n - 1] is defaults[n - 1 - first]:
+        n -= 1
+    return args[:n]
+
+
 def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved", dtype: Optional[torch.dtype] = None,
                offset: int = 0, pair_axis: Optional[Tensor] = None) -> Tensor:
     """The encoding of ``positions + offset``: shape ``positions.shape + [2F]``, F = len(inv_freq).
@@ -19,7 +32,11 @@ def sinusoidal(positions: Tensor, inv_freq: Tensor, layout: str = "interleaved",
     are ``[n_axes, ...]``, pair i encoding the position of axis ``pair_axis[i]``, and the output is
     ``positions.shape[1:] + [2F]``. Not differentiable.
     """
-    return torch.ops.posenc.sinusoidal(positions, inv_freq, layout, dtype, offset, pair_axis)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.sinusoidal(positions, inv_freq, layout, dtype, offset, pair_axis)
+    else:
+        return torch.ops.posenc.sinusoidal(*_given((positions, inv_freq, layout, dtype, offset, pair_axis),
+                                                    sinusoidal.__defaults__))
 
 
 def add_sinusoidal(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, x_scale: float = 1.0,
@@ -32,8 +49,12 @@ def add_sinusoidal(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, x_s
     registers) get no encoding (``x * x_scale`` exactly). With ``pair_axis``, positions ``[n_axes, S']`` or
     ``[n_axes, ..., S']`` (the patch grid: :func:`grid_positions`). Differentiable w.r.t. x.
     """
-    return torch.ops.posenc.add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset, pair_axis,
-                                           num_prefix_tokens)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset, pair_axis,
+                                               num_prefix_tokens)
+    else:
+        return torch.ops.posenc.add_sinusoidal(*_given((x, positions, inv_freq, x_scale, layout, offset, pair_axis,
+                                                        num_prefix_tokens), add_sinusoidal.__defaults__))
 
 
 def embed_sinusoidal(tokens: Tensor, token_weight: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
@@ -44,15 +65,23 @@ def embed_sinusoidal(tokens: Tensor, token_weight: Tensor, positions: Optional[T
     Differentiable w.r.t. token_weight; the ``padding_idx`` row receives no gradient, as with
     ``torch.nn.functional.embedding``.
     """
-    return torch.ops.posenc.embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale, padding_idx,
-                                             layout, offset)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.embed_sinusoidal(tokens, token_weight, positions, inv_freq, token_scale, padding_idx,
+                                                 layout, offset)
+    else:
+        return torch.ops.posenc.embed_sinusoidal(*_given((tokens, token_weight, positions, inv_freq, token_scale,
+                                                          padding_idx, layout, offset), embed_sinusoidal.__defaults__))
 
 
 def embedding_backward(grad: Tensor, indices: Tensor, num_rows: int, scale: float = 1.0,
                        padding_idx: Optional[int] = None) -> Tensor:
     """Sum of the rows of ``grad [..., D]`` into a ``[num_rows, D]`` table at ``indices`` (grad's leading
     shape or a suffix of it), times ``scale``. Deterministic: the same bits for any thread count."""
-    return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.embedding_backward(grad, indices, num_rows, scale, padding_idx)
+    else:
+        return torch.ops.posenc.embedding_backward(*_given((grad, indices, num_rows, scale, padding_idx),
+                                                            embedding_backward.__defaults__))
 
 
 # Learned absolute. A position p reads row p + offset of its table; every row must lie in
@@ -63,7 +92,10 @@ def learned(weight: Tensor, positions: Tensor, offset: int = 0, padding_idx: Opt
 
     Differentiable w.r.t. weight (deterministically); the ``padding_idx`` row receives no gradient.
     """
-    return torch.ops.posenc.learned(weight, positions, offset, padding_idx)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.learned(weight, positions, offset, padding_idx)
+    else:
+        return torch.ops.posenc.learned(*_given((weight, positions, offset, padding_idx), learned.__defaults__))
 
 
 def add_learned(x: Tensor, weight: Tensor, positions: Optional[Tensor] = None, offset: int = 0,
@@ -73,7 +105,11 @@ def add_learned(x: Tensor, weight: Tensor, positions: Optional[Tensor] = None, o
     ``positions``: None (``arange(S)``, so ``offset`` is the cache length), ``[S]`` or x's leading shape.
     Differentiable w.r.t. x and weight (not its ``padding_idx`` row).
     """
-    return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)
+    else:
+        return torch.ops.posenc.add_learned(*_given((x, weight, positions, offset, padding_idx),
+                                                     add_learned.__defaults__))
 
 
 def embed_learned(tokens: Tensor, token_weight: Tensor, pos_weight: Tensor, positions: Optional[Tensor] = None,
@@ -84,8 +120,13 @@ def embed_learned(tokens: Tensor, token_weight: Tensor, pos_weight: Tensor, posi
     Differentiable w.r.t. both tables; ``padding_idx`` (a token row) and ``pos_padding_idx`` (a position
     row) receive no gradient. ``token_scale`` (e.g. ``sqrt(d_model)``) scales the token part only.
     """
-    return torch.ops.posenc.embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx, offset,
-                                          pos_padding_idx)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.embed_learned(tokens, token_weight, pos_weight, positions, token_scale, padding_idx,
+                                              offset, pos_padding_idx)
+    else:
+        return torch.ops.posenc.embed_learned(*_given((tokens, token_weight, pos_weight, positions, token_scale,
+                                                       padding_idx, offset, pos_padding_idx),
+                                                       embed_learned.__defaults__))
 
 
 def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
@@ -102,7 +143,11 @@ def positions_from_mask(attention_mask: Tensor, pad_position: int = 0) -> Tensor
     OPT: ``pad_position=-1`` with ``offset=2`` (padding reads row 1). With a cache of length P and a mask
     over P + S tokens, the new tokens' positions are ``positions_from_mask(mask)[..., P:]``.
     """
-    return torch.ops.posenc.positions_from_mask(attention_mask, pad_position)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.positions_from_mask(attention_mask, pad_position)
+    else:
+        return torch.ops.posenc.positions_from_mask(*_given((attention_mask, pad_position),
+                                                             positions_from_mask.__defaults__))
 
 
 def resample_learned(weight: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
@@ -120,8 +165,13 @@ def resample_learned(weight: Tensor, source_grid: List[int], grid: List[int], mo
     ``+ 0.1``), the output still ``grid``. Weights and sums in float64, rounded once to weight's dtype.
     Differentiable w.r.t. weight (:func:`resample_learned_backward`), twice.
     """
-    return torch.ops.posenc.resample_learned(weight, source_grid, grid, mode, align_corners, antialias, scale_factor,
-                                             num_prefix_tokens)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.resample_learned(weight, source_grid, grid, mode, align_corners, antialias,
+                                                 scale_factor, num_prefix_tokens)
+    else:
+        return torch.ops.posenc.resample_learned(*_given((weight, source_grid, grid, mode, align_corners, antialias,
+                                                          scale_factor, num_prefix_tokens),
+                                                          resample_learned.__defaults__))
 
 
 def add_resampled_learned(x: Tensor, weight: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
@@ -132,8 +182,13 @@ def add_resampled_learned(x: Tensor, weight: Tensor, source_grid: List[int], gri
     float32, in one pass (float32 maths of x and the rounded table, rounded once; float64 for float64).
     Differentiable w.r.t. x (the identity) and weight (:func:`resample_learned_backward`).
     """
-    return torch.ops.posenc.add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias,
-                                                  scale_factor, num_prefix_tokens)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.add_resampled_learned(x, weight, source_grid, grid, mode, align_corners, antialias,
+                                                      scale_factor, num_prefix_tokens)
+    else:
+        return torch.ops.posenc.add_resampled_learned(*_given((x, weight, source_grid, grid, mode, align_corners,
+                                                               antialias, scale_factor, num_prefix_tokens),
+                                                               add_resampled_learned.__defaults__))
 
 
 def resample_learned_backward(grad: Tensor, source_grid: List[int], grid: List[int], mode: str = "bicubic",
@@ -144,8 +199,13 @@ def resample_learned_backward(grad: Tensor, source_grid: List[int], grid: List[i
     in a fixed order, rounded once: the same bits for any thread count. Differentiable (its derivative is
     :func:`resample_learned`).
     """
-    return torch.ops.posenc.resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias,
-                                                      scale_factor, num_prefix_tokens)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.resample_learned_backward(grad, source_grid, grid, mode, align_corners, antialias,
+                                                          scale_factor, num_prefix_tokens)
+    else:
+        return torch.ops.posenc.resample_learned_backward(*_given((grad, source_grid, grid, mode, align_corners,
+                                                                   antialias, scale_factor, num_prefix_tokens),
+                                                                   resample_learned_backward.__defaults__))
 
 
 __all__ += ["learned", "add_learned", "embed_learned", "make_positions", "positions_from_mask", "resample_learned",
@@ -165,7 +225,10 @@ def alibi_slopes(num_heads: int, dtype: torch.dtype = torch.float32, device: Opt
     float64 by the C++ implementation (``torch.ops.posenc.alibi_slopes``, C++ ``posenc::alibi_slopes``) and
     returned as ``dtype`` on ``device``. ``ValueError`` unless num_heads is positive and dtype floating.
     """
-    return torch.ops.posenc.alibi_slopes(num_heads, dtype, device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.alibi_slopes(num_heads, dtype, device)
+    else:
+        return torch.ops.posenc.alibi_slopes(*_given((num_heads, dtype, device), alibi_slopes.__defaults__))
 
 
 def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", head_offset: int = 0,
@@ -179,7 +242,11 @@ def alibi_bias(slopes: Tensor, q_len: int, k_len: int, mode: str = "causal", hea
     ``num_heads`` defaults to every head from ``head_offset`` on, ``dtype`` to that of the slopes.
     Differentiable w.r.t. slopes.
     """
-    return torch.ops.posenc.alibi_bias(slopes, q_len, k_len, mode, head_offset, num_heads, dtype)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.alibi_bias(slopes, q_len, k_len, mode, head_offset, num_heads, dtype)
+    else:
+        return torch.ops.posenc.alibi_bias(*_given((slopes, q_len, k_len, mode, head_offset, num_heads, dtype),
+                                                    alibi_bias.__defaults__))
 
 
 def add_alibi(scores: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> Tensor:
@@ -188,12 +255,18 @@ def add_alibi(scores: Tensor, slopes: Tensor, mode: str = "causal", head_offset:
     Differentiable w.r.t. scores and slopes (learnable slopes); the slope gradient is only computed when the
     slopes require grad.
     """
-    return torch.ops.posenc.add_alibi(scores, slopes, mode, head_offset)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.add_alibi(scores, slopes, mode, head_offset)
+    else:
+        return torch.ops.posenc.add_alibi(*_given((scores, slopes, mode, head_offset), add_alibi.__defaults__))
 
 
 def add_alibi_(scores: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> None:
     """`add_alibi` in place, through the strides of ``scores``. For inference: raises if autograd would need it."""
-    torch.ops.posenc.add_alibi_(scores, slopes, mode, head_offset)
+    if torch.jit.is_scripting():
+        torch.ops.posenc.add_alibi_(scores, slopes, mode, head_offset)
+    else:
+        torch.ops.posenc.add_alibi_(*_given((scores, slopes, mode, head_offset), add_alibi_.__defaults__))
 
 
 def alibi_backward(grad: Tensor, slopes: Tensor, mode: str = "causal", head_offset: int = 0) -> Tensor:
@@ -202,7 +275,10 @@ def alibi_backward(grad: Tensor, slopes: Tensor, mode: str = "causal", head_offs
     Shape and dtype of ``slopes``; zero for heads outside ``head_offset .. head_offset + H - 1``. Deterministic:
     the same bits for any thread count.
     """
-    return torch.ops.posenc.alibi_backward(grad, slopes, mode, head_offset)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.alibi_backward(grad, slopes, mode, head_offset)
+    else:
+        return torch.ops.posenc.alibi_backward(*_given((grad, slopes, mode, head_offset), alibi_backward.__defaults__))
 
 
 # ---------------------------------------------------------------- T5 relative bias
@@ -217,7 +293,11 @@ def relative_position_bucket(relative_position: Tensor, bidirectional: bool = Tr
     Identical to Hugging Face's ``T5Attention._relative_position_bucket``, float32 rounding at the bucket
     edges included. Bidirectional: half the buckets per direction; causal: positive positions share bucket 0.
     """
-    return torch.ops.posenc.relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.relative_position_bucket(relative_position, bidirectional, num_buckets, max_distance)
+    else:
+        return torch.ops.posenc.relative_position_bucket(*_given((relative_position, bidirectional, num_buckets,
+                                                                  max_distance), relative_position_bucket.__defaults__))
 
 
 def t5_bias(weight: Tensor, q_len: int, k_len: int, bidirectional: bool, num_buckets: int, max_distance: int,
@@ -228,7 +308,11 @@ def t5_bias(weight: Tensor, q_len: int, k_len: int, bidirectional: bool, num_buc
     and keys at ``0 .. k_len - 1``, as in Hugging Face's ``compute_bias``. Differentiable w.r.t. weight; the
     backward is deterministic.
     """
-    return torch.ops.posenc.t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance, q_offset)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.t5_bias(weight, q_len, k_len, bidirectional, num_buckets, max_distance, q_offset)
+    else:
+        return torch.ops.posenc.t5_bias(*_given((weight, q_len, k_len, bidirectional, num_buckets, max_distance,
+                                                 q_offset), t5_bias.__defaults__))
 
 
 def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_distance: int,
@@ -237,7 +321,11 @@ def t5_bias_backward(grad: Tensor, bidirectional: bool, num_buckets: int, max_di
 
     Deterministic: the same bits for any thread count.
     """
-    return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.t5_bias_backward(grad, bidirectional, num_buckets, max_distance, q_offset)
+    else:
+        return torch.ops.posenc.t5_bias_backward(*_given((grad, bidirectional, num_buckets, max_distance, q_offset),
+                                                          t5_bias_backward.__defaults__))
 
 
 # Rotary. inv_freq from posenc.frequencies.rope; the ops rotate channel pairs by p * inv_freq.
@@ -261,15 +349,24 @@ def rope(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_sca
     Qwen2-VL's ``[3, batch, seq]``) or ``[n_axes, T]`` for thd: angle(i) = positions[pair_axis[i], ...] *
     inv_freq[i]. :mod:`posenc.frequencies` builds (inv_freq, pair_axis) for M-RoPE and axial schemes.
     """
-    return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                     pair_axis)
+    else:
+        return torch.ops.posenc.rope(*_given((x, positions, inv_freq, attention_scale, layout, format, offset,
+                                              cu_seqlens, pair_axis), rope.__defaults__))
 
 
 def rope_backward(grad: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
                   layout: str = "neox", format: str = "bshd", offset: int = 0, cu_seqlens: Optional[Tensor] = None,
                   pair_axis: Optional[Tensor] = None) -> Tensor:
     """The gradient of :func:`rope`: ``grad`` rotated by -angle (times attention_scale)."""
-    return torch.ops.posenc.rope_backward(grad, positions, inv_freq, attention_scale, layout, format, offset,
-                                          cu_seqlens, pair_axis)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope_backward(grad, positions, inv_freq, attention_scale, layout, format, offset,
+                                              cu_seqlens, pair_axis)
+    else:
+        return torch.ops.posenc.rope_backward(*_given((grad, positions, inv_freq, attention_scale, layout, format,
+                                                       offset, cu_seqlens, pair_axis), rope_backward.__defaults__))
 
 
 def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_scale: float = 1.0,
@@ -282,8 +379,13 @@ def rope_qk(q: Tensor, k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
     ``q_scale_beta`` (Llama 4's attention temperature, Ministral 3's ``llama_4_scaling_beta``): q, and only q, also
     times ``1 + q_scale_beta * log(1 + floor((p + q_scale_shift) / q_scale_length))`` at its position p (q fully
     rotated, one position per token)."""
-    return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
-                                    pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope_qk(q, k, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                        pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+    else:
+        return torch.ops.posenc.rope_qk(*_given((q, k, positions, inv_freq, attention_scale, layout, format, offset,
+                                                 cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift),
+                                                 rope_qk.__defaults__))
 
 
 def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor], inv_freq: Tensor,
@@ -291,8 +393,15 @@ def rope_qk_backward(grad_q: Tensor, grad_k: Tensor, positions: Optional[Tensor]
                      cu_seqlens: Optional[Tensor] = None, pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0,
                      q_scale_length: int = 1, q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """The gradient of :func:`rope_qk`."""
-    return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
-                                             offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope_qk_backward(grad_q, grad_k, positions, inv_freq, attention_scale, layout, format,
+                                                 offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                                 q_scale_shift)
+    else:
+        return torch.ops.posenc.rope_qk_backward(*_given((grad_q, grad_k, positions, inv_freq, attention_scale, layout,
+                                                          format, offset, cu_seqlens, pair_axis, q_scale_beta,
+                                                          q_scale_length, q_scale_shift),
+                                                          rope_qk_backward.__defaults__))
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
@@ -307,9 +416,15 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posit
     the input dtype, then times the weight), ``"gemma"`` (weight 1 + w, float32 until the norm's output),
     ``"olmo2"`` (float32 until the norm's output) or ``"fused"`` (float32 from load to store, one rounding).
     Differentiable in q, k and both weights. ``q_scale_*``: q's scale by position, as in :func:`rope_qk`."""
-    return torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
-                                         layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
-                                         q_scale_shift)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.qk_norm_rope(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                                             layout, format, offset, cu_seqlens, pair_axis, q_scale_beta,
+                                             q_scale_length, q_scale_shift)
+    else:
+        return torch.ops.posenc.qk_norm_rope(*_given((q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
+                                                      attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                                                      q_scale_beta, q_scale_length, q_scale_shift),
+                                                      qk_norm_rope.__defaults__))
 
 
 def qk_norm_rope_backward(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
@@ -319,9 +434,16 @@ def qk_norm_rope_backward(grad_q: Tensor, grad_k: Tensor, q: Tensor, k: Tensor, 
                           q_scale_beta: float = 0.0, q_scale_length: int = 1,
                           q_scale_shift: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The gradients of :func:`qk_norm_rope` for q, k, q_weight and k_weight (the norm recomputed from q and k)."""
-    return torch.ops.posenc.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq, eps,
-                                                  norm, attention_scale, layout, format, offset, cu_seqlens, pair_axis,
-                                                  q_scale_beta, q_scale_length, q_scale_shift)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.qk_norm_rope_backward(grad_q, grad_k, q, k, q_weight, k_weight, positions, inv_freq,
+                                                      eps, norm, attention_scale, layout, format, offset, cu_seqlens,
+                                                      pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+    else:
+        return torch.ops.posenc.qk_norm_rope_backward(*_given((grad_q, grad_k, q, k, q_weight, k_weight, positions,
+                                                               inv_freq, eps, norm, attention_scale, layout, format,
+                                                               offset, cu_seqlens, pair_axis, q_scale_beta,
+                                                               q_scale_length, q_scale_shift),
+                                                               qk_norm_rope_backward.__defaults__))
 
 
 def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, positions: Optional[Tensor],
@@ -330,8 +452,15 @@ def qk_norm_rope_(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, posi
                   pair_axis: Optional[Tensor] = None, q_scale_beta: float = 0.0, q_scale_length: int = 1,
                   q_scale_shift: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`qk_norm_rope` in place (q and k keep their strides), for inference paths; returns (q, k)."""
-    torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale, layout,
-                                   format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift)
+    if torch.jit.is_scripting():
+        torch.ops.posenc.qk_norm_rope_(q, k, q_weight, k_weight, positions, inv_freq, eps, norm, attention_scale,
+                                       layout, format, offset, cu_seqlens, pair_axis, q_scale_beta, q_scale_length,
+                                       q_scale_shift)
+    else:
+        torch.ops.posenc.qk_norm_rope_(*_given((q, k, q_weight, k_weight, positions, inv_freq, eps, norm,
+                                                attention_scale, layout, format, offset, cu_seqlens, pair_axis,
+                                                q_scale_beta, q_scale_length, q_scale_shift),
+                                                qk_norm_rope_.__defaults__))
     return q, k
 
 
@@ -372,7 +501,11 @@ def rope_(x: Tensor, positions: Optional[Tensor], inv_freq: Tensor, attention_sc
     """:func:`rope` in place (x keeps its strides), for inference paths; returns x.
 
     Under autograd x must not be a leaf that requires grad; a non-leaf x is rebased onto the rotation."""
-    torch.ops.posenc.rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
+    if torch.jit.is_scripting():
+        torch.ops.posenc.rope_(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
+    else:
+        torch.ops.posenc.rope_(*_given((x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens,
+                                        pair_axis), rope_.__defaults__))
     return x
 
 
@@ -391,9 +524,15 @@ def rope_qk_cache_(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Te
     ``offset``; multi-axis positions need ``cache_positions``). Every slot is checked to lie in [0, S_max), and no two tokens may
     share a slot of one cache row. The caches have the dtype of k and v, and their heads and head dims.
     Inference only: a call that autograd would have to record raises an error."""
-    torch.ops.posenc.rope_qk_cache_(q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format,
-                                    attention_scale, layout, format, offset, cu_seqlens, pair_axis, q_scale_beta,
-                                    q_scale_length, q_scale_shift)
+    if torch.jit.is_scripting():
+        torch.ops.posenc.rope_qk_cache_(q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions, cache_format,
+                                        attention_scale, layout, format, offset, cu_seqlens, pair_axis, q_scale_beta,
+                                        q_scale_length, q_scale_shift)
+    else:
+        torch.ops.posenc.rope_qk_cache_(*_given((q, k, v, k_cache, v_cache, positions, inv_freq, cache_positions,
+                                                 cache_format, attention_scale, layout, format, offset, cu_seqlens,
+                                                 pair_axis, q_scale_beta, q_scale_length, q_scale_shift),
+                                                 rope_qk_cache_.__defaults__))
     return q
 
 
@@ -404,12 +543,19 @@ def rope_cos_sin(x: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", form
     Hugging Face builds them (``cat(freqs, freqs)`` for neox, ``repeat_interleave(freqs, 2)`` for gptj); the
     channels past r pass through. Differentiable w.r.t. x.
     """
-    return torch.ops.posenc.rope_cos_sin(x, cos, sin, layout, format)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope_cos_sin(x, cos, sin, layout, format)
+    else:
+        return torch.ops.posenc.rope_cos_sin(*_given((x, cos, sin, layout, format), rope_cos_sin.__defaults__))
 
 
 def rope_cos_sin_backward(grad: Tensor, cos: Tensor, sin: Tensor, layout: str = "neox", format: str = "bshd") -> Tensor:
     """The gradient of :func:`rope_cos_sin` (its transpose)."""
-    return torch.ops.posenc.rope_cos_sin_backward(grad, cos, sin, layout, format)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.rope_cos_sin_backward(grad, cos, sin, layout, format)
+    else:
+        return torch.ops.posenc.rope_cos_sin_backward(*_given((grad, cos, sin, layout, format),
+                                                               rope_cos_sin_backward.__defaults__))
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -420,7 +566,11 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device: Optional[
     ``rope(x.index_select(seq_dim, p), p)`` equals ``rope(x)`` at those tokens. ``seq_len`` must be a multiple
     of 2 * cp_size and ``0 <= cp_rank < cp_size`` (else ``ValueError``). C++: ``posenc::zigzag_positions``.
     """
-    return torch.ops.posenc.zigzag_positions(seq_len, cp_size, cp_rank, device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.zigzag_positions(seq_len, cp_size, cp_rank, device)
+    else:
+        return torch.ops.posenc.zigzag_positions(*_given((seq_len, cp_size, cp_rank, device),
+                                                          zigzag_positions.__defaults__))
 
 
 def zigzag_positions_varlen(cu_seqlens: Tensor, cp_size: int, cp_rank: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -446,7 +596,10 @@ def image_positions(height: int, width: int, device: Optional[torch.device] = No
 
     Pass them to :func:`rope` / :func:`rope_qk` with the ``pair_axis`` of :func:`posenc.frequencies.axial`.
     """
-    return torch.ops.posenc.image_positions(height, width, device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.image_positions(height, width, device)
+    else:
+        return torch.ops.posenc.image_positions(*_given((height, width, device), image_positions.__defaults__))
 
 
 def video_positions(frames: int, height: int, width: int, time_interval: float = 1.0,
@@ -454,7 +607,11 @@ def video_positions(frames: int, height: int, width: int, time_interval: float =
     """Positions of a video's patches, frame by frame in row-major order, int64 ``[3, frames * height * width]``:
     (time, row, column) with time = trunc(frame * time_interval) (Qwen2.5-VL: tokens_per_second times the
     seconds of a temporal patch)."""
-    return torch.ops.posenc.video_positions(frames, height, width, time_interval, device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.video_positions(frames, height, width, time_interval, device)
+    else:
+        return torch.ops.posenc.video_positions(*_given((frames, height, width, time_interval, device),
+                                                         video_positions.__defaults__))
 
 
 def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None,
@@ -474,9 +631,14 @@ def mrope_positions(token_types: Tensor, image_grid_thw: Optional[Tensor] = None
     rope_deltas [B, 1])``: decoding continues at ``cache_length + rope_deltas`` on every axis. A run whose
     length does not match its grid raises an error naming the row and the grid.
     """
-    return torch.ops.posenc.mrope_positions(token_types, image_grid_thw, video_grid_thw, attention_mask,
-                                            spatial_merge_size, tokens_per_second, second_per_grid_ts,
-                                            split_video_frames)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.mrope_positions(token_types, image_grid_thw, video_grid_thw, attention_mask,
+                                                spatial_merge_size, tokens_per_second, second_per_grid_ts,
+                                                split_video_frames)
+    else:
+        return torch.ops.posenc.mrope_positions(*_given((token_types, image_grid_thw, video_grid_thw, attention_mask,
+                                                         spatial_merge_size, tokens_per_second, second_per_grid_ts,
+                                                         split_video_frames), mrope_positions.__defaults__))
 
 
 def grid_positions(grid: List[int], crop_from: Optional[List[int]] = None, scale: Optional[List[float]] = None,
@@ -488,7 +650,11 @@ def grid_positions(grid: List[int], crop_from: Optional[List[int]] = None, scale
     cropped one ``crop_from=[M, M], scale=[M / base_size] * 2``, CogVideoX's 3-D one
     ``grid_positions([t, h, w], scale=[temporal_scale, spatial_scale, spatial_scale])``.
     """
-    return torch.ops.posenc.grid_positions(grid, crop_from, scale, interpolation_scale, device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.grid_positions(grid, crop_from, scale, interpolation_scale, device)
+    else:
+        return torch.ops.posenc.grid_positions(*_given((grid, crop_from, scale, interpolation_scale, device),
+                                                        grid_positions.__defaults__))
 
 
 def patch_center_positions(height: int, width: int, num_prefix_tokens: int = 0, shift: Optional[float] = None,
@@ -506,8 +672,13 @@ def patch_center_positions(height: int, width: int, num_prefix_tokens: int = 0, 
     [-log rescale, log rescale]). With the same seed, the same coordinates as transformers'
     ``augment_patches_center_coordinates`` on the CPU.
     """
-    return torch.ops.posenc.patch_center_positions(height, width, num_prefix_tokens, shift, jitter, rescale, generator,
-                                                   device)
+    if torch.jit.is_scripting():
+        return torch.ops.posenc.patch_center_positions(height, width, num_prefix_tokens, shift, jitter, rescale,
+                                                       generator, device)
+    else:
+        return torch.ops.posenc.patch_center_positions(*_given((height, width, num_prefix_tokens, shift, jitter,
+                                                                rescale, generator, device),
+                                                                patch_center_positions.__defaults__))
 
 
 __all__ += ["image_positions", "video_positions", "grid_positions", "patch_center_positions", "mrope_positions"]

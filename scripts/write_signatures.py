@@ -13,7 +13,8 @@ What is written:
   <op>_symint (c10::SymInt) and <op> (int64_t, calling <op>_symint), if the header holds a function of either name.
 - Python: every function of ops/functional.py named after an op whose body calls torch.ops.posenc.<op>: its
   parameters, its return annotation (kept when statements follow the call: rope_ returns x) and the call's
-  arguments.
+  arguments; where the op has defaults (and no keyword-only arguments), a second call that leaves out the defaults
+  the caller left out (`_given` in functional.py) for eager Python and tracing, the first kept for TorchScript.
 - ONNX: the parameters of every function of ops/onnx.py named after an op and taking neither *args nor **kwargs:
   tensors unannotated, the attributes with their Python type (the exporter binds the op's arguments to them by name).
 
@@ -315,18 +316,32 @@ def _header_lines(node: ast.FunctionDef, lines: List[str]) -> Tuple[int, int]:
     raise ValueError(f"line {node.lineno}: no end of the header of {node.name}")
 
 
+_SCRIPTING = "torch.jit.is_scripting()"
+
+
+def _op_call(statement: ast.stmt, name: str) -> Optional[ast.stmt]:
+    """The statement (return or expression) of a wrapper's body that calls torch.ops.posenc.<name>, or, where the
+    wrapper branches on torch.jit.is_scripting(), its first branch's."""
+    if isinstance(statement, ast.If) and ast.unparse(statement.test) == _SCRIPTING:
+        statement = statement.body[0]
+    if isinstance(statement, (ast.Return, ast.Expr)) and isinstance(statement.value, ast.Call) and \
+            ast.unparse(statement.value.func) == f"torch.ops.posenc.{name}":
+        return statement
+    return None
+
+
 def write_functional(text: str, ops: Dict[str, Schema]) -> str:
     lines = text.split("\n")
     edits = []  # (first, last, new lines), applied from the bottom up
     for node in ast.parse(text).body:
         if not isinstance(node, ast.FunctionDef) or node.name not in ops:
             continue
-        calls = [(i, s) for i, s in enumerate(node.body) if isinstance(s, (ast.Return, ast.Expr))
-                 and isinstance(s.value, ast.Call) and ast.unparse(s.value.func) == f"torch.ops.posenc.{node.name}"]
+        calls = [(i, s) for i, s in enumerate(node.body) if _op_call(s, node.name) is not None]
         if not calls:
             continue
         schema = ops[node.name]
-        index, call = calls[0]
+        index, statement = calls[0]
+        call = _op_call(statement, node.name)
         returns = python_returns(schema) if index + 1 == len(node.body) or node.returns is None \
             else ast.unparse(node.returns)
         first, last = _header_lines(node, lines)
@@ -337,8 +352,19 @@ def write_functional(text: str, ops: Dict[str, Schema]) -> str:
         arguments = [(f"{schema.wrapper_name(a)}={schema.wrapper_name(a)}" if a.kwarg_only
                       else schema.wrapper_name(a)) for a in schema.arguments]
         keyword = "return " if isinstance(call, ast.Return) else ""
-        edits.append((call.lineno - 1, call.end_lineno,
-                      fill(f"{' ' * call.col_offset}{keyword}torch.ops.posenc.{node.name}(", arguments, ")")))
+        at = " " * statement.col_offset
+        head = f"{keyword}torch.ops.posenc.{node.name}("
+        defaulted = any(a.default is not NO_DEFAULT for a in schema.arguments)
+        if defaulted and not any(a.kwarg_only for a in schema.arguments):
+            # The defaults left out are not passed on (_given); TorchScript, which has no *args, compiles the first
+            # branch alone.
+            given = arguments[:-1] + [arguments[-1] + ("," if len(arguments) == 1 else "") + ")",
+                                      f"{node.name}.__defaults__"]
+            written = ([f"{at}if {_SCRIPTING}:"] + fill(f"{at}    {head}", arguments, ")") + [f"{at}else:"] +
+                       fill(f"{at}    {head}*_given((", given, "))"))
+        else:
+            written = fill(f"{at}{head}", arguments, ")")
+        edits.append((statement.lineno - 1, statement.end_lineno, written))
     return _apply(lines, edits)
 
 

@@ -99,6 +99,23 @@ def test_the_wrappers_are_written_from_the_schemas():
     assert not diffs, "run python scripts/write_signatures.py:\n" + "".join(diffs)
 
 
+def test_the_wrappers_pass_on_what_the_caller_gave():
+    """A wrapper leaves out the trailing arguments that are its parameters' own default objects (torch.ops takes them
+    from the schema, whose defaults they are); any value given, even one equal to its default, is passed on, and so
+    is everything before it."""
+    from posenc.functional import _given
+    required = ("q", "k", None, "inv_freq")
+    defaults = posenc.functional.rope_qk.__defaults__  # attention_scale, layout, format, offset, ...
+    assert _given(required + defaults, defaults) == required
+    offset = required + defaults[:3] + (3,)
+    assert _given(offset + defaults[4:], defaults) == offset
+    neox = "".join(["ne", "ox"])  # equal to the default layout, another object
+    assert neox == defaults[1] and neox is not defaults[1]
+    layout = required + defaults[:1] + (neox,)
+    assert _given(layout + defaults[2:], defaults) == layout
+    assert _given(("x",), ()) == ("x",)
+
+
 def test_the_writer_fills_in_a_new_ops_stubs():
     """A new op starts from stubs: the writer completes each from the op's schema (add_learned's here)."""
     ops = WRITER.schemas()
@@ -114,7 +131,12 @@ def test_the_writer_fills_in_a_new_ops_stubs():
     assert WRITER.write_functional(python, ops) == (
         "def add_learned(x: Tensor, weight: Tensor, positions: Optional[Tensor] = None, offset: int = 0,\n"
         "                padding_idx: Optional[int] = None) -> Tensor:\n"
-        '    """doc"""\n    return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)\n')
+        '    """doc"""\n'
+        "    if torch.jit.is_scripting():\n"
+        "        return torch.ops.posenc.add_learned(x, weight, positions, offset, padding_idx)\n"
+        "    else:\n"
+        "        return torch.ops.posenc.add_learned(*_given((x, weight, positions, offset, padding_idx),\n"
+        "                                                     add_learned.__defaults__))\n")
     onnx = "def add_learned():\n    # fairseq\n    return x\n"
     assert WRITER.write_onnx(onnx, ops) == (
         "def add_learned(x, weight, positions=None, offset: int = 0, padding_idx: Optional[int] = None):\n"
