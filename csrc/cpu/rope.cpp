@@ -39,9 +39,11 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // likewise, rounded by F16C in the AVX-512 build (rotate_half_row_by_instruction; in-process A/B, Llama-like q, k
 // [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
 // lines: the kernel is rope_kernel's rotation, which stores bf16 and fp16 rows as whole lines (other bf16 and fp16
-// rows ignore the flag).
+// rows ignore the flag). Inputs of that size are read a token ahead (read_ahead: rotary.h's prefetch_next_token).
 template <typename scalar_t>
-RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_written, bool lines = false) {
+RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int64_t bytes_written,
+                              bool lines = false) {
+  view.read_ahead = bytes_read > 0 && bytes_read >= cpu::stream_bytes();
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     view.stream = lines && cpu::streams_bf16_lines(bytes_written);
@@ -77,11 +79,12 @@ struct CpuRope : CpuDevice {
                             : rotary_view<scalar_t>(r.inputs[i], r.outputs[i], r.args.format));
         if (r.norms != nullptr) norms.push_back(norm_view<scalar_t>((*r.norms)[i], r.args.format));
       }
-      int64_t written = 0;  // out of place
+      int64_t read = 0, written = 0;  // written: out of place
       for (size_t i = 0; i < r.inputs.size(); ++i) {
+        read += r.inputs[i].nbytes();
         if (!r.outputs[i].is_same(r.inputs[i])) written += r.inputs[i].nbytes();
       }
-      for (auto& view : views) view = streamed(view, written, r.norms == nullptr);
+      for (auto& view : views) view = streamed(view, read, written, r.norms == nullptr);
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
       const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
                                  : RotaryView<scalar_t>{};
@@ -96,8 +99,9 @@ struct CpuRope : CpuDevice {
   template <typename scalar_t, typename opmath>
   static void rotate_by_tables(const RotaryView<scalar_t>& view, int64_t batch, int64_t seq, const at::Tensor& cos,
                                const at::Tensor& sin, const RopeArgs& args, bool transpose) {
-    const int64_t written = view.in != view.out ? batch * seq * view.heads * view.head_dim * sizeof(scalar_t) : 0;
-    cpu::rope_tables_stub<scalar_t, opmath>({streamed(view, written), batch, seq, cos.const_data_ptr<opmath>(),
+    const int64_t read = batch * seq * view.heads * view.head_dim * sizeof(scalar_t);
+    const int64_t written = view.in != view.out ? read : 0;
+    cpu::rope_tables_stub<scalar_t, opmath>({streamed(view, read, written), batch, seq, cos.const_data_ptr<opmath>(),
                                              sin.const_data_ptr<opmath>(), args.shared_positions, cos.size(-1),
                                              args.layout, transpose});
   }

@@ -53,7 +53,8 @@ struct RotaryView {
   const int64_t* slots = nullptr;
   int64_t slot_batch_stride = 0;
   int64_t out_seq = 0;
-  bool stream = false;  // CPU: rows stored past the caches (an output larger than they are)
+  bool stream = false;      // CPU: rows stored past the caches (an output larger than they are)
+  bool read_ahead = false;  // CPU: inputs larger than the caches: rows asked for a token ahead (rotary.h)
 };
 
 // The query scale of rope_qk and qk_norm_rope: q times 1 + beta * log(1 + floor((p + shift) / length)) at position p
