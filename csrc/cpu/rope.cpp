@@ -48,7 +48,8 @@ RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     view.stream = lines && cpu::streams_bf16_lines(bytes_written);
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    view.stream = lines && cpu::streams_half_lines(bytes_written);
+    // in every build: as whole lines from registers (AVX-512), else through a row in L1 (rotary.h's rotate_half_head)
+    view.stream = lines && bytes_written > 0 && bytes_written >= cpu::stream_bytes();
   }
   return view;
 }
