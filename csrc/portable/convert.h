@@ -127,8 +127,8 @@ __attribute__((always_inline)) inline __m128 half_lanes_to_float(__m128i w) {  /
   const __m128i two_w = _mm_add_epi32(w, w);
   const __m128 normalized = _mm_mul_ps(
       _mm_castsi128_ps(_mm_add_epi32(_mm_srli_epi32(two_w, 4), _mm_set1_epi32(0xE0 << 23))), _mm_set1_ps(0x1.0p-112f));
-  const __m128 denormalized =
-      _mm_sub_ps(_mm_castsi128_ps(_mm_or_si128(_mm_srli_epi32(two_w, 17), _mm_set1_epi32(126 << 23))), _mm_set1_ps(0.5f));
+  const __m128i denormal_bits = _mm_or_si128(_mm_srli_epi32(two_w, 17), _mm_set1_epi32(126 << 23));
+  const __m128 denormalized = _mm_sub_ps(_mm_castsi128_ps(denormal_bits), _mm_set1_ps(0.5f));
   const __m128i is_denormal = unsigned_greater(_mm_set1_epi32(1 << 27), two_w);
   const __m128i magnitude = _mm_or_si128(_mm_and_si128(is_denormal, _mm_castps_si128(denormalized)),
                                          _mm_andnot_si128(is_denormal, _mm_castps_si128(normalized)));
@@ -141,7 +141,8 @@ __attribute__((always_inline)) inline void widen_halfx8(const c10::Half* src, fl
   _mm_storeu_ps(dst + 4, half_lanes_to_float(_mm_unpackhi_epi16(_mm_setzero_si128(), v)));
 }
 
-__attribute__((always_inline)) inline __m128i half_lanes(__m128 value) {  // each lane's fp16 bits, sign-extended from bit 15
+// Each lane's fp16 bits, sign-extended from bit 15.
+__attribute__((always_inline)) inline __m128i half_lanes(__m128 value) {
   const __m128i w = _mm_castps_si128(value);
   const __m128i shl1_w = _mm_add_epi32(w, w);
   const __m128i sign = _mm_and_si128(w, _mm_set1_epi32(static_cast<int>(0x80000000u)));
@@ -155,7 +156,8 @@ __attribute__((always_inline)) inline __m128i half_lanes(__m128 value) {  // eac
   const __m128i bits = _mm_castps_si128(base);
   const __m128i nonsign = _mm_add_epi32(_mm_and_si128(_mm_srli_epi32(bits, 13), _mm_set1_epi32(0x7C00)),
                                         _mm_and_si128(bits, _mm_set1_epi32(0x0FFF)));
-  const __m128i nan = _mm_or_si128(_mm_set1_epi32(0x7E00), _mm_and_si128(_mm_srli_epi32(w, 13), _mm_set1_epi32(0x03FF)));
+  const __m128i payload = _mm_and_si128(_mm_srli_epi32(w, 13), _mm_set1_epi32(0x03FF));
+  const __m128i nan = _mm_or_si128(_mm_set1_epi32(0x7E00), payload);
   const __m128i is_nan = unsigned_greater(shl1_w, _mm_set1_epi32(static_cast<int>(0xFF000000u)));
   const __m128i half = _mm_or_si128(_mm_srli_epi32(sign, 16),
                                     _mm_or_si128(_mm_and_si128(is_nan, nan), _mm_andnot_si128(is_nan, nonsign)));

@@ -393,8 +393,9 @@ void rotate_row_half(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, i
 // caches where v streams and out starts on a line), else through rotate_row_half's float row, and where v streams,
 // into a row in L1 sent past the caches from there (the AVX2 and baseline builds, and the AVX-512 build's other pair
 // counts). In-process A/B, AVX2 build, q, k [4, 2048, 16, 128] fp16 on a 2-core Emerald Rapids guest: 1.44-1.81x on
-// 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build 1.00x. (bf16 rows so streamed read 0.94-1.11x under AVX2 and 1.34x in
-// the AVX-512 build without AVX-512 BF16 here, and 7-12% slower in an earlier A/B: they keep ordinary stores.)
+// 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build 1.00x. (bf16 rows so streamed read 0.94-1.11x
+// under AVX2 and 1.34x in the AVX-512 build without AVX-512 BF16 here, and 7-12% slower in an earlier A/B: they keep
+// ordinary stores.)
 template <RopeLayout kLayout>
 POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::Half* in, c10::Half* out,
                                     PairCoeffs<float> k, int64_t pairs) {
