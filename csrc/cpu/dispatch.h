@@ -29,6 +29,9 @@ bool has_avx512_bf16();
 // an ordinary store first reads every line it writes: a third of the traffic of a rotation out of place.
 int64_t stream_bytes();
 
+// Whether a call that moves `bytes` (read or written) is past the caches: at least stream_bytes(), and not empty.
+inline bool past_caches(int64_t bytes) { return bytes > 0 && bytes >= stream_bytes(); }
+
 // The most bytes of sinusoidal encoding tables kept between calls (cpu/sinusoidal.cpp): 64 MiB, or the environment
 // variable POSENC_ENCODING_CACHE_MB (0: none kept). Read at the first call.
 int64_t encoding_cache_bytes();
@@ -38,19 +41,19 @@ int64_t encoding_cache_bytes();
 // the lines not read); float64 rows, rotated into a row in L1, were compiled to fused multiply-adds.
 template <typename scalar_t>
 bool streams_output(int64_t bytes_written) {
-  return std::is_same_v<scalar_t, float> && bytes_written > 0 && bytes_written >= stream_bytes();
+  return std::is_same_v<scalar_t, float> && past_caches(bytes_written);
 }
 
 // Whether bf16 rows of such a size, rounded by AVX-512 BF16 in registers, go past the caches as whole 64-byte
 // lines, for the kernels that store them so (the rotations walked token by token, the row additions).
 inline bool streams_bf16_lines(int64_t bytes_written) {
-  return has_avx512_bf16() && bytes_written > 0 && bytes_written >= stream_bytes();
+  return has_avx512_bf16() && past_caches(bytes_written);
 }
 
 // Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
 // AVX-512 build's rotations and row additions).
 inline bool streams_half_lines(int64_t bytes_written) {
-  return capability() == Capability::AVX512 && bytes_written > 0 && bytes_written >= stream_bytes();
+  return capability() == Capability::AVX512 && past_caches(bytes_written);
 }
 
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the

@@ -43,13 +43,13 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int64_t bytes_written,
                               bool lines = false) {
-  view.read_ahead = bytes_read > 0 && bytes_read >= cpu::stream_bytes();
+  view.read_ahead = cpu::past_caches(bytes_read);
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     view.stream = lines && cpu::streams_bf16_lines(bytes_written);
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    // in every build: as whole lines from registers (AVX-512), else through a row in L1 (rotary.h's rotate_half_head)
-    view.stream = lines && bytes_written > 0 && bytes_written >= cpu::stream_bytes();
+    // in every build: as whole lines from registers (AVX-512), else through a row in L1 (rotary.h: rotate_unit_row)
+    view.stream = lines && cpu::past_caches(bytes_written);
   }
   return view;
 }

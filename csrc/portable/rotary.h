@@ -321,6 +321,16 @@ POSENC_INLINE bool rotates_half_by_instruction(int64_t pairs) {
 }
 #endif
 
+// Whether fp16 rows of `pairs` are rotated in registers (rotate_half_row_by_instruction: the AVX-512 build).
+template <RopeLayout kLayout>
+POSENC_INLINE bool rotates_half_in_registers(int64_t pairs) {
+#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
+  return rotates_half_by_instruction<kLayout>(pairs);
+#else
+  return false;
+#endif
+}
+
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
 // Whether rotate_f32_row_streamed takes a row of a view: float32, the view streams, out of place, out on a vector's
 // boundary, pairs a multiple of a vector's.
@@ -332,30 +342,6 @@ POSENC_INLINE bool streams_from_registers(const RotaryView<scalar_t>& v, const s
 }
 #endif
 
-// A head's row rotated as rotate_row<kLayout, true, kPairs> rotates it, and stored past the caches when the view
-// asks (float32 rows: from registers where rotate_f32_row_streamed takes them, else through a row in L1; heads wider
-// than it take ordinary stores). Not float64: rotated into a local row, its gptj pairs were compiled (GCC 12, AVX2
-// and AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off does not stop, which changed the last bit.
-template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
-POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
-                                   PairCoeffs<opmath_t> k, int64_t pairs) {
-  constexpr int64_t kRow = 512;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-#if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
-    if (streams_from_registers(v, in, out, pairs)) {
-      rotate_f32_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
-      return;
-    }
-#endif
-    if (v.stream && in != out && v.head_dim <= kRow) {
-      alignas(64) float row[kRow];
-      rotate_row<kLayout, true, kPairs>(in, 1, row, 1, k, pairs, v.head_dim);
-      store_streaming(row, out, v.head_dim);
-      return;
-    }
-  }
-  rotate_contiguous_row<kLayout, kPairs>(in, out, k, pairs, v.head_dim);
-}
 
 // A contiguous fp16 row: c10::Half converts one value at a time, which keeps rotate_row scalar. The rotated
 // channels are widened into a float row, rotated there by the float kernel and narrowed back (eight at a time
@@ -390,12 +376,7 @@ void rotate_row_half(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, i
 }
 
 // A contiguous fp16 head's row of view v: in registers where rotate_half_row_by_instruction takes its pairs (past the
-// caches where v streams and out starts on a line), else through rotate_row_half's float row, and where v streams,
-// into a row in L1 sent past the caches from there (the AVX2 and baseline builds, and the AVX-512 build's other pair
-// counts). In-process A/B, AVX2 build, q, k [4, 2048, 16, 128] fp16 on a 2-core Emerald Rapids guest: 1.44-1.81x on
-// 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build 1.00x. (bf16 rows so streamed read 0.94-1.11x
-// under AVX2 and 1.34x in the AVX-512 build without AVX-512 BF16 here, and 7-12% slower in an earlier A/B: they keep
-// ordinary stores.)
+// caches where v streams and out starts on a line), else through rotate_row_half's float row with ordinary stores.
 template <RopeLayout kLayout>
 POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::Half* in, c10::Half* out,
                                     PairCoeffs<float> k, int64_t pairs) {
@@ -405,14 +386,46 @@ POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::H
     return rotate_half_row_by_instruction<kLayout>(in, out, k, pairs, v.head_dim, stream);
   }
 #endif
-  constexpr int64_t kRow = 512;
-  if (v.stream && in != out && v.head_dim <= kRow) {
-    alignas(64) c10::Half row[kRow];
-    rotate_row_half<kLayout>(in, row, k, pairs, v.head_dim);
-    store_streaming(row, out, v.head_dim);
-    return;
-  }
   rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
+}
+
+// A head's row of a token walk rotated as rotate_row<kLayout, true, kPairs> rotates it (fp16: rotate_half_head), and
+// stored past the caches when the view asks: float32 rows from registers where rotate_f32_row_streamed takes them,
+// fp16 rows where rotate_half_head streams them, the others through a row in L1 sent on by store_streaming (heads
+// wider than it take ordinary stores). fp16 rows so streamed, in-process A/B, AVX2 build, q, k [4, 2048, 16, 128] on
+// a 2-core Emerald Rapids guest: 1.44-1.81x on 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build 1.00x.
+// A head walk's fp16 rows keep ordinary stores (rotate_head_run calls rotate_half_head): so streamed, Flux-like bhsd
+// gptj [32, 16, 1024, 64] ran 0.94x (AVX2), DINOv3-like neox 1.01x. bf16 rows so streamed read 0.94-1.11x under AVX2
+// and 1.34x in the AVX-512 build without AVX-512 BF16 here, and 7-12% slower in an earlier A/B: their view does not
+// stream (rotate_tokens). Not float64: rotated into a local row, its gptj pairs were compiled (GCC 12, AVX2 and
+// AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off does not stop, which changed the last bit.
+template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
+POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
+                                   PairCoeffs<opmath_t> k, int64_t pairs) {
+  constexpr int64_t kRow = 512;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+#if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
+    if (streams_from_registers(v, in, out, pairs)) {
+      rotate_f32_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
+      return;
+    }
+#endif
+    if (v.stream && in != out && v.head_dim <= kRow) {
+      alignas(64) float row[kRow];
+      rotate_row<kLayout, true, kPairs>(in, 1, row, 1, k, pairs, v.head_dim);
+      store_streaming(row, out, v.head_dim);
+      return;
+    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (v.stream && in != out && v.head_dim <= kRow && !rotates_half_in_registers<kLayout>(pairs)) {
+      alignas(64) c10::Half row[kRow];
+      rotate_row_half<kLayout>(in, row, k, pairs, v.head_dim);
+      store_streaming(row, out, v.head_dim);
+      return;
+    }
+    return rotate_half_head<kLayout>(v, in, out, k, pairs);
+  }
+  rotate_contiguous_row<kLayout, kPairs>(in, out, k, pairs, v.head_dim);
 }
 
 // Every head of a token of a view whose rows are contiguous, from the token's first rows in and out, kPairs
@@ -422,11 +435,7 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
                        int64_t pairs) {
   for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
     prefetch_next_token(v, in);
-    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-      rotate_half_head<kLayout>(v, in, out, k, pairs);
-    } else {
-      rotate_unit_row<kLayout, kPairs>(v, in, out, k, pairs);
-    }
+    rotate_unit_row<kLayout, kPairs>(v, in, out, k, pairs);
   }
 }
 

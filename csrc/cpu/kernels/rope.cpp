@@ -714,7 +714,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
     width = std::max(width, channels);
     input_bytes += tokens * channels * static_cast<int64_t>(sizeof(scalar_t));
   }
-  const bool prefetches = !problem.inverse && input_bytes >= stream_bytes();  // prefetch_token_channels
+  const bool prefetches = !problem.inverse && past_caches(input_bytes);  // prefetch_token_channels
   const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
@@ -940,18 +940,6 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
 
-// Whether fp16 rows of `pairs` are rotated in registers (rotate_half_row_by_instruction, the AVX-512 build). Head runs
-// of other fp16 rows keep ordinary stores: streamed through a row in L1, as the token walk streams them, Flux-like
-// bhsd gptj q, k [32, 16, 1024, 64] ran 0.94x (AVX2 build, in-process A/B), DINOv3-like neox 1.01x.
-inline bool half_rows_in_registers(RopeLayout layout, int64_t pairs) {
-#if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
-  return layout == RopeLayout::Neox ? rotates_half_by_instruction<RopeLayout::Neox>(pairs)
-                                    : rotates_half_by_instruction<RopeLayout::Gptj>(pairs);
-#else
-  return false;
-#endif
-}
-
 // Tokens [first, last) of view v, a few heads at a time or token by token (head_by_head); coeffs(n, s) gives
 // token n's coefficients (s = n mod seq).
 template <typename scalar_t, typename CoeffsOf>
@@ -990,12 +978,11 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
   // past the caches, float32 rows had been slower (3.48 -> 3.79 ms), and bf16 neox rows rounded by instruction
   // and streamed were too (0.77-0.88x): those keep ordinary stores. fp16 rows, rotated in registers by F16C
   // (rotate_half_row_by_instruction) where the pairs allow, stream in both layouts: in-process A/B against the float
-  // row, DINOv3-like neox 1.23x, and streamed 1.25x more; Flux-like gptj 1.60x; in place 1.82x (2 threads).
+  // row, DINOv3-like neox 1.23x, and streamed 1.25x more; Flux-like gptj 1.60x; in place 1.82x (2 threads). Other
+  // fp16 rows keep ordinary stores (rotate_half_head).
   RotaryView<scalar_t> run = v;
-  bool runs_stream = layout == RopeLayout::Gptj;  // bf16: gptj rows rounded by instruction
-  if constexpr (std::is_same_v<scalar_t, float>) runs_stream = true;
-  if constexpr (std::is_same_v<scalar_t, c10::Half>) runs_stream = half_rows_in_registers(layout, pairs);
-  run.stream = v.stream && runs_stream;
+  run.stream = v.stream && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half> ||
+                            layout == RopeLayout::Gptj);
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   RotaryView<scalar_t> head = run;
   head.heads = 1;
