@@ -169,6 +169,45 @@ __attribute__((always_inline)) inline void narrow_halfx8(__m128 low, __m128 high
 }
 #endif
 
+// bf16 in the AVX2 build, eight values a vector. GCC's vectorization of from_opmath packs the 16-bit results and the
+// NaN masks apart, each with a shuffle across the halves; here NaNs are selected in 32-bit lanes, as in the baseline
+// build, and two vectors share one unsigned pack and one permutation: the same bits as from_opmath.
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
+    (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
+#define POSENC_BF16_BY_AVX2 1
+POSENC_INLINE __m256 widen_bf16x8(const c10::BFloat16* src) {  // a bf16 is a float's high half
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
+// kNaNs false: the caller knows v holds none.
+template <bool kNaNs = true>
+POSENC_INLINE __m256i bf16_rounded(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  if constexpr (!kNaNs) return rounded;
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
+// low's and high's eight values rounded, in order.
+template <bool kNaNs = true>
+POSENC_INLINE __m256i narrow_bf16x16(__m256 low, __m256 high) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(bf16_rounded<kNaNs>(low), 16),
+                                             _mm256_srli_epi32(bf16_rounded<kNaNs>(high), 16));
+  return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// Whether any lane of a or b is a NaN.
+POSENC_INLINE bool any_nan(__m256 a, __m256 b) {
+  const __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+  return !_mm256_testz_ps(nan, nan);
+}
+#endif
+
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
     (defined(__x86_64__) || defined(__i386__))
 // 16 bf16 values widened to float32 in the AVX-512 build: a bf16 is a float's high half (the masks of all lanes: GCC
@@ -245,7 +284,7 @@ inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
 #endif
 #if defined(POSENC_HAS_F16C)
   if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; i + 8 <= n; i += 8) {
+    for (; i < n - n % 8; i += 8) {
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
     }
   }
