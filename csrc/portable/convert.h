@@ -101,18 +101,30 @@ POSENC_INLINE void widen_bf16x8(const c10::BFloat16* src, __m128& low, __m128& h
   high = _mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v));
 }
 
-POSENC_INLINE __m128i bf16_lanes(__m128 v) {
+// Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
+// kNaNs false: the caller knows v holds none.
+template <bool kNaNs = true>
+POSENC_INLINE __m128i bf16_rounded(__m128 v) {
   const __m128i bits = _mm_castps_si128(v);
   const __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
   const __m128i rounded = _mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7FFF)), lsb);
+  if constexpr (!kNaNs) return rounded;
   const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
-  const __m128i kept = _mm_or_si128(_mm_and_si128(nan, _mm_set1_epi32(0x7FC00000)), _mm_andnot_si128(nan, rounded));
-  return _mm_srai_epi32(kept, 16);
+  return _mm_or_si128(_mm_and_si128(nan, _mm_set1_epi32(0x7FC00000)), _mm_andnot_si128(nan, rounded));
+}
+
+// low's and high's four values rounded, in order.
+template <bool kNaNs = true>
+POSENC_INLINE __m128i narrow_bf16x8(__m128 low, __m128 high) {
+  return _mm_packs_epi32(_mm_srai_epi32(bf16_rounded<kNaNs>(low), 16), _mm_srai_epi32(bf16_rounded<kNaNs>(high), 16));
 }
 
 POSENC_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_packs_epi32(bf16_lanes(low), bf16_lanes(high)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), narrow_bf16x8(low, high));
 }
+
+// Whether any lane of a or b is a NaN.
+POSENC_INLINE bool any_nan(__m128 a, __m128 b) { return _mm_movemask_ps(_mm_cmpunord_ps(a, b)) != 0; }
 
 // fp16 likewise, without F16C: to_opmath and from_opmath lane by lane, four floats a vector (SSE2 has no unsigned
 // 32-bit compare: both sides have their top bit flipped for a signed one), then the same signed pack. Left to GCC,

@@ -110,94 +110,121 @@ POSENC_INLINE void rotate_pairs8(__m256 a, __m256 b, PairCoeffs<float> k, int64_
 #endif
 
 #if !defined(__CUDACC__)
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// The vectors rotate_bf16_vectors works in: four float32 lanes (SSE2) or eight (AVX2), and the 32-bit words of bf16
+// pairs.
+struct Bf16Vectors {
 #if defined(POSENC_BF16_BY_SSE2)
-// The first pairs of a contiguous bf16 row in the baseline build, through convert.h's SSE2 widening and rounding,
-// four pairs per vector: the same products, sums and rounding as rotate_row's loop, so the same bits, and 1.2-1.3x
-// faster than GCC's vectorization of that loop (in-process A/Bs, in cache and at the training shape). Returns the
-// count rotated (a multiple of 8 for neox, of 4 for gptj).
-template <RopeLayout kLayout>
-inline int64_t rotate_bf16_sse2(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
-  const auto rotate = [&](int64_t i, __m128 a, __m128 b, __m128& u, __m128& v) {
-    u = _mm_sub_ps(_mm_mul_ps(a, _mm_loadu_ps(k.c1 + i)), _mm_mul_ps(b, _mm_loadu_ps(k.s1 + i)));
-    v = _mm_add_ps(_mm_mul_ps(b, _mm_loadu_ps(k.c2 + i)), _mm_mul_ps(a, _mm_loadu_ps(k.s2 + i)));
-  };
-  int64_t i = 0;
-  if constexpr (kLayout == RopeLayout::Neox) {  // pair i: channels i and i + pairs
-    for (; i < pairs - pairs % 8; i += 8) {
-      __m128 a[2], b[2], u[2], v[2];
-      widen_bf16x8(in + i, a[0], a[1]);
-      widen_bf16x8(in + pairs + i, b[0], b[1]);
-      rotate(i, a[0], b[0], u[0], v[0]);
-      rotate(i + 4, a[1], b[1], u[1], v[1]);
-      narrow_bf16x8(u[0], u[1], out + i);
-      narrow_bf16x8(v[0], v[1], out + pairs + i);
-    }
-  } else {  // pair i: channels 2i and 2i + 1, split into even and odd lanes and joined again
-    for (; i < pairs - pairs % 4; i += 4) {
-      __m128 low, high, u, v;
-      widen_bf16x8(in + 2 * i, low, high);
-      rotate(i, _mm_shuffle_ps(low, high, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(low, high, _MM_SHUFFLE(3, 1, 3, 1)),
-             u, v);
-      narrow_bf16x8(_mm_unpacklo_ps(u, v), _mm_unpackhi_ps(u, v), out + 2 * i);
+  using Floats = __m128;
+  using Words = __m128i;
+  static constexpr int64_t kLanes = 4;
+  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
+    const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), four));
+  }
+  template <bool kNaNs = true>
+  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x8<kNaNs>(low, high); }
+  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  template <bool kStream>
+  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
+    if constexpr (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
     }
   }
-  return i;
-}
-#endif
-
-#if defined(POSENC_BF16_BY_AVX2)
-// rotate_bf16_sse2 in the AVX2 build, eight pairs a vector, through convert.h's AVX2 widening and rounding; the
-// same bits. gptj's pair is one 32-bit word: its first channel is the word shifted up, its partner the word's high
-// half, and the rotated pair is joined back into the word from the two roundings' top halves, with no shuffle. NaNs
-// are looked for once a step (any_nan) and selected only where there is one. Returns the count rotated (a multiple of
-// 16 for neox, of 8 for gptj). kStream: stored past the caches, out on a 32-byte boundary. In-process A/B against
-// GCC's vectorization of rotate_row's loop, q, k [4, 2048, 16|8, 128] on a 2-core Emerald Rapids guest: neox 1.14x,
-// gptj 1.68x, in place 1.16x; looking for NaNs once a step, 1.15-1.17x more.
-template <RopeLayout kLayout, bool kStream = false>
-inline int64_t rotate_bf16_avx2(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
-  const auto store = [](c10::BFloat16* p, __m256i v) {
+  static POSENC_INLINE void rotate(Floats a, Floats b, PairCoeffs<float> k, int64_t i, Floats& u, Floats& v) {
+    u = _mm_sub_ps(_mm_mul_ps(a, _mm_loadu_ps(k.c1 + i)), _mm_mul_ps(b, _mm_loadu_ps(k.s1 + i)));
+    v = _mm_add_ps(_mm_mul_ps(b, _mm_loadu_ps(k.c2 + i)), _mm_mul_ps(a, _mm_loadu_ps(k.s2 + i)));
+  }
+  static POSENC_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
+  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm_slli_epi32(w, 16)); }
+  static POSENC_INLINE Words high_halves(Words w) {
+    return _mm_and_si128(w, _mm_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  }
+  static POSENC_INLINE Words join(Words high_to_low, Words high) {  // high_to_low's top halves moved down, with high's
+    return _mm_or_si128(_mm_srli_epi32(high_to_low, 16), high_halves(high));
+  }
+#else
+  using Floats = __m256;
+  using Words = __m256i;
+  static constexpr int64_t kLanes = 8;
+  static POSENC_INLINE Floats widen(const c10::BFloat16* p) { return widen_bf16x8(p); }
+  template <bool kNaNs = true>
+  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
+  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  template <bool kStream>
+  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
     if constexpr (kStream) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
     }
-  };
+  }
+  static POSENC_INLINE void rotate(Floats a, Floats b, PairCoeffs<float> k, int64_t i, Floats& u, Floats& v) {
+    rotate_pairs8(a, b, k, i, u, v);
+  }
+  static POSENC_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
+  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
+  static POSENC_INLINE Words high_halves(Words w) {
+    return _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  }
+  static POSENC_INLINE Words join(Words high_to_low, Words high) {
+    return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
+  }
+#endif
+};
+
+// The first pairs of a contiguous bf16 row in the baseline and AVX2 builds, through convert.h's widening and rounding
+// by SSE2 or AVX2 (four or eight pairs a vector): the same products, sums and roundings as rotate_row's loop, so the
+// same bits. NaNs are looked for once a step (any_nan) and selected only where a step has one. gptj's pair is one
+// 32-bit word: its first channel is the word shifted up, its partner the word's high half, and the rotated pair is
+// joined back into the word from the two roundings' top halves, with no shuffle. Returns the count rotated (a
+// multiple of two vectors for neox, of one for gptj). kStream: stored past the caches, out on a vector's boundary.
+// In-process A/Bs against GCC's vectorization of rotate_row's loop, q, k [4, 2048, 16|8, 128], 2 threads, on a
+// 2-core Emerald Rapids guest: AVX2 neox 1.20x, gptj 1.46x, in place 1.15x (one thread 1.32x, 1.45x, 1.15x),
+// looking for NaNs once a step 1.15-1.17x of that; the baseline's first form, pairs split by shuffles and every
+// lane's NaN selected, 1.2-1.3x.
+template <RopeLayout kLayout, bool kStream = false>
+inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
+  using V = Bf16Vectors;
+  constexpr int64_t kLanes = V::kLanes;
   int64_t i = 0;
   if constexpr (kLayout == RopeLayout::Neox) {  // pair i: channels i and i + pairs
-    for (; i < pairs - pairs % 16; i += 16) {
-      __m256 u[2], v[2];
-      rotate_pairs8(widen_bf16x8(in + i), widen_bf16x8(in + pairs + i), k, i, u[0], v[0]);
-      rotate_pairs8(widen_bf16x8(in + i + 8), widen_bf16x8(in + pairs + i + 8), k, i + 8, u[1], v[1]);
+    for (; i < pairs - pairs % (2 * kLanes); i += 2 * kLanes) {
+      V::Floats u[2], v[2];
+      V::rotate(V::widen(in + i), V::widen(in + pairs + i), k, i, u[0], v[0]);
+      V::rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), k, i + kLanes, u[1], v[1]);
       if (any_nan(u[0], u[1]) || any_nan(v[0], v[1])) {
-        store(out + i, narrow_bf16x16(u[0], u[1]));
-        store(out + pairs + i, narrow_bf16x16(v[0], v[1]));
+        V::store<kStream>(out + i, V::narrow(u[0], u[1]));
+        V::store<kStream>(out + pairs + i, V::narrow(v[0], v[1]));
       } else {
-        store(out + i, narrow_bf16x16<false>(u[0], u[1]));
-        store(out + pairs + i, narrow_bf16x16<false>(v[0], v[1]));
+        V::store<kStream>(out + i, V::narrow<false>(u[0], u[1]));
+        V::store<kStream>(out + pairs + i, V::narrow<false>(v[0], v[1]));
       }
     }
   } else {  // pair i: channels 2i and 2i + 1, the low and high halves of one word
-    const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (; i < pairs - pairs % 8; i += 8) {
-      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + 2 * i));
-      __m256 u, v;
-      rotate_pairs8(_mm256_castsi256_ps(_mm256_slli_epi32(words, 16)),
-                    _mm256_castsi256_ps(_mm256_and_si256(words, high_half)), k, i, u, v);
+    for (; i < pairs - pairs % kLanes; i += kLanes) {
+      const V::Words words = V::load(in + 2 * i);
+      V::Floats u, v;
+      V::rotate(V::low_halves_up(words), V::as_floats(V::high_halves(words)), k, i, u, v);
       if (any_nan(u, v)) {
-        store(out + 2 * i, _mm256_or_si256(_mm256_srli_epi32(bf16_rounded(u), 16),
-                                           _mm256_and_si256(bf16_rounded(v), high_half)));
+        V::store<kStream>(out + 2 * i, V::join(bf16_rounded(u), bf16_rounded(v)));
       } else {
-        store(out + 2 * i, _mm256_or_si256(_mm256_srli_epi32(bf16_rounded<false>(u), 16),
-                                           _mm256_and_si256(bf16_rounded<false>(v), high_half)));
+        V::store<kStream>(out + 2 * i, V::join(bf16_rounded<false>(u), bf16_rounded<false>(v)));
       }
     }
   }
   return i;
 }
 
-// Whether a bf16 row of `pairs` at out goes past the caches by rotate_bf16_avx2: whole 64-byte lines.
+// Whether a bf16 row of `pairs` at out goes past the caches by rotate_bf16_vectors: whole 64-byte lines.
 template <RopeLayout kLayout>
-POSENC_INLINE bool streams_bf16_avx2(const c10::BFloat16* out, int64_t pairs) {
+POSENC_INLINE bool streams_bf16_vectors(const c10::BFloat16* out, int64_t pairs) {
   return pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
 }
 #endif
@@ -207,7 +234,7 @@ POSENC_INLINE bool streams_bf16_avx2(const c10::BFloat16* out, int64_t pairs) {
 // so is the pair count, and the compiler unrolls the whole row (a 128-channel head is 4 AVX-512 vectors per
 // half: the loop's own overhead would otherwise cost as much as the rotation); kShared: k shares_rows. bf16 is
 // widened and rounded by convert.h's bit operations, which vectorize in the channels' own order (in the baseline
-// and AVX2 builds, contiguous bf16 rows go through rotate_bf16_sse2 or rotate_bf16_avx2 first).
+// and AVX2 builds, contiguous bf16 rows go through rotate_bf16_vectors first).
 template <RopeLayout kLayout, bool kUnit, int64_t kPairs = 0, bool kShared = false, typename scalar_t,
           typename opmath_t>
 POSENC_INLINE void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out, int64_t out_step,
@@ -222,13 +249,9 @@ POSENC_INLINE void rotate_row(const scalar_t* in, int64_t in_step, scalar_t* out
   scalar_t* y1 = out;
   scalar_t* y2 = out + second * os;
   int64_t done = 0;
-#if defined(POSENC_BF16_BY_SSE2)
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
   if constexpr (kUnit && std::is_same_v<scalar_t, c10::BFloat16>) {
-    done = rotate_bf16_sse2<kLayout>(in, out, k, pairs);
-  }
-#elif defined(POSENC_BF16_BY_AVX2)
-  if constexpr (kUnit && std::is_same_v<scalar_t, c10::BFloat16>) {
-    done = rotate_bf16_avx2<kLayout>(in, out, k, pairs);
+    done = rotate_bf16_vectors<kLayout>(in, out, k, pairs);
   }
 #endif
   POSENC_NO_CARRIED_DEPENDENCY
@@ -453,14 +476,14 @@ POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::H
 // A head's row of a token walk rotated as rotate_row<kLayout, true, kPairs> rotates it (fp16: rotate_half_head), and
 // stored past the caches when the view asks: float32 rows from registers where rotate_f32_row_streamed takes them,
 // fp16 rows where rotate_half_head streams them, the others through a row in L1 sent on by store_streaming (heads
-// wider than it take ordinary stores); bf16 rows of the AVX2 build from registers, whole lines (rotate_bf16_avx2):
-// in-process A/B, q, k [4, 2048, 16|8, 128], 1.11x on 2 threads, 1.19-1.21x on one. fp16 rows so streamed, in-process A/B, AVX2 build, q, k [4, 2048, 16, 128] on
-// a 2-core Emerald Rapids guest: 1.44-1.81x on 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build 1.00x.
-// A head walk's fp16 rows keep ordinary stores (rotate_head_run calls rotate_half_head): so streamed, Flux-like bhsd
-// gptj [32, 16, 1024, 64] ran 0.94x (AVX2), DINOv3-like neox 1.01x. bf16 rows so streamed read 0.94-1.11x under AVX2
-// and 1.34x in the AVX-512 build without AVX-512 BF16 here, and 7-12% slower in an earlier A/B: their view does not
-// stream (rotate_tokens). Not float64: rotated into a local row, its gptj pairs were compiled (GCC 12, AVX2 and
-// AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off does not stop, which changed the last bit.
+// wider than it take ordinary stores). fp16 rows so streamed, in-process A/B, AVX2 build, q, k [4, 2048, 16, 128] on
+// a 2-core Emerald Rapids guest: 1.44-1.81x on 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build
+// 1.00x. A head walk's fp16 rows keep ordinary stores (rotate_head_run calls rotate_half_head): so streamed,
+// Flux-like bhsd gptj [32, 16, 1024, 64] ran 0.94x (AVX2), DINOv3-like neox 1.01x. bf16 rows of the baseline and
+// AVX2 builds go from registers as whole lines (rotate_bf16_vectors; AVX2, q, k [4, 2048, 16|8, 128]: 1.11x on 2
+// threads, 1.19-1.21x on one); through a row in L1 they had read 0.94-1.11x. Not float64: rotated into a local row,
+// its gptj pairs were compiled (GCC 12, AVX2 and AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off
+// does not stop, which changed the last bit.
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
 POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
                                    PairCoeffs<opmath_t> k, int64_t pairs) {
@@ -479,9 +502,9 @@ POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t
       return;
     }
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-#if defined(POSENC_BF16_BY_AVX2)
-    if (v.stream && in != out && streams_bf16_avx2<kLayout>(out, pairs)) {
-      rotate_bf16_avx2<kLayout, true>(in, out, k, pairs);
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+    if (v.stream && in != out && streams_bf16_vectors<kLayout>(out, pairs)) {
+      rotate_bf16_vectors<kLayout, true>(in, out, k, pairs);
       std::copy(in + 2 * pairs, in + v.head_dim, out + 2 * pairs);
       return;
     }

@@ -247,11 +247,11 @@ def far_angles_and_special_values():
 
     # bf16 and fp16 rows rotated with whole vectors of pairs, token by token and a few bhsd heads at a time: a CPU with
     # AVX-512 BF16 rounds bf16 by instruction (by the integer form where a rotated value is a denormal or a NaN), the
-    # AVX2 build rounds it by integers in registers (neox 16 pairs a step, gptj 8; NaNs selected only where a step has
-    # one), the AVX-512 build rotates fp16 in registers by F16C (neox 32 pairs a step, gptj 16), each sending whole
-    # lines past the caches where the output streams. Random bit patterns and values about 1 with denormals of the dtype and zeros
-    # among them; neox and gptj, out of place, in place, rope_qk and backward, bshd and bhsd, a partial rotary (96
-    # channels, 64 rotated).
+    # baseline and AVX2 builds round it by integers in registers (neox 8 or 16 pairs a step, gptj 4 or 8; NaNs
+    # selected only where a step has one), the AVX-512 build rotates fp16 in registers by F16C (neox 32 pairs a step,
+    # gptj 16), each sending whole lines past the caches where the output streams. Random bit patterns and values
+    # about 1 with denormals of the dtype and zeros among them; neox and gptj, out of place, in place, rope_qk and
+    # backward, bshd and bhsd, a partial rotary (96 channels, 64 rotated).
     positions = torch.tensor([[0, 1, 7, 4095], [2 ** 20, 3, 2 ** 26 + 3, 12]])
     for name, dtype, tiny, seed in (("bf16", torch.bfloat16, 2.0 ** -130, 12), ("fp16", torch.float16, 2.0 ** -16, 21)):
         for head_dim, rotary_dim in ((64, 64), (128, 128), (96, 64)):

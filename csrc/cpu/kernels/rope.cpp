@@ -940,11 +940,11 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
 
-// Whether a bf16 view's rows may stream by rotate_bf16_avx2 (the AVX2 build): rows contiguous (rotate_unit_row
-// streams those whose output starts on a line, as whole lines).
+// Whether a bf16 view's rows may stream by rotate_bf16_vectors (the baseline and AVX2 builds): rows contiguous
+// (rotate_unit_row streams those whose output starts on a line, as whole lines).
 template <typename scalar_t>
-bool streams_bf16_rows_avx2(const RotaryView<scalar_t>& v) {
-#if defined(POSENC_BF16_BY_AVX2)
+bool view_streams_bf16_vectors(const RotaryView<scalar_t>& v) {
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
   return v.in_stride[3] == 1 && v.out_stride[3] == 1;
 #else
   return false;
@@ -957,7 +957,7 @@ template <typename scalar_t, typename CoeffsOf>
 void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, int64_t seq, int64_t pairs,
                    RopeLayout layout, const CoeffsOf& coeffs) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (v.stream && !rotates_by_instruction(v, pairs) && !streams_bf16_rows_avx2(v)) {
+    if (v.stream && !rotates_by_instruction(v, pairs) && !view_streams_bf16_vectors(v)) {
       RotaryView<scalar_t> cached = v;  // bf16 rows stream only where rounded in registers, as whole lines
       cached.stream = false;
       return rotate_tokens(cached, first, last, seq, pairs, layout, coeffs);
