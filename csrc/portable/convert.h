@@ -220,6 +220,78 @@ POSENC_INLINE bool any_nan(__m256 a, __m256 b) {
 }
 #endif
 
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// The vectors of the baseline's and the AVX2 build's bf16 rows (rotary.h's rotate_bf16_vectors, rows.h's
+// add_bf16_vectors, alibi.h's alibi_row_bf16_vectors): four float32 lanes (SSE2) or eight (AVX2), and the 32-bit
+// words of bf16 pairs. Their operators (*, +, -) are GCC's vector arithmetic, each an instruction, unfused
+// (-ffp-contract=off).
+struct Bf16Vectors {
+#if defined(POSENC_BF16_BY_SSE2)
+  using Floats = __m128;
+  using Words = __m128i;
+  static constexpr int64_t kLanes = 4;
+  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
+    const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), four));
+  }
+  template <bool kNaNs = true>
+  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x8<kNaNs>(low, high); }
+  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  }
+  template <bool kStream>
+  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
+    if constexpr (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
+    }
+  }
+  static POSENC_INLINE Floats load_floats(const float* p) { return _mm_loadu_ps(p); }
+  static POSENC_INLINE Floats splat(float f) { return _mm_set1_ps(f); }
+  static POSENC_INLINE Floats abs(Floats f) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), f); }
+  static POSENC_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
+  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm_slli_epi32(w, 16)); }
+  static POSENC_INLINE Words high_halves(Words w) {
+    return _mm_and_si128(w, _mm_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  }
+  static POSENC_INLINE Words join(Words high_to_low, Words high) {  // high_to_low's top halves moved down, with high's
+    return _mm_or_si128(_mm_srli_epi32(high_to_low, 16), high_halves(high));
+  }
+#else
+  using Floats = __m256;
+  using Words = __m256i;
+  static constexpr int64_t kLanes = 8;
+  static POSENC_INLINE Floats widen(const c10::BFloat16* p) { return widen_bf16x8(p); }
+  template <bool kNaNs = true>
+  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
+  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  template <bool kStream>
+  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+    }
+  }
+  static POSENC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static POSENC_INLINE Floats splat(float f) { return _mm256_set1_ps(f); }
+  static POSENC_INLINE Floats abs(Floats f) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), f); }
+  static POSENC_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
+  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
+  static POSENC_INLINE Words high_halves(Words w) {
+    return _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  }
+  static POSENC_INLINE Words join(Words high_to_low, Words high) {
+    return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
+  }
+#endif
+};
+
+#endif
+
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
     (defined(__x86_64__) || defined(__i386__))
 // 16 bf16 values widened to float32 in the AVX-512 build: a bf16 is a float's high half (the masks of all lanes: GCC

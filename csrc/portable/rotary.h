@@ -111,74 +111,6 @@ POSENC_INLINE void rotate_pairs8(__m256 a, __m256 b, PairCoeffs<float> k, int64_
 
 #if !defined(__CUDACC__)
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-// The vectors rotate_bf16_vectors works in: four float32 lanes (SSE2) or eight (AVX2), and the 32-bit words of bf16
-// pairs.
-struct Bf16Vectors {
-#if defined(POSENC_BF16_BY_SSE2)
-  using Floats = __m128;
-  using Words = __m128i;
-  static constexpr int64_t kLanes = 4;
-  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
-    const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), four));
-  }
-  template <bool kNaNs = true>
-  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x8<kNaNs>(low, high); }
-  static POSENC_INLINE Words load(const c10::BFloat16* p) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  }
-  template <bool kStream>
-  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
-    if constexpr (kStream) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
-    }
-  }
-  static POSENC_INLINE void rotate(Floats a, Floats b, PairCoeffs<float> k, int64_t i, Floats& u, Floats& v) {
-    u = _mm_sub_ps(_mm_mul_ps(a, _mm_loadu_ps(k.c1 + i)), _mm_mul_ps(b, _mm_loadu_ps(k.s1 + i)));
-    v = _mm_add_ps(_mm_mul_ps(b, _mm_loadu_ps(k.c2 + i)), _mm_mul_ps(a, _mm_loadu_ps(k.s2 + i)));
-  }
-  static POSENC_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
-  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm_slli_epi32(w, 16)); }
-  static POSENC_INLINE Words high_halves(Words w) {
-    return _mm_and_si128(w, _mm_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  }
-  static POSENC_INLINE Words join(Words high_to_low, Words high) {  // high_to_low's top halves moved down, with high's
-    return _mm_or_si128(_mm_srli_epi32(high_to_low, 16), high_halves(high));
-  }
-#else
-  using Floats = __m256;
-  using Words = __m256i;
-  static constexpr int64_t kLanes = 8;
-  static POSENC_INLINE Floats widen(const c10::BFloat16* p) { return widen_bf16x8(p); }
-  template <bool kNaNs = true>
-  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
-  static POSENC_INLINE Words load(const c10::BFloat16* p) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  }
-  template <bool kStream>
-  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
-    if constexpr (kStream) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
-    }
-  }
-  static POSENC_INLINE void rotate(Floats a, Floats b, PairCoeffs<float> k, int64_t i, Floats& u, Floats& v) {
-    rotate_pairs8(a, b, k, i, u, v);
-  }
-  static POSENC_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
-  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
-  static POSENC_INLINE Words high_halves(Words w) {
-    return _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  }
-  static POSENC_INLINE Words join(Words high_to_low, Words high) {
-    return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
-  }
-#endif
-};
-
 // The first pairs of a contiguous bf16 row in the baseline and AVX2 builds, through convert.h's widening and rounding
 // by SSE2 or AVX2 (four or eight pairs a vector): the same products, sums and roundings as rotate_row's loop, so the
 // same bits. NaNs are looked for once a step (any_nan) and selected only where a step has one. gptj's pair is one
@@ -193,12 +125,16 @@ template <RopeLayout kLayout, bool kStream = false>
 inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
   using V = Bf16Vectors;
   constexpr int64_t kLanes = V::kLanes;
+  const auto rotate = [&](V::Floats a, V::Floats b, int64_t i, V::Floats& u, V::Floats& v) {  // rotate_first, _second
+    u = a * V::load_floats(k.c1 + i) - b * V::load_floats(k.s1 + i);
+    v = b * V::load_floats(k.c2 + i) + a * V::load_floats(k.s2 + i);
+  };
   int64_t i = 0;
   if constexpr (kLayout == RopeLayout::Neox) {  // pair i: channels i and i + pairs
     for (; i < pairs - pairs % (2 * kLanes); i += 2 * kLanes) {
       V::Floats u[2], v[2];
-      V::rotate(V::widen(in + i), V::widen(in + pairs + i), k, i, u[0], v[0]);
-      V::rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), k, i + kLanes, u[1], v[1]);
+      rotate(V::widen(in + i), V::widen(in + pairs + i), i, u[0], v[0]);
+      rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), i + kLanes, u[1], v[1]);
       if (any_nan(u[0], u[1]) || any_nan(v[0], v[1])) {
         V::store<kStream>(out + i, V::narrow(u[0], u[1]));
         V::store<kStream>(out + pairs + i, V::narrow(v[0], v[1]));
@@ -211,7 +147,7 @@ inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, 
     for (; i < pairs - pairs % kLanes; i += kLanes) {
       const V::Words words = V::load(in + 2 * i);
       V::Floats u, v;
-      V::rotate(V::low_halves_up(words), V::as_floats(V::high_halves(words)), k, i, u, v);
+      rotate(V::low_halves_up(words), V::as_floats(V::high_halves(words)), i, u, v);
       if (any_nan(u, v)) {
         V::store<kStream>(out + 2 * i, V::join(bf16_rounded(u), bf16_rounded(v)));
       } else {
