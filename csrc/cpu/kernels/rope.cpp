@@ -664,6 +664,14 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
       }
     }
 #endif
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Neox) {
+      if (view.out_stride[3] == 1 && pairs % (2 * Bf16Vectors::kLanes) == 0) {
+        rms_scale_rotate_neox_bf16_vectors<kConvention>(x, w, r, k, pairs, D, out);
+        continue;
+      }
+    }
+#endif
     if (view.out_stride[3] == 1) {
       rms_scale_rotate_row<kLayout, kConvention, true>(x, w, r, k, pairs, D, out, 1);
     } else {
