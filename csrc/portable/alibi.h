@@ -55,7 +55,7 @@ inline int64_t alibi_row_bf16_vectors(const c10::BFloat16* src, c10::BFloat16* d
       low = V::widen(src + j) + low;
       high = V::widen(src + j + V::kLanes) + high;
     }
-    V::store<false>(dst + j, any_nan(low, high) ? V::narrow(low, high) : V::narrow<false>(low, high));
+    V::store_narrowed<false>(dst + j, low, high);
   }
   return j;
 }

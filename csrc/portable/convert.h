@@ -288,6 +288,11 @@ struct Bf16Vectors {
     return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
   }
 #endif
+  // low's and high's values rounded as from_opmath rounds them (NaNs selected only where the two hold one), stored at p
+  template <bool kStream>
+  static POSENC_INLINE void store_narrowed(c10::BFloat16* p, Floats low, Floats high) {
+    store<kStream>(p, any_nan(low, high) ? narrow(low, high) : narrow<false>(low, high));
+  }
 };
 
 #endif

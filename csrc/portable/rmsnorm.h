@@ -432,13 +432,8 @@ __attribute__((always_inline)) inline void rms_scale_rotate_neox_bf16_vectors(co
       first[h] = a[h] * V::load_floats(k.c1 + j) - b[h] * V::load_floats(k.s1 + j);   // rotate_first
       second[h] = b[h] * V::load_floats(k.c2 + j) + a[h] * V::load_floats(k.s2 + j);  // rotate_second
     }
-    if (any_nan(first[0], first[1]) || any_nan(second[0], second[1])) {
-      V::store<false>(out + i, V::narrow(first[0], first[1]));
-      V::store<false>(out + pairs + i, V::narrow(second[0], second[1]));
-    } else {
-      V::store<false>(out + i, V::narrow<false>(first[0], first[1]));
-      V::store<false>(out + pairs + i, V::narrow<false>(second[0], second[1]));
-    }
+    V::store_narrowed<false>(out + i, first[0], first[1]);
+    V::store_narrowed<false>(out + pairs + i, second[0], second[1]);
   }
   for (int64_t d = 2 * pairs; d < head_dim; ++d) {
     out[d] = from_opmath<c10::BFloat16>(rms_scale<kConvention, c10::BFloat16>(x[d], w[d], r));

@@ -135,13 +135,8 @@ inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, 
       V::Floats u[2], v[2];
       rotate(V::widen(in + i), V::widen(in + pairs + i), i, u[0], v[0]);
       rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), i + kLanes, u[1], v[1]);
-      if (any_nan(u[0], u[1]) || any_nan(v[0], v[1])) {
-        V::store<kStream>(out + i, V::narrow(u[0], u[1]));
-        V::store<kStream>(out + pairs + i, V::narrow(v[0], v[1]));
-      } else {
-        V::store<kStream>(out + i, V::narrow<false>(u[0], u[1]));
-        V::store<kStream>(out + pairs + i, V::narrow<false>(v[0], v[1]));
-      }
+      V::store_narrowed<kStream>(out + i, u[0], u[1]);
+      V::store_narrowed<kStream>(out + pairs + i, v[0], v[1]);
     }
   } else {  // pair i: channels 2i and 2i + 1, the low and high halves of one word
     for (; i < pairs - pairs % kLanes; i += kLanes) {

@@ -33,7 +33,7 @@ inline int64_t add_bf16_vectors(const c10::BFloat16* x, const float* pe, c10::BF
   for (; d < n - n % kStep; d += kStep) {
     const V::Floats low = V::widen(x + d) * s + V::load_floats(pe + d);
     const V::Floats high = V::widen(x + d + V::kLanes) * s + V::load_floats(pe + d + V::kLanes);
-    V::store<false>(y + d, any_nan(low, high) ? V::narrow(low, high) : V::narrow<false>(low, high));
+    V::store_narrowed<false>(y + d, low, high);
   }
   return d;
 }
