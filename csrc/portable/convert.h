@@ -89,18 +89,13 @@ POSENC_INLINE T from_opmath(opmath_t<T> value) {
 #define POSENC_HAS_F16C 1
 #endif
 
-// bf16 in the x86 baseline build (SSE2, which every x86-64 CPU has), eight values at a time. GCC vectorizes to_opmath / from_opmath there, but
-// SSE2 has no unsigned 32-to-16-bit pack, and GCC packs the 16-bit results (and the NaN masks) with shuffles: a
-// quarter of a bf16 rotation's instructions. Rounded in 32-bit lanes, NaNs selected there, then shifted down with
-// their sign (-0x8000..0x7FFF, which the signed pack keeps whole): the same bits as from_opmath.
+// bf16 in the x86 baseline build (SSE2, which every x86-64 CPU has), eight values at a time. GCC vectorizes
+// to_opmath / from_opmath there, but SSE2 has no unsigned 32-to-16-bit pack, and GCC packs the 16-bit results (and
+// the NaN masks) with shuffles: a quarter of a bf16 rotation's instructions. Rounded in 32-bit lanes, NaNs selected
+// there, then shifted down with their sign (-0x8000..0x7FFF, which the signed pack keeps whole): the same bits as
+// from_opmath.
 #if defined(__SSE2__) && defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 0
 #define POSENC_BF16_BY_SSE2 1
-POSENC_INLINE void widen_bf16x8(const c10::BFloat16* src, __m128& low, __m128& high) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  low = _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v));  // a bf16 is a float's high half
-  high = _mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v));
-}
-
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
 // kNaNs false: the caller knows v holds none.
 template <bool kNaNs = true>
@@ -187,11 +182,6 @@ __attribute__((always_inline)) inline void narrow_halfx8(__m128 low, __m128 high
 #if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
     (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
 #define POSENC_BF16_BY_AVX2 1
-POSENC_INLINE __m256 widen_bf16x8(const c10::BFloat16* src) {  // a bf16 is a float's high half
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
 // kNaNs false: the caller knows v holds none.
 template <bool kNaNs = true>
@@ -262,7 +252,10 @@ struct Bf16Vectors {
   using Floats = __m256;
   using Words = __m256i;
   static constexpr int64_t kLanes = 8;
-  static POSENC_INLINE Floats widen(const c10::BFloat16* p) { return widen_bf16x8(p); }
+  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
+    const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(eight), 16));
+  }
   template <bool kNaNs = true>
   static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
   static POSENC_INLINE Words load(const c10::BFloat16* p) {

@@ -113,9 +113,9 @@ POSENC_INLINE void rotate_pairs8(__m256 a, __m256 b, PairCoeffs<float> k, int64_
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
 // The first pairs of a contiguous bf16 row in the baseline and AVX2 builds, through convert.h's widening and rounding
 // by SSE2 or AVX2 (four or eight pairs a vector): the same products, sums and roundings as rotate_row's loop, so the
-// same bits. NaNs are looked for once a step (any_nan) and selected only where a step has one. gptj's pair is one
-// 32-bit word: its first channel is the word shifted up, its partner the word's high half, and the rotated pair is
-// joined back into the word from the two roundings' top halves, with no shuffle. Returns the count rotated (a
+// same bits. NaNs are looked for once per two vectors (any_nan) and selected only where they hold one. gptj's pair is
+// one 32-bit word: its first channel is the word shifted up, its partner the word's high half, and the rotated pair
+// is joined back into the word from the two roundings' top halves, with no shuffle. Returns the count rotated (a
 // multiple of two vectors for neox, of one for gptj). kStream: stored past the caches, out on a vector's boundary.
 // In-process A/Bs against GCC's vectorization of rotate_row's loop, q, k [4, 2048, 16|8, 128], 2 threads, on a
 // 2-core Emerald Rapids guest: AVX2 neox 1.20x, gptj 1.46x, in place 1.15x (one thread 1.32x, 1.45x, 1.15x),
@@ -356,7 +356,6 @@ POSENC_INLINE bool streams_from_registers(const RotaryView<scalar_t>& v, const s
          reinterpret_cast<uintptr_t>(out) % (4 * kStreamedPairs) == 0;
 }
 #endif
-
 
 // A contiguous fp16 row: c10::Half converts one value at a time, which keeps rotate_row scalar. The rotated
 // channels are widened into a float row, rotated there by the float kernel and narrowed back (eight at a time
