@@ -39,19 +39,17 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // likewise, rounded by F16C in the AVX-512 build (rotate_half_row_by_instruction; in-process A/B, Llama-like q, k
 // [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
 // lines: the kernel is rope_kernel's rotation, which stores bf16 and fp16 rows as whole lines (other bf16 and fp16
-// rows ignore the flag); bf16 rows stream where AVX-512 BF16 rounds them, else where the baseline and AVX2 builds
-// round them in registers (rotary.h's rotate_bf16_vectors; AVX2 1.11x on 2 threads, 1.19-1.21x on one). Inputs of
-// that size are read a token ahead (read_ahead: rotary.h's prefetch_next_token).
+// rows ignore the flag); bf16 rows stream where AVX-512 BF16 rounds them, or where the baseline and AVX2 builds
+// round them in registers (rotary.h's rotate_bf16_vectors; AVX2 1.11x on 2 threads, 1.19-1.21x on one); fp16 rows as
+// whole lines from registers (AVX-512), else through a row in L1 (rotary.h's rotate_unit_row). Inputs of that size are
+// read a token ahead (read_ahead: rotary.h's prefetch_next_token).
 template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int64_t bytes_written,
                               bool lines = false) {
   view.read_ahead = cpu::past_caches(bytes_read);
   view.stream = cpu::streams_output<scalar_t>(bytes_written);
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    view.stream = lines && (cpu::streams_bf16_lines(bytes_written) ||
-                            (cpu::capability() != cpu::Capability::AVX512 && cpu::past_caches(bytes_written)));
-  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    // in every build: as whole lines from registers (AVX-512), else through a row in L1 (rotary.h: rotate_unit_row)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    // the kernels keep ordinary stores for the rows they do not round in registers (rotate_tokens)
     view.stream = lines && cpu::past_caches(bytes_written);
   }
   return view;

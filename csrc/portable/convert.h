@@ -281,6 +281,11 @@ struct Bf16Vectors {
     return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
   }
 #endif
+  // v rounded to bf16 and back in its 32-bit lanes (rmsnorm.h's round_to)
+  template <bool kNaNs = true>
+  static POSENC_INLINE Floats round(Floats v) {
+    return as_floats(high_halves(bf16_rounded<kNaNs>(v)));
+  }
   // low's and high's values rounded as from_opmath rounds them (NaNs selected only where the two hold one), stored at p
   template <bool kStream>
   static POSENC_INLINE void store_narrowed(c10::BFloat16* p, Floats low, Floats high) {

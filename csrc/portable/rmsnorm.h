@@ -402,7 +402,7 @@ __attribute__((always_inline)) inline void rms_scale_rotate_neox_bf16_vectors(co
   const auto product = [&](int64_t c) {
     const V::Floats xr = V::load_floats(x + c) * vr;
     if constexpr (kConvention == QkNorm::Llama) {
-      return V::load_floats(w + c) * V::as_floats(V::high_halves(bf16_rounded<false>(xr)));
+      return V::load_floats(w + c) * V::round<false>(xr);
     } else {
       return V::load_floats(w + c) * xr;
     }
@@ -416,13 +416,13 @@ __attribute__((always_inline)) inline void rms_scale_rotate_neox_bf16_vectors(co
     if constexpr (kConvention != QkNorm::Fused) {  // round_to, NaNs selected only where a step has one
       if (any_nan(a[0], a[1]) || any_nan(b[0], b[1])) {
         for (int64_t h = 0; h < 2; ++h) {
-          a[h] = V::as_floats(V::high_halves(bf16_rounded(a[h])));
-          b[h] = V::as_floats(V::high_halves(bf16_rounded(b[h])));
+          a[h] = V::round(a[h]);
+          b[h] = V::round(b[h]);
         }
       } else {
         for (int64_t h = 0; h < 2; ++h) {
-          a[h] = V::as_floats(V::high_halves(bf16_rounded<false>(a[h])));
-          b[h] = V::as_floats(V::high_halves(bf16_rounded<false>(b[h])));
+          a[h] = V::round<false>(a[h]);
+          b[h] = V::round<false>(b[h]);
         }
       }
     }

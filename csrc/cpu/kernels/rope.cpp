@@ -395,14 +395,14 @@ template <typename scalar_t>
 inline __m256 load_floats(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (std::is_same_v<scalar_t, c10::Half>) return _mm256_cvtph_ps(v);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));  // a bf16 is a float's high half
+    return Bf16Vectors::widen(p);
   }
 }
 
-// 8 floats stored as from_opmath rounds them (bf16: to nearest even in 32-bit lanes, NaN to 0x7FC0; fp16: by
+// 8 floats stored as from_opmath rounds them (bf16: convert.h's Bf16Vectors, one vector narrowed as two; fp16: by
 // vcvtps2ph, which rounds as convert.h does).
 template <typename scalar_t>
 inline void store_floats(__m256 v, scalar_t* p) {
@@ -411,14 +411,7 @@ inline void store_floats(__m256 v, scalar_t* p) {
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
-    const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
-    const __m256 kept = _mm256_blendv_ps(_mm256_castsi256_ps(rounded), nan_bits, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(kept), 16);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), _MM_SHUFFLE(3, 1, 2, 0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(Bf16Vectors::narrow(v, v)));
   }
 }
 
