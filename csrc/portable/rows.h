@@ -12,37 +12,23 @@
 namespace posenc::portable {
 inline namespace POSENC_KERNEL_NAMESPACE {
 
+#if defined(POSENC_BF16_BY_AVX512BF16) || defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// bf16 rows are rounded in registers, and so may go past the caches as whole 64-byte lines: by AVX-512 BF16
+// (add_bf16_by_instruction) or by the baseline's and the AVX2 build's vectors (add_bf16_vectors).
+#define POSENC_STREAMS_ROW_LINES 1
+#endif
+
 #if !defined(__CUDACC__)
 // Rows given the same encoding per call of add_rows: batch rows of one position. Two measured 5-24% faster than
 // one on every additive row of scripts/bench.py (fp32 and bf16, both orders of an interleaved A/B); four and eight
 // were no faster than one (more streams than the prefetchers and the memory keep up with).
 constexpr int64_t kRowsPerEncoding = 2;
 
-#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-// x * scale + pe over the first channels of a bf16 row in the baseline and AVX2 builds, two vectors a step through
-// convert.h's widening and rounding by SSE2 or AVX2: the same product, sum and rounding as add_rows' loop, so the same
-// bits. NaNs are looked for once a step and selected only where a step has one. Returns the count added (a multiple
-// of two vectors). Against GCC's vectorization of that loop, AVX2, in-process A/B, 2 threads, bf16 x [8, 2048, 1024]:
-// add_sinusoidal 1.35x, add_learned 1.37x, embed_learned 1.37x (in cache, [2, 64, 1024]: 1.28-1.36x); the baseline's
-// SSE2 form before the NaN test, one thread, separate processes: 1.12-1.15x (in cache 1.24-1.25x).
-inline int64_t add_bf16_vectors(const c10::BFloat16* x, const float* pe, c10::BFloat16* y, int64_t n, float scale) {
-  using V = Bf16Vectors;
-  constexpr int64_t kStep = 2 * V::kLanes;
-  const V::Floats s = V::splat(scale);
-  int64_t d = 0;
-  for (; d < n - n % kStep; d += kStep) {
-    const V::Floats low = V::widen(x + d) * s + V::load_floats(pe + d);
-    const V::Floats high = V::widen(x + d + V::kLanes) * s + V::load_floats(pe + d + V::kLanes);
-    V::store_narrowed<false>(y + d, low, high);
-  }
-  return d;
-}
-#endif
-
 // How add_rows stores its sums: as they are; past the caches (outputs larger than the last-level cache: float32,
 // streaming.h, and fp16 in the AVX-512 build); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16, rounded
 // by vcvtneps2bf16 (convert.h), and for outputs larger than the last-level cache stored past it as whole 64-byte
-// lines from registers. The *ReadAhead kinds, for fp16 and bf16 rows streamed where the input rows follow one
+// lines from registers, as the baseline and AVX2 builds store them (add_bf16_vectors; kBf16ByInstruction is then
+// kCached). The *ReadAhead kinds, for fp16 and bf16 rows streamed where the input rows follow one
 // another in memory (the bytes past a row are the next row read), also ask for the input's lines kReadAheadBytes
 // ahead of its loads.
 enum class RowStores {
@@ -75,6 +61,44 @@ inline bool reads_ahead(RowStores stores) {
 // asked for: rows gathered by id (0.78-0.84x: the bytes past a row are another token's), rows kept in the caches
 // (0.88-1.08x), float32 streamed rows (0.91-1.13x, uneven).
 constexpr int64_t kReadAheadBytes = 2048;
+
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// x * scale + pe over the first channels of a bf16 row in the baseline and AVX2 builds, two vectors a step through
+// convert.h's widening and rounding by SSE2 or AVX2: the same product, sum and rounding as add_rows' loop, so the same
+// bits. NaNs are looked for once a step and selected only where a step has one. Returns the count added (a multiple
+// of two vectors). Against GCC's vectorization of that loop, AVX2, in-process A/B, 2 threads, bf16 x [8, 2048, 1024]:
+// add_sinusoidal 1.35x, add_learned 1.37x, embed_learned 1.37x (in cache, [2, 64, 1024]: 1.28-1.36x); the baseline's
+// SSE2 form before the NaN test, one thread, separate processes: 1.12-1.15x (in cache 1.24-1.25x).
+// kStream: y's whole 64-byte lines go past the caches (y on a line; the caller adds what is left of the row), x's
+// lines asked for kReadAheadBytes ahead where `read_ahead`. kScaled false: scale is 1, and x * 1 is x (a NaN's
+// payload aside, which the rounding drops): the same bits without the product.
+template <bool kStream, bool kScaled>
+inline int64_t add_bf16_vectors_as(const c10::BFloat16* x, const float* pe, c10::BFloat16* y, int64_t n, float scale,
+                                   bool read_ahead) {
+  using V = Bf16Vectors;
+  constexpr int64_t kStep = kStream ? 64 / sizeof(c10::BFloat16) : 2 * V::kLanes;  // streamed: a line a step
+  const V::Floats s = V::splat(scale);
+  const auto scaled = [&](V::Floats v) { return kScaled ? v * s : v; };
+  int64_t d = 0;
+  for (; d < n - n % kStep; d += kStep) {
+    // a hint, never a fault: past the tensor's end it asks for nothing of use
+    if (kStream && read_ahead) _mm_prefetch(reinterpret_cast<const char*>(x + d) + kReadAheadBytes, _MM_HINT_T0);
+    for (int64_t v = d; v < d + kStep; v += 2 * V::kLanes) {
+      const V::Floats low = scaled(V::widen(x + v)) + V::load_floats(pe + v);
+      const V::Floats high = scaled(V::widen(x + v + V::kLanes)) + V::load_floats(pe + v + V::kLanes);
+      V::store_narrowed<kStream>(y + v, low, high);
+    }
+  }
+  return d;
+}
+
+template <bool kStream = false>
+inline int64_t add_bf16_vectors(const c10::BFloat16* x, const float* pe, c10::BFloat16* y, int64_t n, float scale,
+                                bool read_ahead = false) {
+  return scale == 1.0f ? add_bf16_vectors_as<kStream, false>(x, pe, y, n, scale, read_ahead)
+                       : add_bf16_vectors_as<kStream, true>(x, pe, y, n, scale, read_ahead);
+}
+#endif
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
 // x * scale + pe over the first channels of a bf16 row, rounded by AVX-512 BF16, which rounds as from_opmath does
@@ -306,7 +330,10 @@ void add_rows(int64_t count, const scalar_t* const* in, const pe_t* pe, scalar_t
         int64_t done = 0;
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          done = add_bf16_vectors(x, e, y, with_pe, scale);
+          if (bf16_streamed(stores) && reinterpret_cast<uintptr_t>(y) % 64 == 0) {
+            done = add_bf16_vectors<true>(x, e, y, with_pe, scale, reads_ahead(stores));
+          }
+          done += add_bf16_vectors(x + done, e + done, y + done, with_pe - done, scale);
         }
 #endif
 #if defined(POSENC_BF16_BY_AVX512BF16)

@@ -131,6 +131,16 @@ def far_angles_and_special_values():
         for dim in (320, 336):
             grid = posenc.nn.SinusoidalGridEncoding(dim, "cogvideox", interpolation_scale=[1.0, 1.875, 1.875])
             out[f"grid_cogvideox/{d}/{dim}"] = grid(data((2, 30, dim), dtype, 12), [2, 3, 5])
+        # Resampled tables whose float64 sums lie at the ends of float32's range (its least normals, its denormals,
+        # its largest), zeros and specials among them: the baseline and AVX2 builds round such sums to odd value by
+        # value, the others in vectors.
+        for exponent in (-126, -131, 126):
+            table = (data((1 + 5 * 7, 72), torch.float32, 13).double() * 2.0 ** exponent).to(dtype)
+            table[1::4, 8:24] = 0
+            if dtype == torch.bfloat16:  # the NaN of torch's conversion differs between CPUs
+                table.view(torch.int16)[table.isnan()] = 0x7FC0
+            out[f"resample_learned_range/{d}/{exponent}"] = PF.resample_learned(table, [5, 7], [9, 10], "bicubic",
+                                                                                num_prefix_tokens=1)
 
         for layout in ("neox", "gptj"):
             for fmt, shape in (("bshd", (2, 8, 3, 134)), ("bhsd", (2, 3, 8, 134)), ("sbhd", (8, 2, 3, 134)),

@@ -278,7 +278,7 @@ class AxisEncodingBlocks {
       add_rows(count, in, pe, out, encoded_, width, scale, stores);
       return;
     }
-#if defined(POSENC_BF16_BY_AVX512BF16)
+#if defined(POSENC_STREAMS_ROW_LINES)
     constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>, kHalf = std::is_same_v<scalar_t, c10::Half>;
     if constexpr (kBf16 || kHalf) {
       if (in != nullptr && (kBf16 ? bf16_streamed(stores) : streamed(stores))) {
@@ -315,7 +315,7 @@ class AxisEncodingBlocks {
     int64_t length;
   };
 
-#if defined(POSENC_BF16_BY_AVX512BF16)
+#if defined(POSENC_STREAMS_ROW_LINES)
   // The encoding of channels [first, first + n) (n <= 32) into `line`, -0.0 past the encoded channels (which, added,
   // leaves every value as it is).
   const opmath* assemble(const int64_t* entries, int64_t first, int64_t n, opmath* line) const {
@@ -330,12 +330,14 @@ class AxisEncodingBlocks {
   }
 
   // One bf16 or fp16 row of a kept token streamed past the caches as whole 64-byte lines, rounded in registers (bf16 by
-  // AVX-512 BF16, fp16 by F16C): the lines inside a segment straight from the axis's values, a line across segments
-  // (or past the encoded channels) from its encoding assembled in `line`, the row's parts before its first whole line
-  // and after its last by ordinary stores. CogVideoX's grid (segments of 240 and 360 channels) in-process A/B against
-  // ordinary stores, 1 and 2 threads: bf16 1.17-1.18x (Zen 5); fp16 1.60-1.73x (an Emerald Rapids guest); bf16
-  // streamed a segment at a time, the lines two segments share written both ways, 0.79-0.92x; a row assembled first,
-  // 0.86-0.95x.
+  // AVX-512 BF16 or, in the baseline and AVX2 builds, by add_bf16_vectors; fp16 by F16C in the AVX-512 build): the
+  // lines inside a segment straight from the axis's values, a line across segments (or past the encoded channels)
+  // from its encoding assembled in `line`, the row's parts before its first whole line and after its last by ordinary
+  // stores. CogVideoX's grid (segments of 240 and 360 channels) in-process A/B against ordinary stores, 1 and 2
+  // threads: bf16 1.17-1.18x (Zen 5); fp16 1.60-1.73x (an Emerald Rapids guest); bf16 streamed a segment at a time,
+  // the lines two segments share written both ways, 0.79-0.92x; a row assembled first, 0.86-0.95x. The AVX2 build's
+  // bf16, separate processes against its ordinary stores: 1.27-1.67x on 2 threads, 1.45-1.63x on one; the baseline's
+  // 0.94-1.93x (median 1.5x).
   void add_lines(const scalar_t* x, const int64_t* entries, scalar_t* y, int64_t width, opmath scale,
                  bool read_ahead) const {
     constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
@@ -344,9 +346,15 @@ class AxisEncodingBlocks {
       int64_t done = 0;
       if (stream) {
         if constexpr (kBf16) {
+#if defined(POSENC_BF16_BY_AVX512BF16)
           done = add_bf16_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead);
+#else
+          done = add_bf16_vectors<true>(x + c, pe, y + c, n, scale, read_ahead);
+#endif
         } else {
+#if defined(POSENC_HAS_F16C)
           done = add_half_by_instruction(x + c, pe, y + c, n, scale, true, read_ahead);
+#endif
         }
       }
       if (done == n) return;

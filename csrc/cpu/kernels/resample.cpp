@@ -48,6 +48,66 @@ struct AxisTaps {
   }
 };
 
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// round_to_odd_float in the AVX2 and baseline builds, whose conversions have no rounding mode of their own: a float
+// holds a double's exponent and its 23 leading mantissa bits where 2^-126 <= |value| < 2^128 (and zero), so there the
+// double's lower 29 bits are cleared and, where any was set, its bit 29 (the float's last) set: a double that a float
+// holds exactly, which the conversion to nearest keeps. Those bits all lie in the value's low 32-bit word. GCC's
+// vectorization of round_to_odd_float packs its 64-bit masks into 32-bit lanes, a shuffle each: it took 38% of an
+// AVX2 bf16 resample_learned.
+#if defined(POSENC_BF16_BY_AVX2)
+POSENC_INLINE __m256d float_sized(__m256d value) {  // 2^-126 <= |value| < 2^128, or 0
+  const __m256d size = _mm256_andnot_pd(_mm256_set1_pd(-0.0), value);
+  return _mm256_or_pd(_mm256_and_pd(_mm256_cmp_pd(size, _mm256_set1_pd(0x1p-126), _CMP_GE_OQ),
+                                    _mm256_cmp_pd(size, _mm256_set1_pd(0x1p128), _CMP_LT_OQ)),
+                      _mm256_cmp_pd(size, _mm256_setzero_pd(), _CMP_EQ_OQ));
+}
+
+POSENC_INLINE __m128 odd_float_sized(__m256d value) {
+  const __m256i bits = _mm256_castpd_si256(value);
+  const __m256i dropped = _mm256_set1_epi64x((1 << 29) - 1);
+  const __m256i exact = _mm256_cmpeq_epi32(_mm256_and_si256(bits, dropped), _mm256_setzero_si256());
+  const __m256i kept = _mm256_or_si256(_mm256_andnot_si256(dropped, bits),
+                                       _mm256_andnot_si256(exact, _mm256_set1_epi64x(1 << 29)));
+  return _mm256_cvtpd_ps(_mm256_castsi256_pd(kept));
+}
+
+// Bf16Vectors::kLanes values of src rounded to odd into *odd; false, with nothing set, where one is not float-sized
+// (a denormal float, an infinity, a NaN).
+POSENC_INLINE bool odd_floats(const double* src, __m256* odd) {
+  const __m256d low = _mm256_loadu_pd(src), high = _mm256_loadu_pd(src + 4);
+  if (_mm256_movemask_pd(_mm256_and_pd(float_sized(low), float_sized(high))) != 0xF) return false;
+  *odd = _mm256_set_m128(odd_float_sized(high), odd_float_sized(low));
+  return true;
+}
+
+POSENC_INLINE void store_floats(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#else
+POSENC_INLINE __m128d float_sized(__m128d value) {
+  const __m128d size = _mm_andnot_pd(_mm_set1_pd(-0.0), value);
+  return _mm_or_pd(_mm_and_pd(_mm_cmpge_pd(size, _mm_set1_pd(0x1p-126)), _mm_cmplt_pd(size, _mm_set1_pd(0x1p128))),
+                   _mm_cmpeq_pd(size, _mm_setzero_pd()));
+}
+
+POSENC_INLINE __m128 odd_float_sized(__m128d value) {
+  const __m128i bits = _mm_castpd_si128(value);
+  const __m128i dropped = _mm_set1_epi64x((1 << 29) - 1);
+  const __m128i exact = _mm_cmpeq_epi32(_mm_and_si128(bits, dropped), _mm_setzero_si128());
+  const __m128i kept = _mm_or_si128(_mm_andnot_si128(dropped, bits), _mm_andnot_si128(exact, _mm_set1_epi64x(1 << 29)));
+  return _mm_cvtpd_ps(_mm_castsi128_pd(kept));
+}
+
+POSENC_INLINE bool odd_floats(const double* src, __m128* odd) {
+  const __m128d low = _mm_loadu_pd(src), high = _mm_loadu_pd(src + 2);
+  if (_mm_movemask_pd(_mm_and_pd(float_sized(low), float_sized(high))) != 0x3) return false;
+  *odd = _mm_movelh_ps(odd_float_sized(low), odd_float_sized(high));
+  return true;
+}
+
+POSENC_INLINE void store_floats(float* p, __m128 v) { _mm_storeu_ps(p, v); }
+#endif
+#endif
+
 // round_to_odd_float over n values. The AVX-512 build converts eight at a time toward zero (the conversion's own
 // rounding mode) and sets the last bit where the conversion was inexact, a NaN included: the same bits, in half the
 // instructions GCC makes of round_to_odd_float's compares and selects.
@@ -63,19 +123,45 @@ inline void round_to_odd(const double* src, float* dst, int64_t n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                         _mm256_mask_or_epi32(bits, inexact, bits, _mm256_set1_epi32(1)));
   }
+#elif defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+  using V = Bf16Vectors;
+  for (; d + V::kLanes <= n; d += V::kLanes) {
+    V::Floats odd;
+    if (odd_floats(src + d, &odd)) {
+      store_floats(dst + d, odd);
+    } else {
+      for (int64_t k = 0; k < V::kLanes; ++k) dst[d + k] = round_to_odd_float(src[d + k]);
+    }
+  }
 #endif
   for (; d < n; ++d) dst[d] = round_to_odd_float(src[d]);
 }
 
-// fp16 and bf16 go through float blocks rounded to odd, then narrow's vector conversions.
+// fp16 and bf16 go through float blocks rounded to odd, then narrow's vector conversions. bf16 in the baseline and
+// AVX2 builds is rounded to odd and then to bf16 in registers, without the block (a step holding a value that is not
+// float-sized goes value by value).
 template <typename scalar_t>
 void round_row(const double* src, scalar_t* dst, int64_t width) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
     for (int64_t d = 0; d < width; ++d) dst[d] = round_from_double<scalar_t>(src[d]);
   } else {
+    int64_t done = 0;
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      using V = Bf16Vectors;
+      for (; done + 2 * V::kLanes <= width; done += 2 * V::kLanes) {
+        V::Floats low, high;
+        if (odd_floats(src + done, &low) && odd_floats(src + done + V::kLanes, &high)) {
+          V::store<false>(dst + done, V::narrow<false>(low, high));  // no NaN: float-sized
+        } else {
+          for (int64_t d = done; d < done + 2 * V::kLanes; ++d) dst[d] = round_from_double<scalar_t>(src[d]);
+        }
+      }
+    }
+#endif
     constexpr int64_t kBlock = 256;
     float odd[kBlock];
-    for (int64_t d0 = 0; d0 < width; d0 += kBlock) {
+    for (int64_t d0 = done; d0 < width; d0 += kBlock) {
       const int64_t n = std::min(kBlock, width - d0);
       round_to_odd(src + d0, odd, n);
       narrow(odd, dst + d0, n);
