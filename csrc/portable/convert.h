@@ -89,6 +89,11 @@ POSENC_INLINE T from_opmath(opmath_t<T> value) {
 #define POSENC_HAS_F16C 1
 #endif
 
+// The baseline's and the AVX2 build's bf16 vector helpers below, and Bf16Vectors' members, are always inlined: GCC
+// left some out of line (a call through the PLT for a handful of instructions) in the QK-norm forward and the
+// rotations' head walks, whose own bodies are inlined by force.
+#define POSENC_VECTOR_INLINE __attribute__((always_inline)) inline
+
 // bf16 in the x86 baseline build (SSE2, which every x86-64 CPU has), eight values at a time. GCC vectorizes
 // to_opmath / from_opmath there, but SSE2 has no unsigned 32-to-16-bit pack, and GCC packs the 16-bit results (and
 // the NaN masks) with shuffles: a quarter of a bf16 rotation's instructions. Rounded in 32-bit lanes, NaNs selected
@@ -99,7 +104,7 @@ POSENC_INLINE T from_opmath(opmath_t<T> value) {
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
 // kNaNs false: the caller knows v holds none.
 template <bool kNaNs = true>
-POSENC_INLINE __m128i bf16_rounded(__m128 v) {
+POSENC_VECTOR_INLINE __m128i bf16_rounded(__m128 v) {
   const __m128i bits = _mm_castps_si128(v);
   const __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
   const __m128i rounded = _mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7FFF)), lsb);
@@ -110,16 +115,16 @@ POSENC_INLINE __m128i bf16_rounded(__m128 v) {
 
 // low's and high's four values rounded, in order.
 template <bool kNaNs = true>
-POSENC_INLINE __m128i narrow_bf16x8(__m128 low, __m128 high) {
+POSENC_VECTOR_INLINE __m128i narrow_bf16x8(__m128 low, __m128 high) {
   return _mm_packs_epi32(_mm_srai_epi32(bf16_rounded<kNaNs>(low), 16), _mm_srai_epi32(bf16_rounded<kNaNs>(high), 16));
 }
 
-POSENC_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
+POSENC_VECTOR_INLINE void narrow_bf16x8(__m128 low, __m128 high, c10::BFloat16* dst) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), narrow_bf16x8(low, high));
 }
 
 // Whether any lane of a or b is a NaN.
-POSENC_INLINE bool any_nan(__m128 a, __m128 b) { return _mm_movemask_ps(_mm_cmpunord_ps(a, b)) != 0; }
+POSENC_VECTOR_INLINE bool any_nan(__m128 a, __m128 b) { return _mm_movemask_ps(_mm_cmpunord_ps(a, b)) != 0; }
 
 // fp16 likewise, without F16C: to_opmath and from_opmath lane by lane, four floats a vector (SSE2 has no unsigned
 // 32-bit compare: both sides have their top bit flipped for a signed one), then the same signed pack. Left to GCC,
@@ -185,7 +190,7 @@ __attribute__((always_inline)) inline void narrow_halfx8(__m128 low, __m128 high
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
 // kNaNs false: the caller knows v holds none.
 template <bool kNaNs = true>
-POSENC_INLINE __m256i bf16_rounded(__m256 v) {
+POSENC_VECTOR_INLINE __m256i bf16_rounded(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
@@ -197,14 +202,14 @@ POSENC_INLINE __m256i bf16_rounded(__m256 v) {
 
 // low's and high's eight values rounded, in order.
 template <bool kNaNs = true>
-POSENC_INLINE __m256i narrow_bf16x16(__m256 low, __m256 high) {
+POSENC_VECTOR_INLINE __m256i narrow_bf16x16(__m256 low, __m256 high) {
   const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(bf16_rounded<kNaNs>(low), 16),
                                              _mm256_srli_epi32(bf16_rounded<kNaNs>(high), 16));
   return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
 // Whether any lane of a or b is a NaN.
-POSENC_INLINE bool any_nan(__m256 a, __m256 b) {
+POSENC_VECTOR_INLINE bool any_nan(__m256 a, __m256 b) {
   const __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
   return !_mm256_testz_ps(nan, nan);
 }
@@ -220,75 +225,75 @@ struct Bf16Vectors {
   using Floats = __m128;
   using Words = __m128i;
   static constexpr int64_t kLanes = 4;
-  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
+  static POSENC_VECTOR_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
     const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), four));
   }
   template <bool kNaNs = true>
-  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x8<kNaNs>(low, high); }
-  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+  static POSENC_VECTOR_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x8<kNaNs>(low, high); }
+  static POSENC_VECTOR_INLINE Words load(const c10::BFloat16* p) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   }
   template <bool kStream>
-  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
+  static POSENC_VECTOR_INLINE void store(c10::BFloat16* p, Words v) {
     if constexpr (kStream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
     } else {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v);
     }
   }
-  static POSENC_INLINE Floats load_floats(const float* p) { return _mm_loadu_ps(p); }
-  static POSENC_INLINE Floats splat(float f) { return _mm_set1_ps(f); }
-  static POSENC_INLINE Floats abs(Floats f) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), f); }
-  static POSENC_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
-  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm_slli_epi32(w, 16)); }
-  static POSENC_INLINE Words high_halves(Words w) {
+  static POSENC_VECTOR_INLINE Floats load_floats(const float* p) { return _mm_loadu_ps(p); }
+  static POSENC_VECTOR_INLINE Floats splat(float f) { return _mm_set1_ps(f); }
+  static POSENC_VECTOR_INLINE Floats abs(Floats f) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), f); }
+  static POSENC_VECTOR_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
+  static POSENC_VECTOR_INLINE Floats low_halves_up(Words w) { return as_floats(_mm_slli_epi32(w, 16)); }
+  static POSENC_VECTOR_INLINE Words high_halves(Words w) {
     return _mm_and_si128(w, _mm_set1_epi32(static_cast<int>(0xFFFF0000u)));
   }
-  static POSENC_INLINE Words join(Words high_to_low, Words high) {  // high_to_low's top halves moved down, with high's
+  static POSENC_VECTOR_INLINE Words join(Words high_to_low, Words high) {  // high_to_low's top halves moved down, with high's
     return _mm_or_si128(_mm_srli_epi32(high_to_low, 16), high_halves(high));
   }
 #else
   using Floats = __m256;
   using Words = __m256i;
   static constexpr int64_t kLanes = 8;
-  static POSENC_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
+  static POSENC_VECTOR_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
     const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(eight), 16));
   }
   template <bool kNaNs = true>
-  static POSENC_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
-  static POSENC_INLINE Words load(const c10::BFloat16* p) {
+  static POSENC_VECTOR_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
+  static POSENC_VECTOR_INLINE Words load(const c10::BFloat16* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
   template <bool kStream>
-  static POSENC_INLINE void store(c10::BFloat16* p, Words v) {
+  static POSENC_VECTOR_INLINE void store(c10::BFloat16* p, Words v) {
     if constexpr (kStream) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
     }
   }
-  static POSENC_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
-  static POSENC_INLINE Floats splat(float f) { return _mm256_set1_ps(f); }
-  static POSENC_INLINE Floats abs(Floats f) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), f); }
-  static POSENC_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
-  static POSENC_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
-  static POSENC_INLINE Words high_halves(Words w) {
+  static POSENC_VECTOR_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static POSENC_VECTOR_INLINE Floats splat(float f) { return _mm256_set1_ps(f); }
+  static POSENC_VECTOR_INLINE Floats abs(Floats f) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), f); }
+  static POSENC_VECTOR_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
+  static POSENC_VECTOR_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
+  static POSENC_VECTOR_INLINE Words high_halves(Words w) {
     return _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   }
-  static POSENC_INLINE Words join(Words high_to_low, Words high) {
+  static POSENC_VECTOR_INLINE Words join(Words high_to_low, Words high) {
     return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
   }
 #endif
   // v rounded to bf16 and back in its 32-bit lanes (rmsnorm.h's round_to)
   template <bool kNaNs = true>
-  static POSENC_INLINE Floats round(Floats v) {
+  static POSENC_VECTOR_INLINE Floats round(Floats v) {
     return as_floats(high_halves(bf16_rounded<kNaNs>(v)));
   }
   // low's and high's values rounded as from_opmath rounds them (NaNs selected only where the two hold one), stored at p
   template <bool kStream>
-  static POSENC_INLINE void store_narrowed(c10::BFloat16* p, Floats low, Floats high) {
+  static POSENC_VECTOR_INLINE void store_narrowed(c10::BFloat16* p, Floats low, Floats high) {
     store<kStream>(p, any_nan(low, high) ? narrow(low, high) : narrow<false>(low, high));
   }
 };
