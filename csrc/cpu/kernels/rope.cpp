@@ -641,7 +641,7 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
   for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
     const opmath* w = per_head ? norm.weight : norm.weight + h * D;
     const opmath r = inv_rms[per_head ? h : 0];
-#if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
+#if POSENC_CPU_CAPABILITY_INDEX >= 1 && (defined(__x86_64__) || defined(__i386__))
     if constexpr (std::is_same_v<scalar_t, float> && kLayout == RopeLayout::Neox) {
       if (view.stream && view.out_stride[3] == 1 && pairs % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
         rms_scale_rotate_neox_f32_streamed(x, w, r, k, pairs, D, out);
