@@ -44,12 +44,6 @@ bool streams_output(int64_t bytes_written) {
   return std::is_same_v<scalar_t, float> && past_caches(bytes_written);
 }
 
-// Whether bf16 rows of such a size, rounded by AVX-512 BF16 in registers, go past the caches as whole 64-byte
-// lines, for the kernels that store them so (the rotations walked token by token, the row additions).
-inline bool streams_bf16_lines(int64_t bytes_written) {
-  return has_avx512_bf16() && past_caches(bytes_written);
-}
-
 // Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
 // AVX-512 build's rotations and row additions).
 inline bool streams_half_lines(int64_t bytes_written) {

@@ -46,11 +46,11 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
 #endif
   } else if (std::is_same_v<scalar_t, c10::BFloat16> && (POSENC_CPU_CAPABILITY_INDEX < 2 || has_avx512_bf16())) {
     // rounded in registers, by instruction (2-9% faster on the bf16 rows of scripts/bench.py, three runs of each
-    // build in turn) or, in the baseline and AVX2 builds, by rows.h's add_bf16_vectors, and so streamed as whole
-    // lines past the caches: AVX2, in-process A/B, 2 threads, [8, 2048, 1024]: add_sinusoidal 1.03-1.07x,
-    // add_learned 1.11-1.15x, embed_learned 1.04-1.08x, DINOv2-L's resampled rows 1.11-1.16x; one thread 1.17-1.34x;
-    // the baseline 1.04-1.07x.
-    if (!streams_bf16_lines(bytes_written)) {
+    // build in turn) or, in the baseline and AVX2 builds on any CPU, by rows.h's add_bf16_vectors, and so streamed
+    // as whole lines past the caches where the output is that large: AVX2, in-process A/B, 2 threads,
+    // [8, 2048, 1024]: add_sinusoidal 1.03-1.07x, add_learned 1.11-1.15x, embed_learned 1.04-1.08x, DINOv2-L's
+    // resampled rows 1.11-1.16x; one thread 1.17-1.34x; the baseline 1.04-1.07x.
+    if (!past_caches(bytes_written)) {
       stores = portable::RowStores::kBf16ByInstruction;
     } else {
       stores = rows_follow ? portable::RowStores::kBf16StreamedReadAhead : portable::RowStores::kBf16Streamed;
