@@ -316,26 +316,29 @@ POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, 
 inline void rms_scale_rotate_neox_f32_streamed(const float* x, const float* w, float r, PairCoeffs<float> k,
                                                int64_t pairs, int64_t head_dim, float* out) {
 #if POSENC_CPU_CAPABILITY_INDEX == 2
-  const __m512 vr = _mm512_set1_ps(r);
-  for (int64_t i = 0; i < pairs; i += 16) {
-    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), vr));
-    const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(w + pairs + i), _mm512_mul_ps(_mm512_loadu_ps(x + pairs + i), vr));
-    __m512 first, second;
-    rotate_pairs16(a, b, k, i, first, second);
-    _mm512_stream_ps(out + i, first);
-    _mm512_stream_ps(out + pairs + i, second);
-  }
+  constexpr int64_t kStep = 16;
+  using Vec = __m512;
+  const auto mul = [&](Vec a, Vec b) { return _mm512_mul_ps(a, b); };
+  const auto load = [&](const float* p) { return _mm512_loadu_ps(p); };
+  const auto rotate = [&](Vec a, Vec b, int64_t i, Vec& first, Vec& second) { rotate_pairs16(a, b, k, i, first, second); };
+  const auto stream = [&](float* p, Vec v) { _mm512_stream_ps(p, v); };
+  const Vec vr = _mm512_set1_ps(r);
 #else
-  const __m256 vr = _mm256_set1_ps(r);
-  for (int64_t i = 0; i < pairs; i += 8) {
-    const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vr));
-    const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(w + pairs + i), _mm256_mul_ps(_mm256_loadu_ps(x + pairs + i), vr));
-    __m256 first, second;
-    rotate_pairs8(a, b, k, i, first, second);
-    _mm256_stream_ps(out + i, first);
-    _mm256_stream_ps(out + pairs + i, second);
-  }
+  constexpr int64_t kStep = 8;
+  using Vec = __m256;
+  const auto mul = [&](Vec a, Vec b) { return _mm256_mul_ps(a, b); };
+  const auto load = [&](const float* p) { return _mm256_loadu_ps(p); };
+  const auto rotate = [&](Vec a, Vec b, int64_t i, Vec& first, Vec& second) { rotate_pairs8(a, b, k, i, first, second); };
+  const auto stream = [&](float* p, Vec v) { _mm256_stream_ps(p, v); };
+  const Vec vr = _mm256_set1_ps(r);
 #endif
+  for (int64_t i = 0; i < pairs; i += kStep) {
+    Vec first, second;
+    rotate(mul(load(w + i), mul(load(x + i), vr)), mul(load(w + pairs + i), mul(load(x + pairs + i), vr)), i, first,
+           second);
+    stream(out + i, first);
+    stream(out + pairs + i, second);
+  }
   for (int64_t d = 2 * pairs; d < head_dim; ++d) out[d] = w[d] * (x[d] * r);
 }
 #endif

@@ -403,6 +403,10 @@ POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::H
   rotate_row_half<kLayout>(in, out, k, pairs, v.head_dim);
 }
 
+// The most channels of a head that a kernel rotates into a row in L1 to store it past the caches from there (the
+// token walk's rows here, the baseline's QK-norm heads in cpu/kernels/rope.cpp); longer heads keep ordinary stores.
+constexpr int64_t kStreamedRowChannels = 512;
+
 // A head's row of a token walk rotated as rotate_row<kLayout, true, kPairs> rotates it (fp16: rotate_half_head), and
 // stored past the caches when the view asks: float32 rows from registers where rotate_f32_row_streamed takes them,
 // fp16 rows where rotate_half_head streams them, the others through a row in L1 sent on by store_streaming (heads
@@ -417,7 +421,7 @@ POSENC_INLINE void rotate_half_head(const RotaryView<c10::Half>& v, const c10::H
 template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath_t>
 POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out,
                                    PairCoeffs<opmath_t> k, int64_t pairs) {
-  constexpr int64_t kRow = 512;
+  constexpr int64_t kRow = kStreamedRowChannels;
   if constexpr (std::is_same_v<scalar_t, float>) {
 #if defined(POSENC_ROTATES_F32_STREAMED_FROM_REGISTERS)
     if (streams_from_registers(v, in, out, pairs)) {

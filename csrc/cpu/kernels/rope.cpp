@@ -654,9 +654,8 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
     // processes, q, k [4, 2048, 16|8, 128], 2 threads, 14 pairs in a noisy hour: 0.78-1.84x, median 1.09x, the
     // fastest calls 8.9 against 11.9 ms.
     if constexpr (std::is_same_v<scalar_t, float>) {
-      constexpr int64_t kRow = 512;
-      if (view.stream && view.out_stride[3] == 1 && D <= kRow) {
-        alignas(64) float row[kRow];
+      if (view.stream && view.out_stride[3] == 1 && D <= kStreamedRowChannels) {
+        alignas(64) float row[kStreamedRowChannels];
         rms_scale_rotate_row<kLayout, kConvention, true>(x, w, r, k, pairs, D, row, 1);
         store_streaming(row, out, D);
         continue;
