@@ -278,12 +278,13 @@ inline bool rounds_clean(Magnitudes x, float r_least, float r_largest, Magnitude
 // stored and redone by the integer form where the check asks for it (kChecked; else rounds_clean). 32 pairs at a
 // time, their first channels are one 64-byte line and their partners another, each stored by one instruction:
 // 1.07-1.09x the forward against 16 at a time in half lines (in-process A/B, q, k [4, 2048, 16|8, 128], 1 and 2
-// threads). Past the caches, those lines made it 0.92-0.94x: the forward waits on its arithmetic, not on the lines
-// its stores read.
+// threads). Where `stream`, those lines go past the caches (out on a 64-byte line): alone 0.92-0.94x on Zen 4, but
+// with the next token asked for a head at a time, the two together 1.15-1.25x on Emerald Rapids (rope.cpp's
+// normalize_rotate_heads).
 template <QkNorm kConvention, bool kChecked>
 POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, const float* w, float r,
                                                                 PairCoeffs<float> k, int64_t pairs,
-                                                                c10::BFloat16* out) {
+                                                                c10::BFloat16* out, bool stream) {
   const __m512 vr = _mm512_set1_ps(r);
   __m512 first, second, first2, second2;
   const int64_t step = pairs % 32 == 0 ? 32 : 16;
@@ -295,8 +296,15 @@ POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, 
       }
     } else if (rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i, first, second) &&
                rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i + 16, first2, second2)) {
-      _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first)));
-      _mm512_storeu_si512(out + pairs + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second)));
+      const __m512i firsts = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first));
+      const __m512i seconds = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second));
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), firsts);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), seconds);
+      } else {
+        _mm512_storeu_si512(out + i, firsts);
+        _mm512_storeu_si512(out + pairs + i, seconds);
+      }
       continue;
     }
     for (int64_t j = i; j < i + step; ++j) {
@@ -349,10 +357,11 @@ inline void rms_scale_rotate_neox_f32_streamed(const float* x, const float* w, f
 // (round_to's), the outputs rounded by vcvtps2ph (from_opmath's), so the same operations on the same values as the
 // row's loop, and the same bits. The channels past 2 * pairs go by that loop's per-channel form. The row's loop had
 // called the integer forms out of line, value by value: q, k [4, 2048, 16|8, 128] fp16 forward 240 -> 5.5 ms (2
-// threads; bf16 5.0), in cache 15 -> 0.31 ms a call ([1, 256, 16|8, 128], one thread; AVX2 0.48).
+// threads; bf16 5.0), in cache 15 -> 0.31 ms a call ([1, 256, 16|8, 128], one thread; AVX2 0.48). Where `stream`
+// (the AVX-512 build, pairs a multiple of 32, out on a 64-byte line), two steps make a line, sent past the caches.
 template <QkNorm kConvention>
 inline void rms_scale_rotate_neox_half(const float* x, const float* w, float r, PairCoeffs<float> k, int64_t pairs,
-                                       int64_t head_dim, c10::Half* out) {
+                                       int64_t head_dim, c10::Half* out, bool stream) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #if POSENC_CPU_CAPABILITY_INDEX == 2
   constexpr int64_t kStep = 16;
@@ -387,7 +396,19 @@ inline void rms_scale_rotate_neox_half(const float* x, const float* w, float r, 
       return round_half(mul(load(w + c), xr));
     }
   };
-  for (int64_t i = 0; i < pairs; i += kStep) {
+  int64_t i = 0;
+#if POSENC_CPU_CAPABILITY_INDEX == 2
+  if (stream && pairs % 32 == 0) {  // two steps a line
+    for (; i < pairs; i += 2 * kStep) {
+      Vec first, second, first2, second2;
+      rotate(scaled(i), scaled(pairs + i), i, first, second);
+      rotate(scaled(i + kStep), scaled(pairs + i + kStep), i + kStep, first2, second2);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), narrow_halfx32(first, first2));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), narrow_halfx32(second, second2));
+    }
+  }
+#endif
+  for (; i < pairs; i += kStep) {
     Vec first, second;
     rotate(scaled(i), scaled(pairs + i), i, first, second);
     store(out + i, first);

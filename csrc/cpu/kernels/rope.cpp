@@ -164,7 +164,7 @@ void store_input_grad(const opmath* x, opmath* g, const opmath* inv_rms, int64_t
     const int64_t first = h * head_dim;
     const opmath r = inv_rms[first / group];
     if (first % group == 0) mean_dot = normalized_dot(g + first, x + first, r, group) / static_cast<opmath>(group);
-    if (stride[3] == 1 && !stream && !std::is_same_v<scalar_t, c10::Half>) {
+    if (stride[3] == 1 && !(stream && std::is_same_v<scalar_t, float>) && !std::is_same_v<scalar_t, c10::Half>) {
       rms_input_grad(x + first, g + first, head_dim, r, mean_dot, out);
       continue;
     }
@@ -192,21 +192,6 @@ const opmath* token_channels(const scalar_t* in, const int64_t* stride, int64_t 
   }
   load_heads(in, stride, heads, head_dim, row);
   return row;
-}
-
-// The QK-norm forward asks for the next token's channels of a view whose heads lie side by side (bshd) before it
-// normalizes this token's: a token's rows are a page or two, where the hardware prefetchers stop, so each token would
-// otherwise start with misses. Only where the inputs are at least stream_bytes(): in-process A/B on a 2-core Emerald
-// Rapids guest, q, k [4, 2048, 16|8, 128], 1.09-1.11x bf16 and fp16, 1.16-1.19x float32 (1 and 2 threads); in cache
-// ([1, 2048, ...]) the requests made it 0.83-0.95x. The whole token (2-8 KiB of contiguous heads), not
-// prefetch_row's first KiB: 1.03-1.12x faster than the first KiB alone at the same shapes.
-template <typename scalar_t>
-void prefetch_token_channels(const scalar_t* next, const int64_t* stride, int64_t heads, int64_t head_dim) {
-  if (stride[3] != 1 || stride[2] != head_dim) return;
-  const auto* bytes = reinterpret_cast<const char*>(next);
-  for (int64_t byte = 0; byte < heads * head_dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
-    __builtin_prefetch(bytes + byte);
-  }
 }
 
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
@@ -302,13 +287,18 @@ inline __m512 input_grad16(const float* x, const float* g, int64_t c, __m512 r, 
 // vcvtne2ps2bf16 (convert.h). Returns false, the head stored wrong, where a value rounds apart: the caller stores it
 // again by the integer form.
 POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const float* g, int64_t n, __m512 r,
-                                                           __m512 mean_dot, c10::BFloat16* out) {
+                                                           __m512 mean_dot, c10::BFloat16* out, bool stream) {
   __mmask16 apart = 0;
   for (int64_t d = 0; d < n; d += 32) {
     const __m512 low = input_grad16(x, g, d, r, mean_dot);
     const __m512 high = input_grad16(x, g, d + 16, r, mean_dot);
     apart |= rounds_apart(low) | rounds_apart(high);
-    store_bf16x32(low, high, out + d, out + d + 16);
+    if (stream) {
+      const __m512i line = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + d), line);
+    } else {
+      store_bf16x32(low, high, out + d, out + d + 16);
+    }
   }
   return apart == 0;
 }
@@ -371,9 +361,19 @@ __attribute__((always_inline)) inline void store_neox_head_input_grad(const floa
   const __m512 vmean_dot = _mm512_set1_ps(mean_dot);
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (by_instruction && store_input_grad_bf16(x, g, n, vr, vmean_dot, out)) return;
+    if (by_instruction && store_input_grad_bf16(x, g, n, vr, vmean_dot, out, stream)) return;
   }
 #endif
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (stream && n % 32 == 0) {  // a line of 32 a step
+      for (int64_t d = 0; d < n; d += 32) {
+        const __m512 low = input_grad16(x, g, d, vr, vmean_dot);
+        const __m512 high = input_grad16(x, g, d + 16, vr, vmean_dot);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + d), narrow_halfx32(low, high));
+      }
+      return;
+    }
+  }
   for (int64_t d = 0; d < n; d += 16) {
     const __m512 dx = input_grad16(x, g, d, vr, vmean_dot);
     if constexpr (std::is_same_v<scalar_t, float>) {
@@ -523,10 +523,11 @@ void backward_heads_by_vectors(const RotaryView<scalar_t>& view, const scalar_t*
     const auto store_head = [&](int64_t h, float mean_dot) {
       scalar_t* head_out = out + h * view.out_stride[2];
       const bool direct = view.stream && reinterpret_cast<uintptr_t>(head_out) % 64 == 0;
+      constexpr bool kFloat = std::is_same_v<scalar_t, float>;
       store_neox_head_input_grad(x + h * D, g + h * D, D, inv_rms[h], mean_dot,
-                                 view.stream && !direct ? nullptr : head_out, by_instruction, direct);
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (view.stream && !direct) store_streaming(g + h * D, head_out, D);  // bf16 and fp16 are never streamed here
+                                 kFloat && view.stream && !direct ? nullptr : head_out, by_instruction, direct);
+      if constexpr (kFloat) {
+        if (view.stream && !direct) store_streaming(g + h * D, head_out, D);
       }
     };
     float mean_dot = 0;
@@ -594,7 +595,7 @@ template <QkNorm kConvention>
 POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const RmsNormView<c10::BFloat16, float>& norm,
                                                          const float* inv_rms, PairCoeffs<float> k, int64_t pairs,
                                                          const RotaryView<c10::BFloat16>& view, c10::BFloat16* out,
-                                                         const RoundingBounds& bounds) {
+                                                         const c10::BFloat16* next, const RoundingBounds& bounds) {
   const int64_t D = view.head_dim;
   const bool per_head = norm.group == D;
   const int64_t groups = per_head ? view.heads : 1;
@@ -614,33 +615,43 @@ POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const R
   for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
     const float* w = per_head ? norm.weight : norm.weight + h * D;
     const float r = inv_rms[per_head ? h : 0];
+    if (next != nullptr) prefetch_row(next + h * view.in_stride[2], D * sizeof(c10::BFloat16));
+    const bool stream = view.stream && reinterpret_cast<uintptr_t>(out) % 64 == 0;
     if (clean) {
-      rms_scale_rotate_neox_bf16<kConvention, false>(x, w, r, k, pairs, out);
+      rms_scale_rotate_neox_bf16<kConvention, false>(x, w, r, k, pairs, out, stream);
     } else {
-      rms_scale_rotate_neox_bf16<kConvention, true>(x, w, r, k, pairs, out);
+      rms_scale_rotate_neox_bf16<kConvention, true>(x, w, r, k, pairs, out, stream);
     }
   }
 }
 #endif
 
 // Every head of a view's token, from its channels x ([heads * head_dim], maths precision): normalized, rotated and
-// stored (the forward of qk_norm_rope).
+// stored (the forward of qk_norm_rope). Where the inputs are past the caches, `next` is the next token's rows (heads
+// of contiguous channels), asked for a head at a time as this token's heads are stored: a token's rows are a page or
+// two, where the hardware prefetchers stop. All of them asked for at once, before the token, the requests filled the
+// core's line buffers and its loads waited behind them. A head at a time, with the AVX-512 build's bf16 and fp16
+// heads sent past the caches as whole lines, in-process A/B on a 2-core Emerald Rapids guest, q, k [4, 2048, 16|8,
+// 128] over the copy bound: bf16 1.61 -> 1.40 (2 threads) and 1.71 -> 1.36 (one), fp16 1.96 -> 1.21 and 2.17 -> 1.50,
+// float32 0.97 -> 0.91; either change alone gained bf16 little (1.62-1.69). AVX2 bf16 2.46 -> 2.20, the baseline's
+// float32 1.35 -> 1.09.
 template <RopeLayout kLayout, QkNorm kConvention, typename scalar_t, typename opmath>
 void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
                             PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out,
-                            const RoundingBounds* by_instruction) {
+                            const scalar_t* next, const RoundingBounds* by_instruction) {
   const int64_t D = view.head_dim;
   const bool per_head = norm.group == D;
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Neox) {
     if (by_instruction != nullptr) {
-      return normalize_rotate_neox_bf16<kConvention>(x, norm, inv_rms, k, pairs, view, out, *by_instruction);
+      return normalize_rotate_neox_bf16<kConvention>(x, norm, inv_rms, k, pairs, view, out, next, *by_instruction);
     }
   }
 #endif
   for (int64_t h = 0; h < view.heads; ++h, x += D, out += view.out_stride[2]) {
     const opmath* w = per_head ? norm.weight : norm.weight + h * D;
     const opmath r = inv_rms[per_head ? h : 0];
+    if (next != nullptr) prefetch_row(next + h * view.in_stride[2], D * sizeof(scalar_t));
 #if POSENC_CPU_CAPABILITY_INDEX >= 1 && (defined(__x86_64__) || defined(__i386__))
     if constexpr (std::is_same_v<scalar_t, float> && kLayout == RopeLayout::Neox) {
       if (view.stream && view.out_stride[3] == 1 && pairs % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
@@ -665,7 +676,8 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
 #if defined(POSENC_HAS_F16C) && POSENC_CPU_CAPABILITY_INDEX >= 1
     if constexpr (std::is_same_v<scalar_t, c10::Half> && kLayout == RopeLayout::Neox) {
       if (view.out_stride[3] == 1 && pairs % (POSENC_CPU_CAPABILITY_INDEX == 2 ? 16 : 8) == 0) {
-        rms_scale_rotate_neox_half<kConvention>(x, w, r, k, pairs, D, out);
+        rms_scale_rotate_neox_half<kConvention>(x, w, r, k, pairs, D, out,
+                                                view.stream && reinterpret_cast<uintptr_t>(out) % 64 == 0);
         continue;
       }
     }
@@ -689,24 +701,29 @@ void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>
 template <RopeLayout kLayout, typename scalar_t, typename opmath>
 void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
                             PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out,
-                            const RoundingBounds* by_instruction) {
+                            const scalar_t* next, const RoundingBounds* by_instruction) {
   constexpr auto kLlama = QkNorm::Llama, kGemma = QkNorm::Gemma, kOlmo2 = QkNorm::Olmo2, kFused = QkNorm::Fused;
   switch (norm.convention) {
-    case kLlama: return normalize_rotate_heads<kLayout, kLlama>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
-    case kGemma: return normalize_rotate_heads<kLayout, kGemma>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
-    case kOlmo2: return normalize_rotate_heads<kLayout, kOlmo2>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
-    case kFused: return normalize_rotate_heads<kLayout, kFused>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    case kLlama:
+      return normalize_rotate_heads<kLayout, kLlama>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
+    case kGemma:
+      return normalize_rotate_heads<kLayout, kGemma>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
+    case kOlmo2:
+      return normalize_rotate_heads<kLayout, kOlmo2>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
+    case kFused:
+      return normalize_rotate_heads<kLayout, kFused>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
   }
 }
 
 template <typename scalar_t, typename opmath>
 void normalize_rotate_heads(RopeLayout layout, const opmath* x, const RmsNormView<scalar_t, opmath>& norm,
                             const opmath* inv_rms, PairCoeffs<opmath> k, int64_t pairs,
-                            const RotaryView<scalar_t>& view, scalar_t* out, const RoundingBounds* by_instruction) {
+                            const RotaryView<scalar_t>& view, scalar_t* out, const scalar_t* next,
+                            const RoundingBounds* by_instruction) {
   if (layout == RopeLayout::Neox) {
-    normalize_rotate_heads<RopeLayout::Neox>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    normalize_rotate_heads<RopeLayout::Neox>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
   } else {
-    normalize_rotate_heads<RopeLayout::Gptj>(x, norm, inv_rms, k, pairs, view, out, by_instruction);
+    normalize_rotate_heads<RopeLayout::Gptj>(x, norm, inv_rms, k, pairs, view, out, next, by_instruction);
   }
 }
 
@@ -728,7 +745,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
     width = std::max(width, channels);
     input_bytes += tokens * channels * static_cast<int64_t>(sizeof(scalar_t));
   }
-  const bool prefetches = !problem.inverse && past_caches(input_bytes);  // prefetch_token_channels
+  const bool prefetches = !problem.inverse && past_caches(input_bytes);  // the next token (normalize_rotate_heads)
   const int64_t chunk = norm_tokens_per_chunk(tokens);
   const int64_t chunks = (tokens + chunk - 1) / chunk;
   const Coefficients<scalar_t, opmath> coefficients(problem, scale);
@@ -778,9 +795,9 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           const scalar_t* in = view.in + b * view.in_stride[0] + s * view.in_stride[1];
           scalar_t* out = view.out + b * view.out_stride[0] + s * view.out_stride[1];
           if (!problem.inverse) {
-            if (prefetches && n + 1 < tokens) {
-              const int64_t next = s + 1 < seq ? view.in_stride[1] : view.in_stride[0] - s * view.in_stride[1];
-              prefetch_token_channels(in + next, view.in_stride, H, D);
+            const scalar_t* next = nullptr;
+            if (prefetches && n + 1 < tokens && view.in_stride[3] == 1) {
+              next = in + (s + 1 < seq ? view.in_stride[1] : view.in_stride[0] - s * view.in_stride[1]);
             }
             const opmath* x = token_channels(in, view.in_stride, H, D, row);
             inverse_rms_of_groups(x, H * D, norm, inv_rms);
@@ -788,7 +805,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
 #if defined(POSENC_BF16_BY_AVX512BF16)
             if (by_instruction[v]) bounds = token_rounding_bounds(weight_bounds[v], in, view.in_stride, H, D);
 #endif
-            normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out,
+            normalize_rotate_heads(problem.layout, x, norm, inv_rms, k, pairs, view, out, next,
                                    by_instruction[v] ? &bounds : nullptr);
             continue;
           }
