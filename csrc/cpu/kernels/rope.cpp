@@ -284,8 +284,8 @@ inline __m512 input_grad16(const float* x, const float* g, int64_t c, __m512 r, 
 
 #if defined(POSENC_BF16_BY_AVX512BF16)
 // The input gradient r * (g - xhat * mean_dot) of a bf16 head's n channels (a multiple of 32), stored rounded by
-// vcvtne2ps2bf16 (convert.h). Returns false, the head stored wrong, where a value rounds apart: the caller stores it
-// again by the integer form.
+// vcvtne2ps2bf16 (convert.h), 32 a line past the caches where `stream` (out on a 64-byte line). Returns false, the
+// head stored wrong, where a value rounds apart: the caller stores it again by the integer form.
 POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const float* g, int64_t n, __m512 r,
                                                            __m512 mean_dot, c10::BFloat16* out, bool stream) {
   __mmask16 apart = 0;
@@ -307,10 +307,11 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
 // The backward of one contiguous head normalized on its own and rotated whole in neox pairs (pairs a multiple of 16),
 // in two calls. neox_head_mean_dot: rms_rotate_back_row (g and gw), then normalized_dot (its 16 lanes in channel
 // order, folded by lane_sum's tree) over the head's n channels, returned divided by n. store_neox_head_input_grad:
-// rms_input_grad into out (float32 past the caches from registers where `stream`: out on a 64-byte line), or into g
-// where out is null. The same operations on the same values, so the same bits; 1.1-1.2x faster than the loops GCC
-// vectorizes (float32 at the bench shape, bf16 in cache). Always inlined: GCC called the fp16 one out of line, once a
-// head, and the backward took 1.2-1.4x the time.
+// rms_input_grad into out (past the caches from registers where `stream`, out on a 64-byte line: float32, bf16
+// rounded by AVX-512 BF16, fp16 32 channels a line in the AVX-512 build), or into g where out is null. The same
+// operations on the same values, so the same bits; 1.1-1.2x faster than the loops GCC vectorizes (float32 at the bench
+// shape, bf16 in cache). Always inlined: GCC called the fp16 one out of line, once a head, and the backward took
+// 1.2-1.4x the time.
 template <typename scalar_t>
 __attribute__((always_inline)) inline float neox_head_mean_dot(const scalar_t* grad, PairCoeffs<float> k,
                                                                int64_t pairs, const float* x, float r, const float* w,
@@ -361,7 +362,10 @@ __attribute__((always_inline)) inline void store_neox_head_input_grad(const floa
   const __m512 vmean_dot = _mm512_set1_ps(mean_dot);
 #if defined(POSENC_BF16_BY_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (by_instruction && store_input_grad_bf16(x, g, n, vr, vmean_dot, out, stream)) return;
+    if (by_instruction) {
+      if (store_input_grad_bf16(x, g, n, vr, vmean_dot, out, stream)) return;
+      if (stream) store_fence();  // its lines sent past the caches land before the loop below stores them again
+    }
   }
 #endif
   if constexpr (std::is_same_v<scalar_t, c10::Half>) {
@@ -627,14 +631,14 @@ POSENC_TARGET_AVX512BF16 void normalize_rotate_neox_bf16(const float* x, const R
 #endif
 
 // Every head of a view's token, from its channels x ([heads * head_dim], maths precision): normalized, rotated and
-// stored (the forward of qk_norm_rope). Where the inputs are past the caches, `next` is the next token's rows (heads
-// of contiguous channels), asked for a head at a time as this token's heads are stored: a token's rows are a page or
-// two, where the hardware prefetchers stop. All of them asked for at once, before the token, the requests filled the
-// core's line buffers and its loads waited behind them. A head at a time, with the AVX-512 build's bf16 and fp16
-// heads sent past the caches as whole lines, in-process A/B on a 2-core Emerald Rapids guest, q, k [4, 2048, 16|8,
-// 128] over the copy bound: bf16 1.61 -> 1.40 (2 threads) and 1.71 -> 1.36 (one), fp16 1.96 -> 1.21 and 2.17 -> 1.50,
-// float32 0.97 -> 0.91; either change alone gained bf16 little (1.62-1.69). AVX2 bf16 2.46 -> 2.20, the baseline's
-// float32 1.35 -> 1.09.
+// stored (the forward of qk_norm_rope). Where the inputs are past the caches, `next` is the next token's rows (its
+// heads side by side, bshd), asked for a head at a time as this token's heads are stored: a token's rows are a page
+// or two, where the hardware prefetchers stop (a bhsd head's rows follow one another, and they follow those). All
+// asked for at once, before the token, the requests filled the core's line buffers and its loads waited behind them.
+// A head at a time, with the AVX-512 build's bf16 and fp16 heads sent past the caches as whole lines, in-process A/B
+// on a 2-core Emerald Rapids guest, q, k [4, 2048, 16|8, 128] over the copy bound: bf16 1.61 -> 1.40 (2 threads) and
+// 1.71 -> 1.36 (one), fp16 1.96 -> 1.21 and 2.17 -> 1.50, float32 0.97 -> 0.91; either change alone gained bf16
+// little (1.62-1.69). AVX2 bf16 2.46 -> 2.20, the baseline's float32 1.35 -> 1.09.
 template <RopeLayout kLayout, QkNorm kConvention, typename scalar_t, typename opmath>
 void normalize_rotate_heads(const opmath* x, const RmsNormView<scalar_t, opmath>& norm, const opmath* inv_rms,
                             PairCoeffs<opmath> k, int64_t pairs, const RotaryView<scalar_t>& view, scalar_t* out,
@@ -796,7 +800,7 @@ void norm_rope_kernel(const RopeProblem<scalar_t>& problem) {
           scalar_t* out = view.out + b * view.out_stride[0] + s * view.out_stride[1];
           if (!problem.inverse) {
             const scalar_t* next = nullptr;
-            if (prefetches && n + 1 < tokens && view.in_stride[3] == 1) {
+            if (prefetches && n + 1 < tokens && view.in_stride[3] == 1 && view.in_stride[2] == D) {
               next = in + (s + 1 < seq ? view.in_stride[1] : view.in_stride[0] - s * view.in_stride[1]);
             }
             const opmath* x = token_channels(in, view.in_stride, H, D, row);
