@@ -320,6 +320,15 @@ POSENC_INLINE __m512i narrow_halfx32(__m512 low, __m512 high) {
   return _mm512_maskz_inserti64x4(0xFF, _mm512_castsi256_si512(_mm512_maskz_cvtps_ph(0xFFFF, low, kNearest)),
                                   _mm512_maskz_cvtps_ph(0xFFFF, high, kNearest), 1);
 }
+
+// One 64-byte vector stored at p: past the caches where `stream` (p on a 64-byte line).
+POSENC_INLINE void store_line(void* p, __m512i line, bool stream) {
+  if (stream) {
+    _mm512_stream_si512(static_cast<__m512i*>(p), line);
+  } else {
+    _mm512_storeu_si512(p, line);
+  }
+}
 #endif
 
 // bf16 by AVX-512 BF16's vcvtneps2bf16 / vcvtne2ps2bf16 in the AVX-512 build, for the kernels that check the CPU has
@@ -356,6 +365,11 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE void store_bf16x32(__m512 a, __m512 b, c1
   const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(pa), _mm512_maskz_extracti64x4_epi64(0xF, both, 0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), _mm512_maskz_extracti64x4_epi64(0xF, both, 1));
+}
+
+// 32 floats, low's 16 then high's, rounded to bf16 by one vcvtne2ps2bf16 and stored as one line at p (store_line).
+POSENC_TARGET_AVX512BF16 POSENC_INLINE void store_bf16x32_line(__m512 low, __m512 high, c10::BFloat16* p, bool stream) {
+  store_line(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)), stream);
 }
 #endif
 

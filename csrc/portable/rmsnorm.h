@@ -296,15 +296,8 @@ POSENC_TARGET_AVX512BF16 inline void rms_scale_rotate_neox_bf16(const float* x, 
       }
     } else if (rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i, first, second) &&
                rms_scale_rotate_bf16x16_pairs<kConvention, kChecked>(x, w, vr, k, pairs, i + 16, first2, second2)) {
-      const __m512i firsts = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first));
-      const __m512i seconds = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second));
-      if (stream) {
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), firsts);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), seconds);
-      } else {
-        _mm512_storeu_si512(out + i, firsts);
-        _mm512_storeu_si512(out + pairs + i, seconds);
-      }
+      store_bf16x32_line(first, first2, out + i, stream);
+      store_bf16x32_line(second, second2, out + pairs + i, stream);
       continue;
     }
     for (int64_t j = i; j < i + step; ++j) {

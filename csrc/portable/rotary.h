@@ -302,12 +302,7 @@ template <RopeLayout kLayout>
 inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
                                            int64_t head_dim, bool stream) {
   const auto stream_line = [&](c10::Half* p, __m512 low, __m512 high) {
-    const __m512i line = narrow_halfx32(low, high);
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(p), line);
-    } else {
-      _mm512_storeu_si512(p, line);
-    }
+    store_line(p, narrow_halfx32(low, high), stream);
   };
   if constexpr (kLayout == RopeLayout::Neox) {
     for (int64_t i = 0; i < pairs; i += 32) {
@@ -552,15 +547,8 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE void rotate_bf16_row(const c10::BFloat16*
     for (int64_t i = 0; i < pairs; i += 32) {
       if (rotate_bf16x16_pairs<kLayout>(in, k, pairs, i, first, second) &&
           rotate_bf16x16_pairs<kLayout>(in, k, pairs, i + 16, first2, second2)) {
-        const auto firsts = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(first2, first));
-        const auto seconds = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(second2, second));
-        if (stream) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), firsts);
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), seconds);
-        } else {
-          _mm512_storeu_si512(out + i, firsts);
-          _mm512_storeu_si512(out + pairs + i, seconds);
-        }
+        store_bf16x32_line(first, first2, out + i, stream);
+        store_bf16x32_line(second, second2, out + pairs + i, stream);
       } else {
         rotate_bf16_pairs_by_integers<kLayout>(in, out, k, pairs, i, 32);
       }
@@ -577,12 +565,7 @@ POSENC_TARGET_AVX512BF16 POSENC_INLINE void rotate_bf16_row(const c10::BFloat16*
                                                      4 | 20 << 16, 5 | 21 << 16, 6 | 22 << 16, 7 | 23 << 16,
                                                      8 | 24 << 16, 9 | 25 << 16, 10 | 26 << 16, 11 | 27 << 16,
                                                      12 | 28 << 16, 13 | 29 << 16, 14 | 30 << 16, 15 | 31 << 16);
-        const __m512i line = _mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves);
-        if (stream) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 2 * i), line);
-        } else {
-          _mm512_storeu_si512(out + 2 * i, line);
-        }
+        store_line(out + 2 * i, _mm512_maskz_permutexvar_epi16(0xFFFFFFFFu, pair_order, halves), stream);
       }
     }
   }

@@ -142,12 +142,7 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
     if (read_ahead) _mm_prefetch(reinterpret_cast<const char*>(x + d) + kReadAheadBytes, _MM_HINT_T0);
     const __m512 low = sum16(d, 0xFFFF), high = sum16(d + 16, 0xFFFF);
     if ((rounds_apart(low) | rounds_apart(high)) != 0) break;
-    const auto both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + d), both);
-    } else {
-      _mm512_storeu_si512(y + d, both);
-    }
+    store_bf16x32_line(low, high, y + d, stream);
   }
   for (; d + 16 <= n; d += 16) {
     const __m512 sum = sum16(d, 0xFFFF);
@@ -190,11 +185,7 @@ inline int64_t add_half_by_instruction(const c10::Half* x, const float* pe, c10:
   for (; d + 32 <= n; d += 32) {
     // a hint, never a fault: past the tensor's end it asks for nothing of use
     if (read_ahead) _mm_prefetch(reinterpret_cast<const char*>(x + d) + kReadAheadBytes, _MM_HINT_T0);
-    if (stream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + d), sum32(d, 0xFFFFFFFFu));
-    } else {
-      _mm512_storeu_si512(y + d, sum32(d, 0xFFFFFFFFu));
-    }
+    store_line(y + d, sum32(d, 0xFFFFFFFFu), stream);
   }
   if (d < n) _mm512_mask_storeu_epi16(y + d, first_lanes(n - d), sum32(d, first_lanes(n - d)));
   return n;

@@ -293,12 +293,7 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
     const __m512 low = input_grad16(x, g, d, r, mean_dot);
     const __m512 high = input_grad16(x, g, d + 16, r, mean_dot);
     apart |= rounds_apart(low) | rounds_apart(high);
-    if (stream) {
-      const __m512i line = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + d), line);
-    } else {
-      store_bf16x32(low, high, out + d, out + d + 16);
-    }
+    store_bf16x32_line(low, high, out + d, stream);
   }
   return apart == 0;
 }
