@@ -45,9 +45,9 @@ bool streams_output(int64_t bytes_written) {
 }
 
 // Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
-// AVX-512 build's rotations and row additions).
+// row additions of the AVX2 and AVX-512 builds).
 inline bool streams_half_lines(int64_t bytes_written) {
-  return capability() == Capability::AVX512 && past_caches(bytes_written);
+  return capability() >= Capability::AVX2 && past_caches(bytes_written);
 }
 
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the

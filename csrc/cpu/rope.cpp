@@ -36,13 +36,13 @@ RmsNormView<scalar_t, opmath> norm_view(const RotationNorm& norm, RopeFormat for
 // 5.65 -> 4.92; bfloat16 rows were 7-12% slower, but for those the kernels round by AVX-512 BF16 and store as whole
 // lines from registers (rotate_heads_bf16, and QK-norm's forward and backward). Those rows, ordinary stores ->
 // streamed, in separate processes: Llama-like 3.97-4.98 -> 2.42-3.40 ms, M-RoPE 1.41-1.72 -> 1.16-1.43. fp16 rows
-// likewise, rounded by F16C in the AVX-512 build (rotate_half_row_by_instruction; in-process A/B, Llama-like q, k
-// [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
+// likewise, rounded by F16C in the AVX2 and AVX-512 builds (rotate_half_row_by_instruction; in-process A/B, AVX-512,
+// Llama-like q, k [4, 2048, 16|8, 128]: neox 1.46x, gptj 1.33x, fwd+bwd 1.39x on 2 threads; 1.42-1.49x on one).
 // lines: the kernel is rope_kernel's (the rotations and QK-norm), which stores bf16 and fp16 rows as whole lines
 // where it rounds them in registers (other bf16 and fp16 rows ignore the flag); bf16 rows stream where AVX-512 BF16
 // rounds them, or where the baseline and AVX2 builds round them in registers (rotary.h's rotate_bf16_vectors; AVX2
-// 1.11x on 2 threads, 1.19-1.21x on one); fp16 rows as whole lines from registers (AVX-512), else through a row in L1
-// (rotary.h's rotate_unit_row). Inputs of that size are read a token ahead (read_ahead: rotary.h's
+// 1.11x on 2 threads, 1.19-1.21x on one); fp16 rows as whole lines from registers (AVX2, AVX-512), else through a
+// row in L1 (rotary.h's rotate_unit_row). Inputs of that size are read a token ahead (read_ahead: rotary.h's
 // prefetch_next_token).
 template <typename scalar_t>
 RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int64_t bytes_written,

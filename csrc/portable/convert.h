@@ -331,6 +331,30 @@ POSENC_INLINE void store_line(void* p, __m512i line, bool stream) {
 }
 #endif
 
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
+    (defined(__x86_64__) || defined(__i386__))
+// 8 fp16 values widened to float32 by vcvtph2ps in the AVX2 build (to_opmath's values).
+POSENC_INLINE __m256 widen_halfx8(const c10::Half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+
+// 16 floats, low's 8 then high's, rounded to fp16 by vcvtps2ph as from_opmath rounds them: half a 64-byte line.
+POSENC_INLINE __m256i narrow_halfx16(__m256 low, __m256 high) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm256_set_m128i(_mm256_cvtps_ph(high, kNearest), _mm256_cvtps_ph(low, kNearest));
+}
+
+// Half a line (32 bytes) stored at p: past the caches where `stream` (p on 32 bytes), where the line's other half
+// goes next, so that the core writes the line whole.
+POSENC_INLINE void store_half_line(void* p, __m256i half, bool stream) {
+  if (stream) {
+    _mm256_stream_si256(static_cast<__m256i*>(p), half);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), half);
+  }
+}
+#endif
+
 // bf16 by AVX-512 BF16's vcvtneps2bf16 / vcvtne2ps2bf16 in the AVX-512 build, for the kernels that check the CPU has
 // it (cpu::has_avx512_bf16()). It rounds to nearest even as from_opmath does (checked on every float32 bit pattern),
 // but reads a denormal as zero, which from_opmath rounds, and keeps a NaN's payload, which from_opmath sets to 0x7FC0.

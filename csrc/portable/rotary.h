@@ -107,6 +107,19 @@ POSENC_INLINE void rotate_pairs8(__m256 a, __m256 b, PairCoeffs<float> k, int64_
   first = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(k.c1 + i)), _mm256_mul_ps(b, _mm256_loadu_ps(k.s1 + i)));
   second = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(k.c2 + i)), _mm256_mul_ps(a, _mm256_loadu_ps(k.s2 + i)));
 }
+
+// gptj's 8 pairs in two vectors x0, x1: the firsts and the partners of each 128-bit lane, then the lanes' order
+// (split_pairs8); joined back in channel order (join_pairs8).
+POSENC_INLINE void split_pairs8(__m256 x0, __m256 x1, __m256& firsts, __m256& partners) {
+  firsts = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
+  partners = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
+}
+
+POSENC_INLINE void join_pairs8(__m256 firsts, __m256 partners, __m256& x0, __m256& x1) {
+  const __m256 low = _mm256_unpacklo_ps(firsts, partners), high = _mm256_unpackhi_ps(firsts, partners);
+  x0 = _mm256_permute2f128_ps(low, high, 0x20);
+  x1 = _mm256_permute2f128_ps(low, high, 0x31);
+}
 #endif
 
 #if !defined(__CUDACC__)
@@ -157,6 +170,17 @@ inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, 
 template <RopeLayout kLayout>
 POSENC_INLINE bool streams_bf16_vectors(const c10::BFloat16* out, int64_t pairs) {
   return pairs % (kLayout == RopeLayout::Neox ? 32 : 16) == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+}
+
+// Whether a contiguous row of view v goes past the caches by rotate_bf16_vectors: bf16, the view streams, out of
+// place, whole lines.
+template <RopeLayout kLayout, typename scalar_t>
+POSENC_INLINE bool streams_bf16_row(const RotaryView<scalar_t>& v, const scalar_t* in, const scalar_t* out,
+                                    int64_t pairs) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return v.stream && in != out && streams_bf16_vectors<kLayout>(out, pairs);
+  }
+  return false;
 }
 #endif
 
@@ -263,24 +287,22 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
   }
 #else
   for (int64_t i = 0; i < pairs; i += 8) {
-    __m256 a, b;
+    __m256 a, b, first, second;
     if constexpr (kNeox) {
       a = _mm256_loadu_ps(in + i);
       b = _mm256_loadu_ps(in + pairs + i);
-    } else {  // 8 pairs in two vectors: the firsts and the partners of each 128-bit lane, then the lanes' order
-      const __m256 x0 = _mm256_loadu_ps(in + 2 * i), x1 = _mm256_loadu_ps(in + 2 * i + 8);
-      a = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0x88)), 0xD8));
-      b = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(x0, x1, 0xDD)), 0xD8));
+    } else {
+      split_pairs8(_mm256_loadu_ps(in + 2 * i), _mm256_loadu_ps(in + 2 * i + 8), a, b);
     }
-    __m256 first, second;
     rotate_pairs8(a, b, k, i, first, second);
     if constexpr (kNeox) {
       _mm256_stream_ps(out + i, first);
       _mm256_stream_ps(out + pairs + i, second);
     } else {
-      const __m256 low = _mm256_unpacklo_ps(first, second), high = _mm256_unpackhi_ps(first, second);
-      _mm256_stream_ps(out + 2 * i, _mm256_permute2f128_ps(low, high, 0x20));
-      _mm256_stream_ps(out + 2 * i + 8, _mm256_permute2f128_ps(low, high, 0x31));
+      __m256 y0, y1;
+      join_pairs8(first, second, y0, y1);
+      _mm256_stream_ps(out + 2 * i, y0);
+      _mm256_stream_ps(out + 2 * i + 8, y1);
     }
   }
 #endif
@@ -288,19 +310,24 @@ POSENC_INLINE void rotate_f32_row_streamed(const float* in, float* out, PairCoef
 }
 #endif
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 2 && \
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1 && \
     (defined(__x86_64__) || defined(__i386__))
 #define POSENC_ROTATES_HALF_BY_INSTRUCTION 1
-// A contiguous fp16 head's row rotated in registers in the AVX-512 build, 64 bytes of output a step (neox: pairs a
-// multiple of 32, the first channels of 32 pairs a line and their partners another; gptj: a multiple of 16, 16 pairs
-// a line), each step's inputs read before its stores (so in place too): widened by vcvtph2ps, rotated as rotate_row
-// rotates (rotate_pairs16), rounded by vcvtps2ph as narrow rounds, so the same bits as rotate_row_half, which goes
-// through a float row in L1 (in-process A/B against it, q [4, 2048, 16, 128] fp16, 1 and 2 threads: in place
-// 1.20-1.24x, out of place in the cache 1.21-1.25x). `stream`: the lines go past the caches (out on a line). The
-// channels past the pairs are copied.
+// A contiguous fp16 head's row rotated in registers in the AVX2 and AVX-512 builds, 64 bytes of output a step (neox:
+// pairs a multiple of 32, the first channels of 32 pairs a line and their partners another; gptj: a multiple of 16,
+// 16 pairs a line), each step's inputs read before its stores (so in place too): widened by vcvtph2ps, rotated as
+// rotate_row rotates (rotate_pairs16, rotate_pairs8), rounded by vcvtps2ph as narrow rounds, so the same bits as
+// rotate_row_half, which goes through a float row in L1 (in-process A/B against it, q [4, 2048, 16, 128] fp16, 1 and
+// 2 threads, AVX-512: in place 1.20-1.24x, out of place in the cache 1.21-1.25x). AVX2 stores a line as two halves;
+// against its float row (streamed by store_streaming in a token walk, ordinary stores in a head walk), in-process
+// A/B on a 2-core Emerald Rapids guest, 2 threads (one): q, k [4, 2048, 16, 128] bshd 1.10-1.12x (1.10x), fwd+bwd
+// 1.10x (1.37x), in place 1.07-1.16x; bhsd [32, 16, 1024, 64] Flux-like gptj 1.69x (2.08x), neox 1.83x (2.08x); in
+// the caches ([1, 64, 16, 128], gptj [1, 16, 64, 64]) 1.08-1.57x.
+// `stream`: the lines go past the caches (out on a line). The channels past the pairs are copied.
 template <RopeLayout kLayout>
 inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, PairCoeffs<float> k, int64_t pairs,
                                            int64_t head_dim, bool stream) {
+#if POSENC_CPU_CAPABILITY_INDEX == 2
   const auto stream_line = [&](c10::Half* p, __m512 low, __m512 high) {
     store_line(p, narrow_halfx32(low, high), stream);
   };
@@ -321,6 +348,37 @@ inline void rotate_half_row_by_instruction(const c10::Half* in, c10::Half* out, 
       stream_line(out + 2 * i, y0, y1);
     }
   }
+#else
+  const auto store_half = [&](c10::Half* p, __m256 low, __m256 high) {
+    store_half_line(p, narrow_halfx16(low, high), stream);
+  };
+  if constexpr (kLayout == RopeLayout::Neox) {
+    for (int64_t i = 0; i < pairs; i += 32) {
+      __m256 first[4], second[4];
+      for (int64_t j = 0; j < 4; ++j) {
+        const int64_t p = i + 8 * j;
+        rotate_pairs8(widen_halfx8(in + p), widen_halfx8(in + pairs + p), k, p, first[j], second[j]);
+      }
+      store_half(out + i, first[0], first[1]);
+      store_half(out + i + 16, first[2], first[3]);
+      store_half(out + pairs + i, second[0], second[1]);
+      store_half(out + pairs + i + 16, second[2], second[3]);
+    }
+  } else {
+    for (int64_t i = 0; i < pairs; i += 16) {
+      __m256 y[4];
+      for (int64_t j = 0; j < 2; ++j) {
+        const c10::Half* x = in + 2 * i + 16 * j;
+        __m256 a, b, first, second;
+        split_pairs8(widen_halfx8(x), widen_halfx8(x + 8), a, b);
+        rotate_pairs8(a, b, k, i + 8 * j, first, second);
+        join_pairs8(first, second, y[2 * j], y[2 * j + 1]);
+      }
+      store_half(out + 2 * i, y[0], y[1]);
+      store_half(out + 2 * i + 16, y[2], y[3]);
+    }
+  }
+#endif
   if (in != out) std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
 }
 
@@ -331,7 +389,8 @@ POSENC_INLINE bool rotates_half_by_instruction(int64_t pairs) {
 }
 #endif
 
-// Whether fp16 rows of `pairs` are rotated in registers (rotate_half_row_by_instruction: the AVX-512 build).
+// Whether fp16 rows of `pairs` are rotated in registers (rotate_half_row_by_instruction: the AVX2 and AVX-512
+// builds).
 template <RopeLayout kLayout>
 POSENC_INLINE bool rotates_half_in_registers(int64_t pairs) {
 #if defined(POSENC_ROTATES_HALF_BY_INSTRUCTION)
@@ -405,10 +464,10 @@ constexpr int64_t kStreamedRowChannels = 512;
 // A head's row of a token walk rotated as rotate_row<kLayout, true, kPairs> rotates it (fp16: rotate_half_head), and
 // stored past the caches when the view asks: float32 rows from registers where rotate_f32_row_streamed takes them,
 // fp16 rows where rotate_half_head streams them, the others through a row in L1 sent on by store_streaming (heads
-// wider than it take ordinary stores). fp16 rows so streamed, in-process A/B, AVX2 build, q, k [4, 2048, 16, 128] on
-// a 2-core Emerald Rapids guest: 1.44-1.81x on 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one; the baseline build
-// 1.00x. A head walk's fp16 rows keep ordinary stores (rotate_head_run calls rotate_half_head): so streamed,
-// Flux-like bhsd gptj [32, 16, 1024, 64] ran 0.94x (AVX2), DINOv3-like neox 1.01x. bf16 rows of the baseline and
+// wider than it take ordinary stores). fp16 rows through the row so streamed, in-process A/B, AVX2 build, q, k
+// [4, 2048, 16, 128] on a 2-core Emerald Rapids guest: 1.44-1.81x on 2 threads (fwd+bwd 1.55-1.71x), 1.69x on one;
+// the baseline build 1.00x (a head walk's rows so streamed, Flux-like bhsd gptj [32, 16, 1024, 64], 0.94x under
+// AVX2: there they stream only from registers, rotate_half_head). bf16 rows of the baseline and
 // AVX2 builds go from registers as whole lines (rotate_bf16_vectors; AVX2, q, k [4, 2048, 16|8, 128]: 1.11x on 2
 // threads, 1.19-1.21x on one); through a row in L1 they had read 0.94-1.11x. Not float64: rotated into a local row,
 // its gptj pairs were compiled (GCC 12, AVX2 and AVX-512) to vfmaddsub, a fused multiply-add that -ffp-contract=off

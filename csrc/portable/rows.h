@@ -25,12 +25,12 @@ inline namespace POSENC_KERNEL_NAMESPACE {
 constexpr int64_t kRowsPerEncoding = 2;
 
 // How add_rows stores its sums: as they are; past the caches (outputs larger than the last-level cache: float32,
-// streaming.h, and fp16 in the AVX-512 build); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16, rounded
-// by vcvtneps2bf16 (convert.h), and for outputs larger than the last-level cache stored past it as whole 64-byte
-// lines from registers, as the baseline and AVX2 builds store them (add_bf16_vectors; kBf16ByInstruction is then
-// kCached). The *ReadAhead kinds, for fp16 and bf16 rows streamed where the input rows follow one
-// another in memory (the bytes past a row are the next row read), also ask for the input's lines kReadAheadBytes
-// ahead of its loads.
+// streaming.h, and fp16 in the AVX2 and AVX-512 builds); or, for bf16 in the AVX-512 build on a CPU with AVX-512 BF16,
+// rounded by vcvtneps2bf16 (convert.h), and for outputs larger than the last-level cache stored past it as whole
+// 64-byte lines from registers, as the baseline and AVX2 builds store them (add_bf16_vectors; kBf16ByInstruction is
+// then kCached). The *ReadAhead kinds, for fp16 and bf16 rows streamed where the input rows follow one another in
+// memory (the bytes past a row are the next row read), also ask for the input's lines kReadAheadBytes ahead of its
+// loads.
 enum class RowStores {
   kCached,
   kStreamed,
@@ -158,10 +158,14 @@ POSENC_TARGET_AVX512BF16 inline int64_t add_bf16_by_instruction(const c10::BFloa
 // a NaN's payload kept): the conversions widen and narrow make (convert.h), so the same bits as add_rows' float
 // chunk, without the chunk's pass through L1 and the scalar widening of x. AVX-512: 32 channels a step, stored as one
 // 64-byte vector, the last step masked; `stream`: y's whole lines past the caches, the part of a line before the
-// first by a masked store; `read_ahead`: x's lines asked for kReadAheadBytes ahead. AVX2: 16 a step, ordinary
-// stores. Returns the count added. In-process A/B against the float chunk with ordinary stores, AVX-512, 2 threads:
-// [8, 2048, 1024] add_sinusoidal 1.66x, add_learned 1.69x, the fused embeddings 1.41-1.43x, the resampled ViT-B and
-// DINOv2-L rows 1.51x and 1.38x, PixArt's grid 1.53x, CogVideoX's 1.17x; 1.35-1.88x on one thread.
+// first by a masked store; `read_ahead`: x's lines asked for kReadAheadBytes ahead. AVX2: 16 a step; `stream`: the
+// part of a line before the first value by value, then each whole line as two halves past the caches, what is left
+// after the last whole step to the caller. Returns the count added. In-process A/B against the float chunk with
+// ordinary stores, AVX-512, 2 threads: [8, 2048, 1024] add_sinusoidal 1.66x, add_learned 1.69x, the fused
+// embeddings 1.41-1.43x, the resampled ViT-B and DINOv2-L rows 1.51x and 1.38x, PixArt's grid 1.53x, CogVideoX's
+// 1.17x; 1.35-1.88x on one thread. AVX2, streamed against its ordinary stores (in-process A/B, 2 threads, on an
+// Emerald Rapids guest): add_sinusoidal 1.52-1.62x, add_learned 1.62-1.91x, embed_learned and embed_sinusoidal
+// 1.16x, DINOv2-L's resampled rows 1.41x; one thread 1.42-1.71x.
 inline int64_t add_half_by_instruction(const c10::Half* x, const float* pe, c10::Half* y, int64_t n, float scale,
                                        bool stream, bool read_ahead) {
 #if POSENC_CPU_CAPABILITY_INDEX == 2
@@ -190,18 +194,22 @@ inline int64_t add_half_by_instruction(const c10::Half* x, const float* pe, c10:
   if (d < n) _mm512_mask_storeu_epi16(y + d, first_lanes(n - d), sum32(d, first_lanes(n - d)));
   return n;
 #else
-  (void)stream;
-  (void)read_ahead;
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256 s = _mm256_set1_ps(scale);
   const auto sum8 = [&](int64_t d) {
-    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
-    return _mm256_cvtps_ph(_mm256_add_ps(_mm256_mul_ps(wide, s), _mm256_loadu_ps(pe + d)), kNearest);
+    return _mm256_add_ps(_mm256_mul_ps(widen_halfx8(x + d), s), _mm256_loadu_ps(pe + d));
   };
+  const auto sum16 = [&](int64_t d) { return narrow_halfx16(sum8(d), sum8(d + 8)); };
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + d), _mm256_set_m128i(sum8(d + 8), sum8(d)));
+  if (stream) {
+    const int64_t head = std::min<int64_t>(n, (64 - reinterpret_cast<uintptr_t>(y) % 64) % 64 / 2);
+    for (; d < head; ++d) y[d] = from_opmath<c10::Half>(to_opmath(x[d]) * scale + pe[d]);
+    for (; d + 32 <= n; d += 32) {
+      if (read_ahead) _mm_prefetch(reinterpret_cast<const char*>(x + d) + kReadAheadBytes, _MM_HINT_T0);
+      store_half_line(y + d, sum16(d), true);
+      store_half_line(y + d + 16, sum16(d + 16), true);
+    }
   }
+  for (; d + 16 <= n; d += 16) store_half_line(y + d, sum16(d), false);
   return d;
 #endif
 }

@@ -330,11 +330,11 @@ class AxisEncodingBlocks {
   }
 
   // One bf16 or fp16 row of a kept token streamed past the caches as whole 64-byte lines, rounded in registers (bf16 by
-  // AVX-512 BF16 or, in the baseline and AVX2 builds, by add_bf16_vectors; fp16 by F16C in the AVX-512 build): the
-  // lines inside a segment straight from the axis's values, a line across segments (or past the encoded channels)
-  // from its encoding assembled in `line`, the row's parts before its first whole line and after its last by ordinary
-  // stores. CogVideoX's grid (segments of 240 and 360 channels) in-process A/B against ordinary stores, 1 and 2
-  // threads: bf16 1.17-1.18x (Zen 5); fp16 1.60-1.73x (an Emerald Rapids guest); bf16 streamed a segment at a time,
+  // AVX-512 BF16 or, in the baseline and AVX2 builds, by add_bf16_vectors; fp16 by F16C in the AVX2 and AVX-512
+  // builds): the lines inside a segment straight from the axis's values, a line across segments (or past the encoded
+  // channels) from its encoding assembled in `line`, the row's parts before its first whole line and after its last by
+  // ordinary stores. CogVideoX's grid (segments of 240 and 360 channels) in-process A/B against ordinary stores, 1 and
+  // 2 threads: bf16 1.17-1.18x (Zen 5); fp16 1.60-1.73x (an Emerald Rapids guest); bf16 streamed a segment at a time,
   // the lines two segments share written both ways, 0.79-0.92x; a row assembled first, 0.86-0.95x. The AVX2 build's
   // bf16, separate processes against its ordinary stores: 1.27-1.67x on 2 threads, 1.45-1.63x on one; the baseline's
   // 0.94-1.93x (median 1.5x).

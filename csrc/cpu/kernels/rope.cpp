@@ -303,7 +303,7 @@ POSENC_TARGET_AVX512BF16 inline bool store_input_grad_bf16(const float* x, const
 // in two calls. neox_head_mean_dot: rms_rotate_back_row (g and gw), then normalized_dot (its 16 lanes in channel
 // order, folded by lane_sum's tree) over the head's n channels, returned divided by n. store_neox_head_input_grad:
 // rms_input_grad into out (past the caches from registers where `stream`, out on a 64-byte line: float32, bf16
-// rounded by AVX-512 BF16, fp16 32 channels a line in the AVX-512 build), or into g where out is null. The same
+// rounded by AVX-512 BF16, fp16 32 channels a line), or into g where out is null. The same
 // operations on the same values, so the same bits; 1.1-1.2x faster than the loops GCC vectorizes (float32 at the bench
 // shape, bf16 in cache). Always inlined: GCC called the fp16 one out of line, once a head, and the backward took
 // 1.2-1.4x the time.
@@ -454,9 +454,20 @@ __attribute__((always_inline)) inline void store_neox_head_input_grad(const floa
                                                                       bool /*by_instruction*/, bool stream) {
   const __m256 vr = _mm256_set1_ps(r);
   const __m256 vmean_dot = _mm256_set1_ps(mean_dot);
-  for (int64_t d = 0; d < n; d += 8) {
+  const auto input_grad8 = [&](int64_t d) {
     const __m256 xhat = _mm256_mul_ps(_mm256_loadu_ps(x + d), vr);
-    const __m256 dx = _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(xhat, vmean_dot)));
+    return _mm256_mul_ps(vr, _mm256_sub_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(xhat, vmean_dot)));
+  };
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (stream && n % 32 == 0) {  // a line of 32 as two halves
+      for (int64_t d = 0; d < n; d += 16) {
+        store_half_line(out + d, narrow_halfx16(input_grad8(d), input_grad8(d + 8)), true);
+      }
+      return;
+    }
+  }
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 dx = input_grad8(d);
     if constexpr (std::is_same_v<scalar_t, float>) {
       if (stream) {
         _mm256_stream_ps(out + d, dx);
@@ -899,6 +910,13 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
             rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
           }
 #endif
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+        } else if (streams_bf16_row<kLayout>(v, head_in, head_out, pairs)) {
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // the test above holds only for bf16
+            rotate_bf16_vectors<kLayout, true>(head_in, head_out, k, pairs);
+            std::copy(head_in + 2 * pairs, head_in + v.head_dim, head_out + 2 * pairs);
+          }
+#endif
         } else {
           rotate_contiguous_row<kLayout, kPairs>(head_in, head_out, k, pairs, v.head_dim);
         }
@@ -971,7 +989,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 }
 
 // Whether a bf16 view's rows may stream by rotate_bf16_vectors (the baseline and AVX2 builds): rows contiguous
-// (rotate_unit_row streams those whose output starts on a line, as whole lines).
+// (rotate_unit_row and rotate_head_run stream those whose output starts on a line, as whole lines).
 template <typename scalar_t>
 bool view_streams_bf16_vectors(const RotaryView<scalar_t>& v) {
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
@@ -1019,11 +1037,15 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
   // past the caches, float32 rows had been slower (3.48 -> 3.79 ms), and bf16 neox rows rounded by instruction
   // and streamed were too (0.77-0.88x): those keep ordinary stores. fp16 rows, rotated in registers by F16C
   // (rotate_half_row_by_instruction) where the pairs allow, stream in both layouts: in-process A/B against the float
-  // row, DINOv3-like neox 1.23x, and streamed 1.25x more; Flux-like gptj 1.60x; in place 1.82x (2 threads). Other
-  // fp16 rows keep ordinary stores (rotate_half_head).
+  // row, DINOv3-like neox 1.23x, and streamed 1.25x more; Flux-like gptj 1.60x; in place 1.82x (2 threads; AVX2:
+  // neox 1.83x, gptj 1.69x, rotary.h). Other fp16 rows keep ordinary stores (rotate_half_head). The baseline's and
+  // AVX2's bf16 rows, rounded in registers by integer operations (rotate_bf16_vectors), stream as whole lines in both
+  // layouts: in-process A/B against ordinary stores, AVX2, DINOv3's neox 1.10x (1.08x on one thread), fwd+bwd 1.08x
+  // (1.20x), Flux-like gptj 1.12x (1.22x); the baseline 1.02-1.11x.
   RotaryView<scalar_t> run = v;
   run.stream = v.stream && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::Half> ||
-                            layout == RopeLayout::Gptj);
+                            layout == RopeLayout::Gptj ||
+                            (std::is_same_v<scalar_t, c10::BFloat16> && view_streams_bf16_vectors(v)));
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
   RotaryView<scalar_t> head = run;
   head.heads = 1;
