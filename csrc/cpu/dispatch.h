@@ -44,12 +44,6 @@ bool streams_output(int64_t bytes_written) {
   return std::is_same_v<scalar_t, float> && past_caches(bytes_written);
 }
 
-// Whether fp16 rows of such a size, rounded by F16C in registers, go past the caches as whole 64-byte lines (the
-// row additions of the AVX2 and AVX-512 builds).
-inline bool streams_half_lines(int64_t bytes_written) {
-  return capability() >= Capability::AVX2 && past_caches(bytes_written);
-}
-
 // One kernel entry point, one function per capability; a capability's build fills its own slot when the
 // library loads (default always exists), and a call runs the best filled slot up to capability().
 template <typename Fn>

@@ -331,12 +331,16 @@ POSENC_INLINE void store_line(void* p, __m512i line, bool stream) {
 }
 #endif
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1 && \
     (defined(__x86_64__) || defined(__i386__))
-// 8 fp16 values widened to float32 by vcvtph2ps in the AVX2 build (to_opmath's values).
+// 8 fp16 values widened to float32 by vcvtph2ps in the AVX2 and AVX-512 builds (to_opmath's values).
 POSENC_INLINE __m256 widen_halfx8(const c10::Half* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
+#endif
+
+#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX == 1 && \
+    (defined(__x86_64__) || defined(__i386__))
 
 // 16 floats, low's 8 then high's, rounded to fp16 by vcvtps2ph as from_opmath rounds them: half a 64-byte line.
 POSENC_INLINE __m256i narrow_halfx16(__m256 low, __m256 high) {

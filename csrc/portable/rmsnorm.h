@@ -399,8 +399,8 @@ inline void rms_scale_rotate_neox_half(const float* x, const float* w, float r, 
       Vec first, second, first2, second2;
       rotate(scaled(i), scaled(pairs + i), i, first, second);
       rotate(scaled(i + kStep), scaled(pairs + i + kStep), i + kStep, first2, second2);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + i), narrow_halfx32(first, first2));
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + pairs + i), narrow_halfx32(second, second2));
+      store_line(out + i, narrow_halfx32(first, first2), true);
+      store_line(out + pairs + i, narrow_halfx32(second, second2), true);
     }
   }
 #else

@@ -180,7 +180,7 @@ struct HalfDoubles {
 #if POSENC_CPU_CAPABILITY_INDEX == 2
   __m512d v;
   static HalfDoubles widen(const c10::Half* p) {
-    return {_mm512_maskz_cvtps_pd(0xFF, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+    return {_mm512_maskz_cvtps_pd(0xFF, widen_halfx8(p))};
   }
   static HalfDoubles load(const double* p) { return {_mm512_loadu_pd(p)}; }
   static HalfDoubles zero() { return {_mm512_setzero_pd()}; }
@@ -190,7 +190,7 @@ struct HalfDoubles {
 #else
   __m256d low, high;
   static HalfDoubles widen(const c10::Half* p) {
-    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 f = widen_halfx8(p);
     return {_mm256_cvtps_pd(_mm256_castps256_ps128(f)), _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))};
   }
   static HalfDoubles load(const double* p) { return {_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }

@@ -368,7 +368,7 @@ __attribute__((always_inline)) inline void store_neox_head_input_grad(const floa
       for (int64_t d = 0; d < n; d += 32) {
         const __m512 low = input_grad16(x, g, d, vr, vmean_dot);
         const __m512 high = input_grad16(x, g, d + 16, vr, vmean_dot);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(out + d), narrow_halfx32(low, high));
+        store_line(out + d, narrow_halfx32(low, high), true);
       }
       return;
     }
@@ -395,7 +395,7 @@ inline __m256 load_floats(const scalar_t* p) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return _mm256_loadu_ps(p);
   } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return widen_halfx8(p);
   } else {
     return Bf16Vectors::widen(p);
   }

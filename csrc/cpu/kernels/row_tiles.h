@@ -40,8 +40,9 @@ void add_to_rows(const RowInput<scalar_t>& in, scalar_t* out, int64_t rows, int6
   if (streams_output<scalar_t>(bytes_written)) {
     stores = portable::RowStores::kStreamed;
 #if defined(POSENC_HAS_F16C)
-  } else if (std::is_same_v<scalar_t, c10::Half> && streams_half_lines(bytes_written)) {
-    // fp16 rows formed in registers (add_half_by_instruction), streamed as whole lines
+  } else if (std::is_same_v<scalar_t, c10::Half> && past_caches(bytes_written)) {
+    // fp16 rows formed in registers by F16C (add_half_by_instruction: the AVX2 and AVX-512 builds), streamed as
+    // whole lines
     stores = rows_follow ? portable::RowStores::kStreamedReadAhead : portable::RowStores::kStreamed;
 #endif
   } else if (std::is_same_v<scalar_t, c10::BFloat16> && (POSENC_CPU_CAPABILITY_INDEX < 2 || has_avx512_bf16())) {
