@@ -106,7 +106,15 @@ def test_hidden_states_and_gradients_match_hugging_face(build, size):
     our_grads, their_grads = gradients(patched, pixels), gradients(reference, pixels)
     assert our_grads.keys() == their_grads.keys()
     assert any("position_embedding" in name for name in our_grads)
+    largest = max(float(grad.abs().max()) for grad in their_grads.values())
     for name, grad in their_grads.items():
+        if name.endswith("k_proj.bias"):
+            # zero in exact arithmetic (softmax ignores a shift that every key shares), so both sides hold only the
+            # rounding of the attention's gradients, which differs with the CPU's matrix kernels (SigLIP's reached
+            # 1.3e-6 apart on a Zen 2): each bounded by the model's largest gradient instead of compared
+            for side in (our_grads[name], grad):
+                assert float(side.abs().max()) <= GRAD_ATOL * largest, name
+            continue
         # the absolute part scales with the parameter's largest gradient: Hugging Face resizes in float32, posenc
         # in float64, and the 1e-7 between the tables reaches a gradient of 1000 (the register tokens') as 1e-4
         atol = GRAD_ATOL * max(1.0, float(grad.abs().max()))
