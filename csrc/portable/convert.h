@@ -189,11 +189,14 @@ __attribute__((always_inline)) inline void narrow_halfx8(__m128 low, __m128 high
 #define POSENC_BF16_BY_AVX2 1
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
 // kNaNs false: the caller knows v holds none.
+// The kept half's low bit is found by a compare (-1 where it is set), not a shift: Zen 2 runs vector shifts on one of
+// its four vector pipes and compares on all four (and Haswell shifts on one of three).
 template <bool kNaNs = true>
 POSENC_VECTOR_INLINE __m256i bf16_rounded(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256i kept_low_bit = _mm256_set1_epi32(0x10000);
+  const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(bits, kept_low_bit), kept_low_bit);
+  const __m256i rounded = _mm256_sub_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd);
   if constexpr (!kNaNs) return rounded;
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
   return _mm256_castps_si256(
@@ -257,9 +260,13 @@ struct Bf16Vectors {
   using Floats = __m256;
   using Words = __m256i;
   static constexpr int64_t kLanes = 8;
-  static POSENC_VECTOR_INLINE Floats widen(const c10::BFloat16* p) {  // a bf16 is a float's high half
-    const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(eight), 16));
+  // A bf16 is a float's high half: the eight loaded into both halves of a vector, each moved to its lane's high half
+  // by one byte shuffle (no shift: see bf16_rounded).
+  static POSENC_VECTOR_INLINE Floats widen(const c10::BFloat16* p) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i to_high_halves = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,  //
+                                                    -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(both, to_high_halves));
   }
   template <bool kNaNs = true>
   static POSENC_VECTOR_INLINE Words narrow(Floats low, Floats high) { return narrow_bf16x16<kNaNs>(low, high); }
@@ -426,6 +433,12 @@ inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
 #if defined(POSENC_BF16_BY_SSE2)
   if constexpr (std::is_same_v<T, c10::Half>) {
     for (; i < n - n % 8; i += 8) widen_halfx8(src + i, dst + i);
+  }
+#endif
+#if defined(POSENC_BF16_BY_AVX2)
+  // GCC's loop widens by a zero extension and a shift (see bf16_rounded for why not a shift)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i < n - n % 8; i += 8) _mm256_storeu_ps(dst + i, Bf16Vectors::widen(src + i));
   }
 #endif
   for (; i < n; ++i) dst[i] = to_opmath(src[i]);
