@@ -463,6 +463,14 @@ inline void narrow(const opmath_t<T>* src, T* dst, int64_t n) {
     for (; i < n - n % 8; i += 8) narrow_halfx8(_mm_loadu_ps(src + i), _mm_loadu_ps(src + i + 4), dst + i);
   }
 #endif
+#if defined(POSENC_BF16_BY_AVX2)
+  // GCC's loop rounds each vector with shifts and packs the NaN masks apart
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    for (; i < n - n % 16; i += 16) {
+      Bf16Vectors::store_narrowed<false>(dst + i, _mm256_loadu_ps(src + i), _mm256_loadu_ps(src + i + 8));
+    }
+  }
+#endif
   for (; i < n; ++i) dst[i] = from_opmath<T>(src[i]);
 }
 #endif
