@@ -172,19 +172,20 @@ def far_angles_and_special_values():
     # rounds by instruction and redoes by the integer form where a denormal or a NaN meets a rounding: random bit
     # patterns, and values about 1 with bf16 denormals and zeros among them, times weights about 1 (zeros among them)
     # and weights that take the products below float32's normal range; gradients about 1 and tiny. 32 pairs (whole
-    # lines of 32 in the forward) and 144 (16 at a time; more partners than the backward keeps in registers).
+    # lines of 32 in the forward) and 144 (16 at a time; more partners than the backward keeps in registers). Nine
+    # query heads: the inverse RMS of the AVX2 and AVX-512 builds goes 8 or 16 heads at a time.
     g = torch.Generator().manual_seed(10)
     inv_freq = posenc.frequencies.rope(64, 10000.0)[0]
     for head_dim in (64, 288):
-        about_one = torch.randint(-255, 256, (2, 4, 3 + 2, head_dim), generator=g).double() * 2.0 ** -7
+        about_one = torch.randint(-255, 256, (2, 4, 9 + 2, head_dim), generator=g).double() * 2.0 ** -7
         about_one.view(-1)[::7] *= 2.0 ** -130
         about_one.view(-1)[3::11] = 0
         freq = posenc.frequencies.rope(head_dim, 10000.0)[0]
         for norm in ("llama", "gemma", "olmo2", "fused"):
-            for values, qk in (("bits", data((2, 4, 5, head_dim), torch.bfloat16, 11)),
+            for values, qk in (("bits", data((2, 4, 11, head_dim), torch.bfloat16, 11)),
                                ("denormals", about_one.bfloat16())):
-                q, k = qk[:, :, :3], qk[:, :, 3:]
-                q_width, k_width = (3 * head_dim, 2 * head_dim) if norm == "olmo2" else (head_dim, head_dim)
+                q, k = qk[:, :, :9], qk[:, :, 9:]
+                q_width, k_width = (9 * head_dim, 2 * head_dim) if norm == "olmo2" else (head_dim, head_dim)
                 for weights, scale in (("about_one", 1.0), ("tiny", 2.0 ** -120)):
                     qw = (torch.randint(-255, 256, (q_width,), generator=g).double() * 2.0 ** -7 * scale).float()
                     kw = (torch.randint(-255, 256, (k_width,), generator=g).double() * 2.0 ** -7).bfloat16()
@@ -192,7 +193,7 @@ def far_angles_and_special_values():
                     key = f"{head_dim}/{norm}/{values}/{weights}"
                     qo, ko = PF.qk_norm_rope(q, k, qw, kw, positions, freq, 1e-6, norm)
                     out[f"qk_norm_rope/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-                    grads = torch.ops.posenc.qk_norm_rope_backward(qk[:, :, :3] * scale, qk[:, :, 3:], q, k, qw, kw,
+                    grads = torch.ops.posenc.qk_norm_rope_backward(qk[:, :, :9] * scale, qk[:, :, 9:], q, k, qw, kw,
                                                                    positions, freq, 1e-6, norm)
                     for name, grad in zip(("q", "k", "q_weight", "k_weight"), grads):
                         out[f"qk_norm_rope_backward/{key}/{name}"] = grad
