@@ -188,9 +188,8 @@ __attribute__((always_inline)) inline void narrow_halfx8(__m128 low, __m128 high
     (defined(__x86_64__) || defined(__i386__)) && !defined(__CUDACC__)
 #define POSENC_BF16_BY_AVX2 1
 // Each lane rounded to nearest even in its top 16 bits, a NaN's made 0x7FC0 (the low 16 bits are left over).
-// kNaNs false: the caller knows v holds none.
-// The kept half's low bit is found by a compare (-1 where it is set), not a shift: Zen 2 runs vector shifts on one of
-// its four vector pipes and compares on all four (and Haswell shifts on one of three).
+// kNaNs false: the caller knows v holds none. The kept half's low bit is found by a compare (-1 where it is set), not
+// a shift: Zen 2 runs vector shifts on one of its four vector pipes, compares on all four.
 template <bool kNaNs = true>
 POSENC_VECTOR_INLINE __m256i bf16_rounded(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);

@@ -272,7 +272,8 @@ inline void inverse_rms_of_rows(const float* row, int64_t heads, int64_t n, floa
     const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                       _mm256_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m256 mean = _mm256_div_ps(sums, _mm256_set1_ps(static_cast<float>(n)));
-    const __m256 inverse = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(_mm256_add_ps(mean, _mm256_set1_ps(eps))));
+    const __m256 inverse =
+        _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(_mm256_add_ps(mean, _mm256_set1_ps(eps))));
     alignas(32) float in_row_order[8];
     _mm256_store_ps(in_row_order, _mm256_permutevar8x32_ps(inverse, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     for (int64_t h = 0; h < count; ++h) inv_rms[h0 + h] = in_row_order[h];
@@ -536,8 +537,9 @@ __attribute__((always_inline)) inline void store_neox_head_input_grad(const floa
 
 // The inverse root mean square of every group of a token's row. bf16 and fp16 rows, widened into a row in L1, go 16
 // groups at a time in the AVX-512 build and 8 in the AVX2 build (inverse_rms_of_rows: at the bench shape of
-// docs/benchmarks.md, 1.08-1.12x the whole bf16 forward on AVX-512, 1.05-1.07x on a Zen 2); float32 rows are read where they are, from memory, where reading 16 rows at once measured
-// 1.3x slower and reading them one after the other no faster than this loop.
+// docs/benchmarks.md, 1.08-1.12x the whole bf16 forward on AVX-512, 1.05-1.07x on a Zen 2); float32 rows are read
+// where they are, from memory, where reading 16 rows at once measured 1.3x slower and reading them one after the
+// other no faster than this loop.
 template <typename scalar_t, typename opmath>
 void inverse_rms_of_groups(const opmath* row, int64_t width, const RmsNormView<scalar_t, opmath>& norm,
                            opmath* inv_rms) {
