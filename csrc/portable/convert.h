@@ -337,9 +337,8 @@ POSENC_INLINE void store_line(void* p, __m512i line, bool stream) {
 }
 #endif
 
-#if defined(POSENC_CPU_CAPABILITY_INDEX) && POSENC_CPU_CAPABILITY_INDEX >= 1 && \
-    (defined(__x86_64__) || defined(__i386__))
-// 8 fp16 values widened to float32 by vcvtph2ps in the AVX2 and AVX-512 builds (to_opmath's values).
+#if defined(POSENC_HAS_F16C)
+// 8 fp16 values widened to float32 by vcvtph2ps where the build has F16C (to_opmath's values).
 POSENC_INLINE __m256 widen_halfx8(const c10::Half* src) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
@@ -424,9 +423,7 @@ inline void widen(const T* src, opmath_t<T>* dst, int64_t n) {
 #endif
 #if defined(POSENC_HAS_F16C)
   if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; i < n - n % 8; i += 8) {
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-    }
+    for (; i < n - n % 8; i += 8) _mm256_storeu_ps(dst + i, widen_halfx8(src + i));
   }
 #endif
 #if defined(POSENC_BF16_BY_SSE2)

@@ -182,6 +182,14 @@ POSENC_INLINE bool streams_bf16_row(const RotaryView<scalar_t>& v, const scalar_
   }
   return false;
 }
+
+// A row that streams_bf16_row picks: rotated past the caches by rotate_bf16_vectors, the channels past the pairs copied.
+template <RopeLayout kLayout>
+POSENC_INLINE void rotate_bf16_row_streamed(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k,
+                                            int64_t pairs, int64_t head_dim) {
+  rotate_bf16_vectors<kLayout, true>(in, out, k, pairs);
+  std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
+}
 #endif
 
 // One head's row: pair i is channels (i, i + pairs) for neox, (2i, 2i + 1) for gptj; the channels past
@@ -491,9 +499,8 @@ POSENC_INLINE void rotate_unit_row(const RotaryView<scalar_t>& v, const scalar_t
     }
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-    if (v.stream && in != out && streams_bf16_vectors<kLayout>(out, pairs)) {
-      rotate_bf16_vectors<kLayout, true>(in, out, k, pairs);
-      std::copy(in + 2 * pairs, in + v.head_dim, out + 2 * pairs);
+    if (streams_bf16_row<kLayout>(v, in, out, pairs)) {
+      rotate_bf16_row_streamed<kLayout>(in, out, k, pairs, v.head_dim);
       return;
     }
 #endif

@@ -966,8 +966,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
         } else if (streams_bf16_row<kLayout>(v, head_in, head_out, pairs)) {
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // the test above holds only for bf16
-            rotate_bf16_vectors<kLayout, true>(head_in, head_out, k, pairs);
-            std::copy(head_in + 2 * pairs, head_in + v.head_dim, head_out + 2 * pairs);
+            rotate_bf16_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
           }
 #endif
         } else {
