@@ -245,6 +245,12 @@ struct Bf16Vectors {
     }
   }
   static POSENC_VECTOR_INLINE Floats load_floats(const float* p) { return _mm_loadu_ps(p); }
+  static POSENC_VECTOR_INLINE void store_floats(float* p, Floats f) { _mm_storeu_ps(p, f); }
+  // a's and b's values at even places, in order, and those at odd places
+  static POSENC_VECTOR_INLINE void deinterleave(Floats a, Floats b, Floats& even, Floats& odd) {
+    even = _mm_shuffle_ps(a, b, 0x88);
+    odd = _mm_shuffle_ps(a, b, 0xDD);
+  }
   static POSENC_VECTOR_INLINE Floats splat(float f) { return _mm_set1_ps(f); }
   static POSENC_VECTOR_INLINE Floats abs(Floats f) { return _mm_andnot_ps(_mm_set1_ps(-0.0f), f); }
   static POSENC_VECTOR_INLINE Floats as_floats(Words w) { return _mm_castsi128_ps(w); }
@@ -281,15 +287,27 @@ struct Bf16Vectors {
     }
   }
   static POSENC_VECTOR_INLINE Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+  static POSENC_VECTOR_INLINE void store_floats(float* p, Floats f) { _mm256_storeu_ps(p, f); }
+  static POSENC_VECTOR_INLINE void deinterleave(Floats a, Floats b, Floats& even, Floats& odd) {
+    even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+  }
   static POSENC_VECTOR_INLINE Floats splat(float f) { return _mm256_set1_ps(f); }
   static POSENC_VECTOR_INLINE Floats abs(Floats f) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), f); }
   static POSENC_VECTOR_INLINE Floats as_floats(Words w) { return _mm256_castsi256_ps(w); }
-  static POSENC_VECTOR_INLINE Floats low_halves_up(Words w) { return as_floats(_mm256_slli_epi32(w, 16)); }
+  // The halves moved by byte shuffles, not shifts (see bf16_rounded)
+  static POSENC_VECTOR_INLINE Floats low_halves_up(Words w) {
+    const __m256i up = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13,  //
+                                        -1, -1, 0, 1, -1, -1, 4, 5, -1, -1, 8, 9, -1, -1, 12, 13);
+    return as_floats(_mm256_shuffle_epi8(w, up));
+  }
   static POSENC_VECTOR_INLINE Words high_halves(Words w) {
     return _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   }
   static POSENC_VECTOR_INLINE Words join(Words high_to_low, Words high) {
-    return _mm256_or_si256(_mm256_srli_epi32(high_to_low, 16), high_halves(high));
+    const __m256i down = _mm256_setr_epi8(2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1,  //
+                                          2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1);
+    return _mm256_or_si256(_mm256_shuffle_epi8(high_to_low, down), high_halves(high));
   }
 #endif
   // v rounded to bf16 and back in its 32-bit lanes (rmsnorm.h's round_to)
@@ -301,6 +319,16 @@ struct Bf16Vectors {
   template <bool kStream>
   static POSENC_VECTOR_INLINE void store_narrowed(c10::BFloat16* p, Floats low, Floats high) {
     store<kStream>(p, any_nan(low, high) ? narrow(low, high) : narrow<false>(low, high));
+  }
+  // The words of pairs whose first channels are `low`'s values and whose second are `high`'s, rounded as
+  // from_opmath rounds them, stored at p
+  template <bool kStream>
+  static POSENC_VECTOR_INLINE void store_joined(c10::BFloat16* p, Floats low, Floats high) {
+    if (any_nan(low, high)) {
+      store<kStream>(p, join(bf16_rounded(low), bf16_rounded(high)));
+    } else {
+      store<kStream>(p, join(bf16_rounded<false>(low), bf16_rounded<false>(high)));
+    }
   }
 };
 

@@ -939,7 +939,7 @@ constexpr int64_t kRunReadAheadBytes = 1024;
 // count); coeffs(n, s) gives token n's coefficients (s = n mod seq). A bhsd head's rows follow each other: the loop
 // steps from row to row of a batch row without dividing by seq (a division per row of 64 channels made the walk
 // 10-20% slower).
-template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename CoeffsOf>
+template <RopeLayout kLayout, int64_t kPairs, bool kWords = false, typename scalar_t, typename CoeffsOf>
 void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, int64_t first, int64_t last,
                      int64_t seq, int64_t pairs, const CoeffsOf& coeffs) {
   for (int64_t n = first; n < last;) {
@@ -952,6 +952,14 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
       if (out == nullptr) continue;
       out += h * v.out_stride[2];
       const auto k = coeffs(n, s);
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+      if constexpr (kWords) {
+        for (int64_t g = 0; g < count; ++g) {
+          rotate_bf16_neox_row<kPairs>(v, in + g * v.in_stride[2], out + g * v.out_stride[2], k, pairs);
+        }
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < count; ++g) {
         const scalar_t* head_in = in + g * v.in_stride[2];
         scalar_t* head_out = out + g * v.out_stride[2];
@@ -1040,6 +1048,34 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
   rotate_head_run<kLayout, 0>(v, h, count, first, last, seq, pairs, coeffs);
 }
 
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+// The runs of heads of a contiguous bf16 neox view whose pairs rotates_neox_words takes (the baseline and AVX2
+// builds): each token's coefficients put in neox_word_order once for every run, then each run rotated a word of two
+// channels at a time. Reordered once a run instead (4 heads), DINOv3's [1, 16, 1029, 64] gained nothing (0.98x, one
+// thread, in cache) where this gains 1.05x: the reorder took what the word form saved.
+template <typename CoeffsOf>
+void rotate_head_runs_by_words(const RotaryView<c10::BFloat16>& v, int64_t first, int64_t last, int64_t seq,
+                               int64_t pairs, const CoeffsOf& coeffs) {
+  SmallScratch<float> rows((last - first) * 4 * pairs);
+  std::vector<PairCoeffs<float>> words(last - first);
+  for (int64_t n = first; n < last; ++n) {
+    words[n - first] = neox_word_order(coeffs(n, n % seq), pairs, &rows[(n - first) * 4 * pairs]);
+  }
+  const auto word_coeffs = [&](int64_t n, int64_t) { return words[n - first]; };
+  constexpr RopeLayout kNeox = RopeLayout::Neox;
+  for (int64_t h = 0; h < v.heads; h += kHeadsPerRun) {
+    const int64_t count = std::min(kHeadsPerRun, v.heads - h);
+    if (pairs == 64) {
+      rotate_head_run<kNeox, 64, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+    } else if (pairs == 32) {
+      rotate_head_run<kNeox, 32, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+    } else {
+      rotate_head_run<kNeox, 0, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+    }
+  }
+}
+#endif
+
 // Whether a bf16 view's rows may stream by rotate_bf16_vectors (the baseline and AVX2 builds): rows contiguous
 // (rotate_unit_row and rotate_head_run stream those whose output starts on a line, as whole lines).
 template <typename scalar_t>
@@ -1099,6 +1135,13 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
                             layout == RopeLayout::Gptj ||
                             (std::is_same_v<scalar_t, c10::BFloat16> && view_streams_bf16_vectors(v)));
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (unit && layout == RopeLayout::Neox && rotates_neox_words(pairs)) {
+      return rotate_head_runs_by_words(run, first, last, seq, pairs, coeffs);
+    }
+  }
+#endif
   RotaryView<scalar_t> head = run;
   head.heads = 1;
   head.stream = false;
