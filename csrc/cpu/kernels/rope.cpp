@@ -1052,10 +1052,12 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 // The runs of heads of a contiguous bf16 neox view whose pairs rotates_neox_words takes (the baseline and AVX2
 // builds): each token's coefficients put in neox_word_order once for every run, then each run rotated a word of two
 // channels at a time. Reordered once a run instead (4 heads), DINOv3's [1, 16, 1029, 64] gained nothing (0.98x, one
-// thread, in cache) where this gains 1.05x: the reorder took what the word form saved.
+// thread, in cache) where this gains 1.05x: the reorder took what the word form saved. Out of line: inlined into
+// rotate_tokens, it left the bf16 gptj runs there 0.92x as fast (Flux-like [32, 16, 1024, 64], 2 threads).
 template <typename CoeffsOf>
-void rotate_head_runs_by_words(const RotaryView<c10::BFloat16>& v, int64_t first, int64_t last, int64_t seq,
-                               int64_t pairs, const CoeffsOf& coeffs) {
+__attribute__((noinline)) void rotate_head_runs_by_words(const RotaryView<c10::BFloat16>& v, int64_t first,
+                                                        int64_t last, int64_t seq, int64_t pairs,
+                                                        const CoeffsOf& coeffs) {
   SmallScratch<float> rows((last - first) * 4 * pairs);
   std::vector<PairCoeffs<float>> words(last - first);
   for (int64_t n = first; n < last; ++n) {
