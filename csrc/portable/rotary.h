@@ -165,20 +165,24 @@ inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, 
 // Whether rotate_bf16_neox_words takes a row of `pairs`: whole steps of 2 * kLanes pairs.
 POSENC_INLINE bool rotates_neox_words(int64_t pairs) { return pairs % (2 * Bf16Vectors::kLanes) == 0; }
 
-// k's rows in the order of a bf16 row's words (rotate_bf16_neox_words): each step's 2 * kLanes pairs as the even
-// pairs' kLanes values, then the odd pairs'; written to rows [4 * pairs] (two of them where k shares_rows).
-inline PairCoeffs<float> neox_word_order(PairCoeffs<float> k, int64_t pairs, float* rows) {
+// n values (a multiple of 2 * kLanes) in the order of a bf16 row's words: each 2 * kLanes as the kLanes at even
+// places, then the kLanes at odd places.
+inline void word_order(const float* src, int64_t n, float* dst) {
   using V = Bf16Vectors;
+  for (int64_t i = 0; i < n; i += 2 * V::kLanes) {
+    V::Floats even, odd;
+    V::deinterleave(V::load_floats(src + i), V::load_floats(src + i + V::kLanes), even, odd);
+    V::store_floats(dst + i, even);
+    V::store_floats(dst + i + V::kLanes, odd);
+  }
+}
+
+// k's rows in word_order (rotate_bf16_neox_words' pairs: a step's even pairs, then its odd ones), written to rows
+// [4 * pairs] (two of them where k shares_rows).
+inline PairCoeffs<float> neox_word_order(PairCoeffs<float> k, int64_t pairs, float* rows) {
   const float* source[4] = {k.c1, k.s1, k.c2, k.s2};
   const int count = shares_rows(k) ? 2 : 4;
-  for (int r = 0; r < count; ++r) {
-    for (int64_t i = 0; i < pairs; i += 2 * V::kLanes) {
-      V::Floats even, odd;
-      V::deinterleave(V::load_floats(source[r] + i), V::load_floats(source[r] + i + V::kLanes), even, odd);
-      V::store_floats(rows + r * pairs + i, even);
-      V::store_floats(rows + r * pairs + i + V::kLanes, odd);
-    }
-  }
+  for (int r = 0; r < count; ++r) word_order(source[r], pairs, rows + r * pairs);
   return {rows, rows + pairs, rows + (count - 2) * pairs, rows + (count - 1) * pairs};
 }
 
