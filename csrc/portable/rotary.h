@@ -162,8 +162,11 @@ inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, 
   return i;
 }
 
-// Whether rotate_bf16_neox_words takes a row of `pairs`: whole steps of 2 * kLanes pairs.
-POSENC_INLINE bool rotates_neox_words(int64_t pairs) { return pairs % (2 * Bf16Vectors::kLanes) == 0; }
+// Whether rotate_bf16_words takes a row of `pairs`: whole steps of 2 * kLanes neox pairs or kLanes gptj pairs.
+template <RopeLayout kLayout>
+POSENC_INLINE bool rotates_bf16_words(int64_t pairs) {
+  return pairs % ((kLayout == RopeLayout::Neox ? 2 : 1) * Bf16Vectors::kLanes) == 0;
+}
 
 // n values (a multiple of 2 * kLanes) in the order of a bf16 row's words: each 2 * kLanes as the kLanes at even
 // places, then the kLanes at odd places.
@@ -177,7 +180,7 @@ inline void word_order(const float* src, int64_t n, float* dst) {
   }
 }
 
-// k's rows in word_order (rotate_bf16_neox_words' pairs: a step's even pairs, then its odd ones), written to rows
+// k's rows in word_order (rotate_bf16_words' neox pairs: a step's even pairs, then its odd ones), written to rows
 // [4 * pairs] (two of them where k shares_rows).
 inline PairCoeffs<float> neox_word_order(PairCoeffs<float> k, int64_t pairs, float* rows) {
   const float* source[4] = {k.c1, k.s1, k.c2, k.s2};
@@ -186,32 +189,46 @@ inline PairCoeffs<float> neox_word_order(PairCoeffs<float> k, int64_t pairs, flo
   return {rows, rows + pairs, rows + (count - 2) * pairs, rows + (count - 1) * pairs};
 }
 
-// A token's neox_word_order, formed once and shared by its heads (rotates_neox_words(pairs), pairs <= kMaxPairs):
+// A token's neox_word_order, formed once and shared by its heads (rotates_bf16_words(pairs), pairs <= kMaxPairs):
 // for 64 pairs, 64 instructions against about 3,000 for 16 heads' rows (counted in the built kernel's listing).
 struct NeoxWordCoeffs {
   static constexpr int64_t kMaxPairs = 256;
   float rows[4 * kMaxPairs];
   PairCoeffs<float> k;
 
-  static bool fits(int64_t pairs) { return rotates_neox_words(pairs) && pairs <= kMaxPairs; }
+  static bool fits(int64_t pairs) { return rotates_bf16_words<RopeLayout::Neox>(pairs) && pairs <= kMaxPairs; }
   NeoxWordCoeffs(PairCoeffs<float> from, int64_t pairs) : k(neox_word_order(from, pairs, rows)) {}
 };
 
-// A contiguous bf16 row's neox pairs (rotates_neox_words), rotated a word of two channels at a time as gptj's pairs
-// are: a step's 2 * kLanes channels of each half are one vector of words, whose low halves (the even channels) and
-// high halves (the odd ones) are two vectors of floats, each rotated with its partners in the other half, then joined
-// back into words by a byte shuffle, an and and an or. k in neox_word_order. The same products, sums and roundings as
-// rotate_row's loop, so the same bits. rotate_bf16_vectors' channel order widens each 8 channels by a load and a
-// shuffle and narrows each 16 by two shifts, a pack and a permutation across the halves, which Zen 2 runs on one or
-// two of its four vector pipes. Separate processes taking turns, AVX2 on a Zen 2: q, k [4, 2048, 16|8, 128] 1.24x
-// (2 threads), in cache [4, 64, ...] 1.51x (one); bhsd 1.04x and 1.28x; DINOv3's [16, 16, 1029, 64] 1.29x; the
-// baseline build in cache 1.10x.
-template <bool kStream, int64_t kPairs = 0>
-__attribute__((always_inline)) inline void rotate_bf16_neox_words(const c10::BFloat16* in, c10::BFloat16* out,
-                                                                  PairCoeffs<float> k, int64_t runtime_pairs) {
+// A contiguous bf16 row's pairs (rotates_bf16_words) rotated a 32-bit word of two channels at a time. gptj: a word
+// is a pair, its low half the first channel, its high half the partner. neox: a step's 2 * kLanes channels of each
+// half are one vector of words, whose low halves (the even channels) and high halves (the odd ones) are two vectors
+// of floats, each rotated with its partners in the other half, k in neox_word_order. Either way the rotated values are
+// joined back into words by a byte shuffle, an and and an or, with nothing moved across the vector's halves. The same
+// products, sums and roundings as rotate_row's loop, so the same bits. rotate_bf16_vectors' neox rows, in the channels'
+// own order, widen each 8 channels by a load and a shuffle and narrow each 16 by two shifts, a pack and a permutation
+// across the halves, which Zen 2 runs on one or two of its four vector pipes. Separate processes taking turns, AVX2
+// on a Zen 2: neox q, k [4, 2048, 16|8, 128] 1.24x (2 threads), in cache [4, 64, ...] 1.51x (one); bhsd 1.04x and
+// 1.28x; DINOv3's [16, 16, 1029, 64] 1.29x; the baseline build in cache 1.10x. gptj rows, which rotate_bf16_vectors
+// took as words already: bshd in cache 1.25x, bhsd 1.20x, Flux-like bhsd [32, 16, 1024, 64] 1.10x. Always inlined
+// with the pair count fixed, in a function of few live values (rotate_unit_heads, rotate_head_runs_by_words): inlined
+// into rotate_tokens, GCC rebuilt its constants at every step and reloaded k's pointers after every store.
+template <RopeLayout kLayout, bool kStream, int64_t kPairs = 0>
+__attribute__((always_inline)) inline void rotate_bf16_words(const c10::BFloat16* in, c10::BFloat16* out,
+                                                             PairCoeffs<float> k, int64_t runtime_pairs) {
   using V = Bf16Vectors;
   constexpr int64_t kLanes = V::kLanes;
   const int64_t pairs = kPairs > 0 ? kPairs : runtime_pairs;
+  if constexpr (kLayout == RopeLayout::Gptj) {
+    for (int64_t i = 0; i < pairs; i += kLanes) {
+      const V::Words words = V::load(in + 2 * i);
+      const V::Floats a = V::low_halves_up(words), b = V::as_floats(V::high_halves(words));
+      const V::Floats u = a * V::load_floats(k.c1 + i) - b * V::load_floats(k.s1 + i);
+      const V::Floats v = b * V::load_floats(k.c2 + i) + a * V::load_floats(k.s2 + i);
+      V::store_joined<kStream>(out + 2 * i, u, v);
+    }
+    return;
+  }
   for (int64_t i = 0; i < pairs; i += 2 * kLanes) {
     const V::Words x1 = V::load(in + i), x2 = V::load(in + pairs + i);
     const V::Floats a[2] = {V::low_halves_up(x1), V::as_floats(V::high_halves(x1))};
@@ -252,16 +269,16 @@ POSENC_INLINE void rotate_bf16_row_streamed(const c10::BFloat16* in, c10::BFloat
   std::copy(in + 2 * pairs, in + head_dim, out + 2 * pairs);
 }
 
-// A contiguous bf16 head's row of a view rotated by rotate_bf16_neox_words (k in neox_word_order), past the
-// caches where streams_bf16_row picks it; the channels past the pairs copied.
-template <int64_t kPairs>
-__attribute__((always_inline)) inline void rotate_bf16_neox_row(const RotaryView<c10::BFloat16>& v,
-                                                                const c10::BFloat16* in, c10::BFloat16* out,
-                                                                PairCoeffs<float> k, int64_t pairs) {
-  if (streams_bf16_row<RopeLayout::Neox>(v, in, out, pairs)) {
-    rotate_bf16_neox_words<true, kPairs>(in, out, k, pairs);
+// A contiguous bf16 head's row of a view rotated by rotate_bf16_words (neox: k in neox_word_order), past the caches
+// where streams_bf16_row picks it; the channels past the pairs copied.
+template <RopeLayout kLayout, int64_t kPairs>
+__attribute__((always_inline)) inline void rotate_bf16_words_row(const RotaryView<c10::BFloat16>& v,
+                                                                 const c10::BFloat16* in, c10::BFloat16* out,
+                                                                 PairCoeffs<float> k, int64_t pairs) {
+  if (streams_bf16_row<kLayout>(v, in, out, pairs)) {
+    rotate_bf16_words<kLayout, true, kPairs>(in, out, k, pairs);
   } else {
-    rotate_bf16_neox_words<false, kPairs>(in, out, k, pairs);
+    rotate_bf16_words<kLayout, false, kPairs>(in, out, k, pairs);
     if (in == out) return;
   }
   std::copy(in + 2 * pairs, in + v.head_dim, out + 2 * pairs);
@@ -603,7 +620,15 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
       const NeoxWordCoeffs words(k, pairs);
       for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
         prefetch_next_token(v, in);
-        rotate_bf16_neox_row<kPairs>(v, in, out, words.k, pairs);
+        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, words.k, pairs);
+      }
+      return;
+    }
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (rotates_bf16_words<kLayout>(pairs)) {
+      for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
+        prefetch_next_token(v, in);
+        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, k, pairs);
       }
       return;
     }

@@ -168,20 +168,21 @@ def far_angles_and_special_values():
                     qo, ko = PF.rope_qk(q, k, rows, freq, 1.0, layout, fmt, 0, None, pair_axis)
                     out[f"rope_qk_axes/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
 
-    # bf16 neox heads whose pairs fill whole steps of the baseline's and the AVX2 build's vectors (16 and 48 pairs,
-    # 64 with 6 channels past them, 64 on whole lines), which those builds rotate a word of two channels at a time:
-    # a token's heads (bshd) and runs of heads (bhsd), out of place, backward and in place.
+    # bf16 heads whose pairs fill whole steps of the baseline's and the AVX2 build's vectors (16 and 48 pairs, 64 with
+    # 6 channels past them, 64 on whole lines), which those builds rotate a word of two channels at a time: a token's
+    # heads (bshd) and runs of heads (bhsd), both layouts, out of place, backward and in place.
     for pairs, head_dim in ((16, 32), (48, 96), (64, 134), (64, 128)):
         freq = posenc.frequencies.rope(2 * pairs, 500.0)[0]
-        for fmt, shape in (("bshd", (2, 8, 3, head_dim)), ("bhsd", (2, 5, 8, head_dim))):
-            q, k = data(shape, torch.bfloat16, 21), data(shape, torch.bfloat16, 22)
-            key = f"{pairs}/{head_dim}/{fmt}"
-            qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, "neox", fmt)
-            out[f"rope_qk_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-            qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, "neox", fmt, 1)
-            out[f"rope_qk_backward_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
-            PF.rope_(q, positions, freq, 1.0, "neox", fmt)
-            out[f"rope_words_/{key}"] = q
+        for layout in ("neox", "gptj"):
+            for fmt, shape in (("bshd", (2, 8, 3, head_dim)), ("bhsd", (2, 5, 8, head_dim))):
+                q, k = data(shape, torch.bfloat16, 21), data(shape, torch.bfloat16, 22)
+                key = f"{pairs}/{head_dim}/{layout}/{fmt}"
+                qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
+                out[f"rope_qk_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
+                out[f"rope_qk_backward_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                PF.rope_(q, positions, freq, 1.0, layout, fmt)
+                out[f"rope_words_/{key}"] = q
 
     # qk_norm_rope's bf16 heads rotated whole in neox pairs, forward and backward, which a CPU with AVX-512 BF16
     # rounds by instruction and redoes by the integer form where a denormal or a NaN meets a rounding: random bit

@@ -955,7 +955,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
       if constexpr (kWords) {
         for (int64_t g = 0; g < count; ++g) {
-          rotate_bf16_neox_row<kPairs>(v, in + g * v.in_stride[2], out + g * v.out_stride[2], k, pairs);
+          rotate_bf16_words_row<kLayout, kPairs>(v, in + g * v.in_stride[2], out + g * v.out_stride[2], k, pairs);
         }
         continue;
       }
@@ -1049,30 +1049,31 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
 }
 
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-// The runs of heads of a contiguous bf16 neox view whose pairs rotates_neox_words takes (the baseline and AVX2
-// builds): each token's coefficients put in neox_word_order once for every run, then each run rotated a word of two
-// channels at a time. Reordered once a run instead (4 heads), DINOv3's [1, 16, 1029, 64] gained nothing (0.98x, one
-// thread, in cache) where this gains 1.05x: the reorder took what the word form saved. Out of line: inlined into
-// rotate_tokens, it left the bf16 gptj runs there 0.92x as fast (Flux-like [32, 16, 1024, 64], 2 threads).
-template <typename CoeffsOf>
+// The runs of heads of a contiguous bf16 view whose pairs rotates_bf16_words takes (the baseline and AVX2 builds),
+// rotated a word of two channels at a time, neox rows with each token's coefficients put in neox_word_order once for
+// every run. Reordered once a run instead (4 heads), DINOv3's [1, 16, 1029, 64] gained nothing (0.98x, one thread, in
+// cache) where this gains 1.05x: the reorder took what the word form saved. Out of line, a function of few live
+// values: rotate_tokens, with this inlined, rebuilt its rows' constants at every step (perf annotate; the gptj runs
+// it then rotated itself, Flux-like [32, 16, 1024, 64], 2 threads, ran 0.92x as fast).
+template <RopeLayout kLayout, typename CoeffsOf>
 __attribute__((noinline)) void rotate_head_runs_by_words(const RotaryView<c10::BFloat16>& v, int64_t first,
                                                         int64_t last, int64_t seq, int64_t pairs,
                                                         const CoeffsOf& coeffs) {
-  SmallScratch<float> rows((last - first) * 4 * pairs);
-  std::vector<PairCoeffs<float>> words(last - first);
-  for (int64_t n = first; n < last; ++n) {
+  constexpr bool neox = kLayout == RopeLayout::Neox;
+  SmallScratch<float> rows(neox ? (last - first) * 4 * pairs : 0);
+  std::vector<PairCoeffs<float>> words(neox ? last - first : 0);
+  for (int64_t n = first; neox && n < last; ++n) {
     words[n - first] = neox_word_order(coeffs(n, n % seq), pairs, &rows[(n - first) * 4 * pairs]);
   }
-  const auto word_coeffs = [&](int64_t n, int64_t) { return words[n - first]; };
-  constexpr RopeLayout kNeox = RopeLayout::Neox;
+  const auto word_coeffs = [&](int64_t n, int64_t s) { return neox ? words[n - first] : coeffs(n, s); };
   for (int64_t h = 0; h < v.heads; h += kHeadsPerRun) {
     const int64_t count = std::min(kHeadsPerRun, v.heads - h);
     if (pairs == 64) {
-      rotate_head_run<kNeox, 64, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+      rotate_head_run<kLayout, 64, true>(v, h, count, first, last, seq, pairs, word_coeffs);
     } else if (pairs == 32) {
-      rotate_head_run<kNeox, 32, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+      rotate_head_run<kLayout, 32, true>(v, h, count, first, last, seq, pairs, word_coeffs);
     } else {
-      rotate_head_run<kNeox, 0, true>(v, h, count, first, last, seq, pairs, word_coeffs);
+      rotate_head_run<kLayout, 0, true>(v, h, count, first, last, seq, pairs, word_coeffs);
     }
   }
 }
@@ -1139,8 +1140,11 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
   const bool unit = v.in_stride[3] == 1 && v.out_stride[3] == 1;
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (unit && layout == RopeLayout::Neox && rotates_neox_words(pairs)) {
-      return rotate_head_runs_by_words(run, first, last, seq, pairs, coeffs);
+    if (unit && layout == RopeLayout::Neox && rotates_bf16_words<RopeLayout::Neox>(pairs)) {
+      return rotate_head_runs_by_words<RopeLayout::Neox>(run, first, last, seq, pairs, coeffs);
+    }
+    if (unit && layout == RopeLayout::Gptj && rotates_bf16_words<RopeLayout::Gptj>(pairs)) {
+      return rotate_head_runs_by_words<RopeLayout::Gptj>(run, first, last, seq, pairs, coeffs);
     }
   }
 #endif
