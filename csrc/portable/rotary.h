@@ -17,13 +17,15 @@
 
 namespace posenc::portable {
 
-// The rotation coefficients of one token, one entry per channel pair.
+// The rotation coefficients of one token, one entry per channel pair. words: neox rows already in the order of a bf16
+// row's words (rotary.h's neox_word_order), as the CPU kernels' tables give them to the views that take them.
 template <typename opmath_t>
 struct PairCoeffs {
   const opmath_t* c1;
   const opmath_t* s1;
   const opmath_t* c2;
   const opmath_t* s2;
+  bool words = false;
 };
 
 // Whether a pair's second channel takes its first channel's coefficients (c2 = c1, s2 = s1), as every rotation by
@@ -616,6 +618,13 @@ void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar
                        int64_t pairs) {
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Neox) {
+    if (k.words) {
+      for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
+        prefetch_next_token(v, in);
+        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, k, pairs);
+      }
+      return;
+    }
     if (NeoxWordCoeffs::fits(pairs)) {
       const NeoxWordCoeffs words(k, pairs);
       for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {

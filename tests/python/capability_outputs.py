@@ -170,7 +170,8 @@ def far_angles_and_special_values():
 
     # bf16 heads whose pairs fill whole steps of the baseline's and the AVX2 build's vectors (16 and 48 pairs, 64 with
     # 6 channels past them, 64 on whole lines), which those builds rotate a word of two channels at a time: a token's
-    # heads (bshd) and runs of heads (bhsd), both layouts, out of place, backward and in place.
+    # heads (bshd) and runs of heads (bhsd), both layouts, positions shared by the batch rows (a table of coefficients)
+    # and per row, out of place, backward and in place.
     for pairs, head_dim in ((16, 32), (48, 96), (64, 134), (64, 128)):
         freq = posenc.frequencies.rope(2 * pairs, 500.0)[0]
         for layout in ("neox", "gptj"):
@@ -179,6 +180,8 @@ def far_angles_and_special_values():
                 key = f"{pairs}/{head_dim}/{layout}/{fmt}"
                 qo, ko = PF.rope_qk(q, k, positions, freq, 1.0, layout, fmt)
                 out[f"rope_qk_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                qo, ko = PF.rope_qk(q, k, torch.stack([positions, positions.flip(0)]), freq, 1.0, layout, fmt)
+                out[f"rope_qk_words_rows/{key}"] = torch.cat([qo.flatten(), ko.flatten()])  # no table shared by rows
                 qo, ko = torch.ops.posenc.rope_qk_backward(q, k, positions, freq, 0.5, layout, fmt, 1)
                 out[f"rope_qk_backward_words/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                 PF.rope_(q, positions, freq, 1.0, layout, fmt)
