@@ -191,15 +191,13 @@ inline PairCoeffs<float> neox_word_order(PairCoeffs<float> k, int64_t pairs, flo
   return {rows, rows + pairs, rows + (count - 2) * pairs, rows + (count - 1) * pairs};
 }
 
-// A token's neox_word_order, formed once and shared by its heads (rotates_bf16_words(pairs), pairs <= kMaxPairs):
-// for 64 pairs, 64 instructions against about 3,000 for 16 heads' rows (counted in the built kernel's listing).
-struct NeoxWordCoeffs {
+// Room for a token's neox_word_order, formed once and shared by its heads (rotates_bf16_words(pairs), pairs <=
+// kMaxPairs): for 64 pairs, 64 instructions against about 3,000 for 16 heads' rows (counted in the kernel's listing).
+struct NeoxWordRows {
   static constexpr int64_t kMaxPairs = 256;
   float rows[4 * kMaxPairs];
-  PairCoeffs<float> k;
 
   static bool fits(int64_t pairs) { return rotates_bf16_words<RopeLayout::Neox>(pairs) && pairs <= kMaxPairs; }
-  NeoxWordCoeffs(PairCoeffs<float> from, int64_t pairs) : k(neox_word_order(from, pairs, rows)) {}
 };
 
 // A contiguous bf16 row's pairs (rotates_bf16_words) rotated a 32-bit word of two channels at a time. gptj: a word
@@ -617,27 +615,14 @@ template <RopeLayout kLayout, int64_t kPairs, typename scalar_t, typename opmath
 void rotate_unit_heads(const RotaryView<scalar_t>& v, const scalar_t* in, scalar_t* out, PairCoeffs<opmath_t> k,
                        int64_t pairs) {
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kLayout == RopeLayout::Neox) {
-    if (k.words) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const bool reorders = kLayout == RopeLayout::Neox && !k.words;  // k.words: whole steps already
+    if (reorders ? NeoxWordRows::fits(pairs) : rotates_bf16_words<kLayout>(pairs)) {
+      NeoxWordRows rows;
+      const PairCoeffs<float> words = reorders ? neox_word_order(k, pairs, rows.rows) : k;
       for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
         prefetch_next_token(v, in);
-        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, k, pairs);
-      }
-      return;
-    }
-    if (NeoxWordCoeffs::fits(pairs)) {
-      const NeoxWordCoeffs words(k, pairs);
-      for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
-        prefetch_next_token(v, in);
-        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, words.k, pairs);
-      }
-      return;
-    }
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (rotates_bf16_words<kLayout>(pairs)) {
-      for (int64_t h = 0; h < v.heads; ++h, in += v.in_stride[2], out += v.out_stride[2]) {
-        prefetch_next_token(v, in);
-        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, k, pairs);
+        rotate_bf16_words_row<kLayout, kPairs>(v, in, out, words, pairs);
       }
       return;
     }
