@@ -126,44 +126,6 @@ POSENC_INLINE void join_pairs8(__m256 firsts, __m256 partners, __m256& x0, __m25
 
 #if !defined(__CUDACC__)
 #if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-// The first pairs of a contiguous bf16 row in the baseline and AVX2 builds, through convert.h's widening and rounding
-// by SSE2 or AVX2 (four or eight pairs a vector): the same products, sums and roundings as rotate_row's loop, so the
-// same bits. NaNs are looked for once per two vectors (any_nan) and selected only where they hold one. gptj's pair is
-// one 32-bit word: its first channel is the word shifted up, its partner the word's high half, and the rotated pair
-// is joined back into the word from the two roundings' top halves, with no shuffle. Returns the count rotated (a
-// multiple of two vectors for neox, of one for gptj). kStream: stored past the caches, out on a vector's boundary.
-// In-process A/Bs against GCC's vectorization of rotate_row's loop, q, k [4, 2048, 16|8, 128], 2 threads, on a
-// 2-core Emerald Rapids guest: AVX2 neox 1.20x, gptj 1.46x, in place 1.15x (one thread 1.32x, 1.45x, 1.15x),
-// looking for NaNs once a step 1.15-1.17x of that; the baseline's first form, pairs split by shuffles and every
-// lane's NaN selected, 1.2-1.3x.
-template <RopeLayout kLayout, bool kStream = false>
-inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
-  using V = Bf16Vectors;
-  constexpr int64_t kLanes = V::kLanes;
-  const auto rotate = [&](V::Floats a, V::Floats b, int64_t i, V::Floats& u, V::Floats& v) {  // rotate_first, _second
-    u = a * V::load_floats(k.c1 + i) - b * V::load_floats(k.s1 + i);
-    v = b * V::load_floats(k.c2 + i) + a * V::load_floats(k.s2 + i);
-  };
-  int64_t i = 0;
-  if constexpr (kLayout == RopeLayout::Neox) {  // pair i: channels i and i + pairs
-    for (; i < pairs - pairs % (2 * kLanes); i += 2 * kLanes) {
-      V::Floats u[2], v[2];
-      rotate(V::widen(in + i), V::widen(in + pairs + i), i, u[0], v[0]);
-      rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), i + kLanes, u[1], v[1]);
-      V::store_narrowed<kStream>(out + i, u[0], u[1]);
-      V::store_narrowed<kStream>(out + pairs + i, v[0], v[1]);
-    }
-  } else {  // pair i: channels 2i and 2i + 1, the low and high halves of one word
-    for (; i < pairs - pairs % kLanes; i += kLanes) {
-      const V::Words words = V::load(in + 2 * i);
-      V::Floats u, v;
-      rotate(V::low_halves_up(words), V::as_floats(V::high_halves(words)), i, u, v);
-      V::store_joined<kStream>(out + 2 * i, u, v);
-    }
-  }
-  return i;
-}
-
 // Whether rotate_bf16_words takes a row of `pairs`: whole steps of 2 * kLanes neox pairs or kLanes gptj pairs.
 template <RopeLayout kLayout>
 POSENC_INLINE bool rotates_bf16_words(int64_t pairs) {
@@ -242,6 +204,39 @@ __attribute__((always_inline)) inline void rotate_bf16_words(const c10::BFloat16
     V::store_joined<kStream>(out + i, u[0], u[1]);
     V::store_joined<kStream>(out + pairs + i, v[0], v[1]);
   }
+}
+
+// The first pairs of a contiguous bf16 row in the baseline and AVX2 builds, through convert.h's widening and rounding
+// by SSE2 or AVX2 (four or eight pairs a vector): the same products, sums and roundings as rotate_row's loop, so the
+// same bits. NaNs are looked for once per two vectors (any_nan) and selected only where they hold one. gptj's pairs
+// are 32-bit words, rotated by rotate_bf16_words. Returns the count rotated (a multiple of two vectors for neox, of
+// one for gptj). kStream: stored past the caches, out on a vector's boundary.
+// In-process A/Bs against GCC's vectorization of rotate_row's loop, q, k [4, 2048, 16|8, 128], 2 threads, on a
+// 2-core Emerald Rapids guest: AVX2 neox 1.20x, gptj 1.46x, in place 1.15x (one thread 1.32x, 1.45x, 1.15x),
+// looking for NaNs once a step 1.15-1.17x of that; the baseline's first form, pairs split by shuffles and every
+// lane's NaN selected, 1.2-1.3x.
+template <RopeLayout kLayout, bool kStream = false>
+inline int64_t rotate_bf16_vectors(const c10::BFloat16* in, c10::BFloat16* out, PairCoeffs<float> k, int64_t pairs) {
+  using V = Bf16Vectors;
+  constexpr int64_t kLanes = V::kLanes;
+  if constexpr (kLayout == RopeLayout::Gptj) {  // pair i: channels 2i and 2i + 1, the low and high halves of one word
+    const int64_t whole = pairs - pairs % kLanes;
+    rotate_bf16_words<kLayout, kStream>(in, out, k, whole);
+    return whole;
+  }
+  const auto rotate = [&](V::Floats a, V::Floats b, int64_t i, V::Floats& u, V::Floats& v) {  // rotate_first, _second
+    u = a * V::load_floats(k.c1 + i) - b * V::load_floats(k.s1 + i);
+    v = b * V::load_floats(k.c2 + i) + a * V::load_floats(k.s2 + i);
+  };
+  int64_t i = 0;
+  for (; i < pairs - pairs % (2 * kLanes); i += 2 * kLanes) {  // pair i: channels i and i + pairs
+    V::Floats u[2], v[2];
+    rotate(V::widen(in + i), V::widen(in + pairs + i), i, u[0], v[0]);
+    rotate(V::widen(in + i + kLanes), V::widen(in + pairs + i + kLanes), i + kLanes, u[1], v[1]);
+    V::store_narrowed<kStream>(out + i, u[0], u[1]);
+    V::store_narrowed<kStream>(out + pairs + i, v[0], v[1]);
+  }
+  return i;
 }
 
 // Whether a bf16 row of `pairs` at out goes past the caches by rotate_bf16_vectors: whole 64-byte lines.

@@ -1009,13 +1009,7 @@ void rotate_head_run(const RotaryView<scalar_t>& v, int64_t h, int64_t count, in
             rotate_f32_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
           }
 #endif
-#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-        } else if (streams_bf16_row<kLayout>(v, head_in, head_out, pairs)) {
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // the test above holds only for bf16
-            rotate_bf16_row_streamed<kLayout>(head_in, head_out, k, pairs, v.head_dim);
-          }
-#endif
-        } else {
+        } else {  // bf16 rows that would stream go by rotate_head_runs_by_words (their pairs fill whole words)
           rotate_contiguous_row<kLayout, kPairs>(head_in, head_out, k, pairs, v.head_dim);
         }
       }
@@ -1168,7 +1162,7 @@ void rotate_tokens(const RotaryView<scalar_t>& v, int64_t first, int64_t last, i
   // (rotate_half_row_by_instruction) where the pairs allow, stream in both layouts: in-process A/B against the float
   // row, DINOv3-like neox 1.23x, and streamed 1.25x more; Flux-like gptj 1.60x; in place 1.82x (2 threads; AVX2:
   // neox 1.83x, gptj 1.69x, rotary.h). Other fp16 rows keep ordinary stores (rotate_half_head). The baseline's and
-  // AVX2's bf16 rows, rounded in registers by integer operations (rotate_bf16_vectors), stream as whole lines in both
+  // AVX2's bf16 rows, rounded in registers by integer operations (rotate_bf16_words), stream as whole lines in both
   // layouts: in-process A/B against ordinary stores, AVX2, DINOv3's neox 1.10x (1.08x on one thread), fwd+bwd 1.08x
   // (1.20x), Flux-like gptj 1.12x (1.22x); the baseline 1.02-1.11x.
   RotaryView<scalar_t> run = v;
