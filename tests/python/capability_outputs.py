@@ -187,6 +187,33 @@ def far_angles_and_special_values():
                 PF.rope_(q, positions, freq, 1.0, layout, fmt)
                 out[f"rope_words_/{key}"] = q
 
+    # Positions that take few values (an M-RoPE prompt holding an image; [B, S] rows that repeat one another), whose
+    # tokens gather their rows from sin and cos formed once per value: every dtype, both layouts, bshd and bhsd,
+    # contiguous sections and interleaved ones, 64 pairs (the bf16 word kernels') and 13, forward, backward and in
+    # place, with negative positions.
+    types = torch.tensor([[0] * 5 + [1] * 24 + [0] * 3])
+    image, _ = PF.mrope_positions(types, torch.tensor([[1, 8, 12]]))  # [3, 1, 32]: 4 x 6 merged patches
+    for d in ("float32", "float64", "float16", "bfloat16"):
+        dtype = getattr(torch, d)
+        for pairs in (64, 13):
+            sections = [pairs - 2 * (pairs * 3 // 8), pairs * 3 // 8, pairs * 3 // 8]
+            for interleaved in (False, True):
+                freq, pair_axis = posenc.frequencies.mrope(2 * pairs, sections, 1e4, interleaved)
+                for layout in ("neox", "gptj"):
+                    for fmt, shape in (("bshd", (1, 32, 3, 2 * pairs)), ("bhsd", (1, 3, 32, 2 * pairs))):
+                        q, k = data(shape, dtype, 31), data(shape, dtype, 32)
+                        key = f"{d}/{pairs}/{interleaved}/{layout}/{fmt}"
+                        args = (image - 7, freq, 1.0, layout, fmt, 0, None, pair_axis)
+                        qo, ko = PF.rope_qk(q, k, *args)
+                        out[f"rope_qk_values/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                        qo, ko = PF.rope_qk_backward(q, k, *args)
+                        out[f"rope_qk_backward_values/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
+                        PF.rope_(q, *args)
+                        out[f"rope_values_/{key}"] = q
+                rows = torch.arange(-3, 13).repeat(3, 1)  # [3, 16], one axis
+                x = data((3, 16, 2, 2 * pairs), dtype, 33)
+                out[f"rope_values_rows/{d}/{pairs}"] = PF.rope(x, rows, posenc.frequencies.rope(2 * pairs, 1e4)[0])
+
     # qk_norm_rope's bf16 heads rotated whole in neox pairs, forward and backward, which a CPU with AVX-512 BF16
     # rounds by instruction and redoes by the integer form where a denormal or a NaN meets a rounding: random bit
     # patterns, and values about 1 with bf16 denormals and zeros among them, times weights about 1 (zeros among them)

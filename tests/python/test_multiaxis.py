@@ -64,6 +64,42 @@ def test_equal_axes_give_the_bits_of_the_one_axis_rotation(same_bits_for_any_thr
     assert torch.equal(shared, PF.rope(q, None, inv_freq))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["neox", "gptj"])
+@pytest.mark.parametrize("fmt", ["bshd", "bhsd"])
+def test_positions_of_few_values_give_the_bits_of_each_token_alone(dtype, layout, fmt):
+    """Where positions take few values (an M-RoPE prompt holding an image; [B, S] rows that repeat one another), the
+    CPU forms sin and cos once per value for the tokens to gather: the bits must be those of each token rotated alone,
+    which forms its own. The reference values too, against the float64 formula."""
+    types = torch.tensor([[0] * 5 + [1] * 24 + [0] * 3])
+    positions = PF.mrope_positions(types, torch.tensor([[1, 8, 12]]))[0] - 7  # [3, 1, 32], 14 values
+    inv_freq, pair_axis = FQ.mrope(128, [16, 24, 24], 1e4)
+    q, k = torch.randn(1, 32, 3, 128).to(dtype), torch.randn(1, 32, 2, 128).to(dtype)
+    token_axis = 1 if fmt == "bshd" else 2
+    q, k = (t.movedim(1, token_axis).contiguous() for t in (q, k))
+    tail = (1.0, layout, fmt, 0, None, pair_axis)
+
+    def alone(op, *tensors):  # each token rotated by a call of its own
+        rows = [op(*(t.narrow(token_axis, s, 1) for t in tensors), positions[..., s:s + 1], inv_freq, *tail)
+                for s in range(32)]
+        return [torch.cat(parts, token_axis) for parts in zip(*rows)] if isinstance(rows[0], tuple) else \
+            torch.cat(rows, token_axis)
+
+    for op in (PF.rope_qk, PF.rope_qk_backward):
+        together = op(q, k, positions, inv_freq, *tail)
+        assert all(torch.equal(a, b) for a, b in zip(together, alone(op, q, k)))
+    inplace = q.clone()
+    PF.rope_(inplace, positions, inv_freq, *tail)
+    assert torch.equal(inplace, alone(PF.rope, q))
+    assert_close(inplace.movedim(token_axis, 1).double(),
+                 reference_axes(q.movedim(token_axis, 1), positions, pair_axis, inv_freq, layout), **tolerance(dtype))
+    # one axis, positions per batch row: three rows of the same 16 values
+    x = torch.randn(3, 16, 2, 64).to(dtype)
+    rows, one_axis = torch.arange(-3, 13).repeat(3, 1), FQ.rope(64, 1e4)[0]
+    out = PF.rope(x, rows, one_axis, 1.0, layout)
+    assert torch.equal(out, torch.cat([PF.rope(x[b:b + 1], rows[b:b + 1], one_axis, 1.0, layout) for b in range(3)]))
+
+
 def test_far_positions_take_the_exact_path():
     x = torch.randn(1, 4, 1, 8, dtype=torch.float64)
     inv_freq, pair_axis = FQ.axial(8, 2)

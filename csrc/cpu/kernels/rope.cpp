@@ -100,8 +100,59 @@ ScratchVector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, op
   return coeffs;
 }
 
+// Where the tokens form their own rows but their positions take few values (an M-RoPE prompt's image tokens share
+// their time position, each row of patches its height; [B, S] position ids repeat from row to row), the sin and cos
+// of every pair at each integer value of their span [*lowest, *lowest + span), [span, 2 * pairs] (cos, then sin;
+// each in neox_word_order where in_words), formed once for the tokens to gather from. Only where every position is
+// an integer and every angle takes the fast reduction (or the data is float64, whose angles all take the exact one),
+// so that a gathered row holds the bits its token would form itself, and the span is at most half the tokens; else
+// none.
+template <typename scalar_t, typename opmath>
+ScratchVector<opmath> value_table(const RopeProblem<scalar_t>& problem, bool in_words, int64_t* lowest) {
+  const int64_t tokens = problem.shared_positions ? problem.seq : problem.batch * problem.seq;
+  if (problem.positions == nullptr || tokens < 2) return {};
+  const double* positions = problem.positions;
+  double low = positions[0], high = positions[0];
+  bool integers = true;
+  for (int64_t i = 0; i < tokens * problem.n_axes; ++i) {
+    integers = integers && positions[i] == std::floor(positions[i]);  // NaN and infinities: false
+    low = std::min(low, positions[i]);
+    high = std::max(high, positions[i]);
+  }
+  const bool fast = std::max(-low, high) * problem.max_abs_freq <= kFastAngle || std::is_same_v<opmath, double>;
+  if (!integers || !fast || high - low + 1 > tokens / 2) return {};
+  const int64_t pairs = problem.pairs;
+  const auto span = static_cast<int64_t>(high - low) + 1;
+  *lowest = static_cast<int64_t>(low);
+  ScratchVector<opmath> values(span * 2 * pairs);
+  parallel_for(0, span, rows_per_task(pairs * 16), [&](int64_t begin, int64_t end) {
+    SmallScratch<opmath> formed(in_words ? 2 * pairs : 0);
+    for (int64_t v = begin; v < end; ++v) {
+      opmath* row = &values[v * 2 * pairs];
+      opmath* into = in_words ? formed.data() : row;
+      sincos_row(low + v, problem.inv_freq, pairs, problem.max_abs_freq, into + pairs, into);
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+      if constexpr (std::is_same_v<opmath, float>) {
+        if (in_words) {
+          word_order(formed.data(), pairs, row);
+          word_order(formed.data() + pairs, pairs, row + pairs);
+        }
+      }
+#endif
+    }
+  });
+  return values;
+}
+
+// Pairs [begin, end) of a coefficient row, which all follow one axis.
+struct AxisRun {
+  int32_t axis;
+  int64_t begin, end;
+};
+
 // The coefficient rows of a problem's tokens: a table shared by the batch when its positions are, else formed per
-// token; q's rows (view scaled_view) times its query scale at the token's position when it has one.
+// token (or gathered from a value_table); q's rows (view scaled_view) times its query scale at the token's position
+// when it has one.
 template <typename scalar_t, typename opmath>
 struct Coefficients {
   const RopeProblem<scalar_t>& problem;
@@ -109,10 +160,15 @@ struct Coefficients {
   bool in_words;                  // the table's rows are in neox_word_order (takes_words)
   ScratchVector<opmath> table;    // [seq, 2 * pairs], or empty
   ScratchVector<opmath> q_table;  // the same rows scaled for q, or empty
+  int64_t lowest = 0;
+  ScratchVector<opmath> values;        // value_table's, where there is no table
+  std::vector<AxisRun> runs;           // of values' pairs, by the axis they follow
 
   Coefficients(const RopeProblem<scalar_t>& p, opmath attention_scale)
       : problem(p), scale(attention_scale), in_words(takes_words(p)),
         table(coefficient_table(p, attention_scale, in_words)) {
+    if (table.empty()) values = value_table<scalar_t, opmath>(p, in_words, &lowest);
+    if (!values.empty()) runs = axis_runs();
     if (table.empty() || p.scaled_view < 0) return;
     q_table.resize(table.size());
     for (int64_t s = 0; s < p.seq; ++s) scale_row(&table[s * 2 * p.pairs], query_factor(s), &q_table[s * 2 * p.pairs]);
@@ -152,10 +208,49 @@ struct Coefficients {
     const int64_t s = n % problem.seq;
     if (!table.empty()) return table_rows(s);
     const int64_t index = problem.shared_positions ? s : n;
-    angle_coeffs(problem, index, scale, own, own + pairs);
+    if (values.empty()) {
+      angle_coeffs(problem, index, scale, own, own + pairs);
+    } else {
+      gather_values(index, own, own + pairs);
+    }
     if (problem.scaled_view < 0) return {own, own};
     scale_row(own, query_factor(index), own + 2 * pairs);
     return {own, own + 2 * pairs};
+  }
+
+  // Runs of consecutive pairs that follow one axis, in the values' order (word order where in_words: the axes as
+  // floats put in that order).
+  std::vector<AxisRun> axis_runs() const {
+    std::vector<float> axes(problem.pairs, 0.0f);
+    if (problem.pair_axis != nullptr) std::copy_n(problem.pair_axis, problem.pairs, axes.begin());
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+    if (in_words) {
+      const std::vector<float> channel_order = axes;
+      word_order(channel_order.data(), problem.pairs, axes.data());
+    }
+#endif
+    std::vector<AxisRun> runs;
+    for (int64_t i = 0; i < problem.pairs; ++i) {
+      const auto axis = static_cast<int32_t>(axes[i]);
+      if (runs.empty() || runs.back().axis != axis) runs.push_back({axis, i, i});
+      runs.back().end = i + 1;
+    }
+    return runs;
+  }
+
+  // Token `index`'s rows from the value table, a run of pairs at a time (a select per pair and axis, or a gather
+  // per pair, cost most of what the table saved), times the scale as angle_coeffs scales them.
+  void gather_values(int64_t index, opmath* cos, opmath* sin) const {
+    const int64_t pairs = problem.pairs;
+    const double* position = problem.positions + index * problem.n_axes;
+    const opmath sin_scale = problem.inverse ? -scale : scale;
+    for (const AxisRun& run : runs) {
+      const opmath* row = &values[(static_cast<int64_t>(position[run.axis]) - lowest) * 2 * pairs];
+      for (int64_t i = run.begin; i < run.end; ++i) {
+        cos[i] = row[i] * scale;
+        sin[i] = row[pairs + i] * sin_scale;
+      }
+    }
   }
 
   // Sequence index s's rows of the tables.
@@ -164,17 +259,16 @@ struct Coefficients {
     return {row, q_table.empty() ? row : &q_table[s * 2 * problem.pairs]};
   }
 
+  // View v's rows of a token, from rows(): in word order where a table or the value table holds them so.
   PairCoeffs<opmath> of_view(int64_t v, std::pair<const opmath*, const opmath*> rows) const {
     const opmath* row = v == problem.scaled_view ? rows.second : rows.first;
-    return {row, row + problem.pairs, row, row + problem.pairs};
+    PairCoeffs<opmath> k{row, row + problem.pairs, row, row + problem.pairs};
+    k.words = in_words && (!table.empty() || !values.empty());
+    return k;
   }
 
   // View v's rows of sequence index s from the tables.
-  PairCoeffs<opmath> of_table(int64_t v, int64_t s) const {
-    PairCoeffs<opmath> k = of_view(v, table_rows(s));
-    k.words = in_words;
-    return k;
-  }
+  PairCoeffs<opmath> of_table(int64_t v, int64_t s) const { return of_view(v, table_rows(s)); }
 };
 
 // Rows of a token's heads, channel step stride[3], widened into the contiguous row [heads * head_dim].
