@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -58,6 +59,20 @@ RotaryView<scalar_t> streamed(RotaryView<scalar_t> view, int64_t bytes_read, int
 
 struct CpuRope : CpuDevice {
 
+  // Positions of every batch row whose rows are all the same (Hugging Face's position_ids [B, S] of a batch without
+  // padding): the kernels take them as shared by the batch, one table of coefficients for every row rather than a
+  // row formed per token, the same values. A/B, rope_qk q, k [4, 2048, 16|8, 128] bf16, 2 threads, Zen 2 (AVX2):
+  // 3.47-3.52 -> 3.20-3.26 ms, as with positions [S].
+  static bool rows_repeat(const AxisPositions& pos, int64_t batch, int64_t seq) {
+    const auto row = seq * pos.n_axes;
+    const auto& values = pos.values.values;
+    if (batch < 2 || static_cast<int64_t>(values.size()) != batch * row) return false;
+    for (int64_t b = 1; b < batch; ++b) {
+      if (!std::equal(values.begin(), values.begin() + row, values.begin() + b * row)) return false;
+    }
+    return true;
+  }
+
   static void rotate(const Rotation& r) {
     check_cu_seqlens_values(r.op, r.cu_seqlens, r.seq);
     const auto pos = read_axis_positions(r.op, r.positions, r.seq, r.offset, rotary_domain(), r.pair_axis,
@@ -92,7 +107,8 @@ struct CpuRope : CpuDevice {
       const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
                                  : RotaryView<scalar_t>{};
       cpu::rope_stub<scalar_t>({views.data(), static_cast<int64_t>(views.size()), r.batch, r.seq, pos.values.data(),
-                                pos.values.first, r.args.shared_positions, pos.n_axes, pos.axes(),
+                                pos.values.first, r.args.shared_positions || rows_repeat(pos, r.batch, r.seq),
+                                pos.n_axes, pos.axes(),
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
                                 r.args.layout, r.norms != nullptr ? norms.data() : nullptr, r.q_scale,
                                 scaled_view, copies ? &v_view : nullptr});

@@ -210,7 +210,8 @@ def far_angles_and_special_values():
                         out[f"rope_qk_backward_values/{key}"] = torch.cat([qo.flatten(), ko.flatten()])
                         PF.rope_(q, *args)
                         out[f"rope_values_/{key}"] = q
-                rows = torch.arange(-3, 13).repeat(3, 1)  # [3, 16], one axis
+                row = torch.arange(-3, 13)
+                rows = torch.stack([row, row.flip(0), row.roll(5)])  # [3, 16], one axis, the same values
                 x = data((3, 16, 2, 2 * pairs), dtype, 33)
                 out[f"rope_values_rows/{d}/{pairs}"] = PF.rope(x, rows, posenc.frequencies.rope(2 * pairs, 1e4)[0])
 

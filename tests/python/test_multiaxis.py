@@ -93,11 +93,44 @@ def test_positions_of_few_values_give_the_bits_of_each_token_alone(dtype, layout
     assert torch.equal(inplace, alone(PF.rope, q))
     assert_close(inplace.movedim(token_axis, 1).double(),
                  reference_axes(q.movedim(token_axis, 1), positions, pair_axis, inv_freq, layout), **tolerance(dtype))
-    # one axis, positions per batch row: three rows of the same 16 values
+    # one axis, positions per batch row: three rows of the same 16 values in different orders
     x = torch.randn(3, 16, 2, 64).to(dtype)
-    rows, one_axis = torch.arange(-3, 13).repeat(3, 1), FQ.rope(64, 1e4)[0]
+    row = torch.arange(-3, 13)
+    rows, one_axis = torch.stack([row, row.flip(0), row.roll(5)]), FQ.rope(64, 1e4)[0]
     out = PF.rope(x, rows, one_axis, 1.0, layout)
     assert torch.equal(out, torch.cat([PF.rope(x[b:b + 1], rows[b:b + 1], one_axis, 1.0, layout) for b in range(3)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_rows_of_equal_positions_give_the_bits_of_shared_ones(dtype):
+    """Hugging Face passes position_ids [B, S] whose rows are equal: the CPU then takes them as shared by the batch
+    (one table of coefficients); every row must hold the bits of its own call, one axis and three, plain, with the
+    query scale and through QK-norm, and rows that differ in one value must not be taken so."""
+    q, k = torch.randn(3, 20, 4, 128).to(dtype), torch.randn(3, 20, 2, 128).to(dtype)
+    inv_freq, pair_axis = FQ.mrope(128, [16, 24, 24], 1e4)
+    one_axis = FQ.rope(128, 1e4)[0]
+    row = torch.randint(0, 500, (20,))
+    for positions, axes in ((row.repeat(3, 1), None), (torch.stack([row, row // 2, row % 7])[:, None].repeat(1, 3, 1),
+                                                        pair_axis)):
+        freq = one_axis if axes is None else inv_freq
+        together = PF.rope_qk(q, k, positions, freq, 0.5, "neox", "bshd", 3, None, axes)
+        each = [PF.rope_qk(q[b:b + 1], k[b:b + 1], positions[..., b:b + 1, :], freq, 0.5, "neox", "bshd", 3, None, axes)
+                for b in range(3)]
+        assert all(torch.equal(t, torch.cat(parts)) for t, parts in zip(together, zip(*each)))
+        backward = PF.rope_qk_backward(q, k, positions, freq, 0.5, "gptj", "bshd", 0, None, axes)
+        assert all(torch.equal(t, s) for t, s in zip(backward, PF.rope_qk_backward(
+            q, k, positions[..., 0, :], freq, 0.5, "gptj", "bshd", 0, None, axes)))
+    rows = row.repeat(3, 1)
+    scaled = torch.ops.posenc.rope_qk(q, k, rows, one_axis, 1.0, "neox", "bshd", 0, None, None, 0.1, 8, 0)
+    assert all(torch.equal(t, s) for t, s in zip(scaled, torch.ops.posenc.rope_qk(
+        q, k, row, one_axis, 1.0, "neox", "bshd", 0, None, None, 0.1, 8, 0)))
+    weights = torch.rand(128).to(dtype) + 0.5, torch.rand(128).to(dtype) + 0.5
+    normed = PF.qk_norm_rope(q, k, *weights, rows, one_axis, 1e-6)
+    assert all(torch.equal(t, s) for t, s in zip(normed, PF.qk_norm_rope(q, k, *weights, row, one_axis, 1e-6)))
+    rows[2, 7] += 1  # one value differs: row 2 keeps its own
+    out = PF.rope(q, rows, one_axis)
+    assert torch.equal(out[2], PF.rope(q[2:], rows[2:], one_axis)[0])
+    assert torch.equal(out[:2], PF.rope(q[:2], row, one_axis))
 
 
 def test_far_positions_take_the_exact_path():
