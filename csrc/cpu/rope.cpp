@@ -11,7 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -65,10 +65,10 @@ struct CpuRope : CpuDevice {
   // 3.47-3.52 -> 3.20-3.26 ms, as with positions [S].
   static bool rows_repeat(const AxisPositions& pos, int64_t batch, int64_t seq) {
     const auto row = seq * pos.n_axes;
-    const auto& values = pos.values.values;
-    if (batch < 2 || static_cast<int64_t>(values.size()) != batch * row) return false;
+    const double* values = pos.values.data();
+    if (batch < 2 || values == nullptr || static_cast<int64_t>(pos.values.values.size()) != batch * row) return false;
     for (int64_t b = 1; b < batch; ++b) {
-      if (!std::equal(values.begin(), values.begin() + row, values.begin() + b * row)) return false;
+      if (std::memcmp(values, values + b * row, row * sizeof(double)) != 0) return false;
     }
     return true;
   }
