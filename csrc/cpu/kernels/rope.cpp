@@ -599,19 +599,29 @@ __attribute__((always_inline)) inline float neox_head_mean_dot(const scalar_t* g
     _mm256_storeu_ps(g + d, gv);
     return _mm256_mul_ps(gv, xhat);
   };
-  __m256 lanes[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // channel c's term goes to lane c mod 16
-  for (int64_t i = 0; i < pairs; i += 8) {
+  // Channel c's term goes to lane c mod 16: low holds lanes 0-7, high 8-15. Two named vectors, 16 pairs a step:
+  // an array of two indexed by the step lived on the stack, each sum waiting on the store of the one before
+  // (separate processes taking turns, Zen 2, q, k [4, 2048, 16|8, 128], 2 threads: float32 1.04-1.19x, bf16 1.15x,
+  // fp16 1.17-1.22x; one thread float32 1.10x; the same bits).
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  const auto rotate_back8 = [&](int64_t i, __m256& lanes) {
     __m256 first, second;
     rotate_pairs8(load_floats(grad + i), load_floats(grad + pairs + i), k, i, first, second);
-    lanes[(i / 8) % 2] = _mm256_add_ps(lanes[(i / 8) % 2], through_norm(i, first));
+    lanes = _mm256_add_ps(lanes, through_norm(i, first));
     through_norm(pairs + i, second);
+  };
+  for (int64_t i = 0; i < pairs; i += 16) {  // pairs: a multiple of 16 (backward_by_vectors)
+    rotate_back8(i, low);
+    rotate_back8(i + 8, high);
   }
-  for (int64_t i = 0; i < pairs; i += 8) {  // the partners' terms after the first channels', read back from g
-    const int64_t d = pairs + i;
-    const __m256 term = _mm256_mul_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(_mm256_loadu_ps(x + d), vr));
-    lanes[(i / 8) % 2] = _mm256_add_ps(lanes[(i / 8) % 2], term);
+  const auto partner_term = [&](int64_t d) {
+    return _mm256_mul_ps(_mm256_loadu_ps(g + d), _mm256_mul_ps(_mm256_loadu_ps(x + d), vr));
+  };
+  for (int64_t i = 0; i < pairs; i += 16) {  // the partners' terms after the first channels', read back from g
+    low = _mm256_add_ps(low, partner_term(pairs + i));
+    high = _mm256_add_ps(high, partner_term(pairs + i + 8));
   }
-  const __m256 eight = _mm256_add_ps(lanes[0], lanes[1]);
+  const __m256 eight = _mm256_add_ps(low, high);
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   const float dot = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
