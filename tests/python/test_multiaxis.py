@@ -117,6 +117,9 @@ def test_batch_rows_of_equal_positions_give_the_bits_of_shared_ones(dtype):
         each = [PF.rope_qk(q[b:b + 1], k[b:b + 1], positions[..., b:b + 1, :], freq, 0.5, "neox", "bshd", 3, None, axes)
                 for b in range(3)]
         assert all(torch.equal(t, torch.cat(parts)) for t, parts in zip(together, zip(*each)))
+        if axes is not None:
+            assert_close(together[0].double(), reference_axes(q, positions + 3, axes, freq, "neox", 0.5),
+                         **tolerance(dtype))
         backward = PF.rope_qk_backward(q, k, positions, freq, 0.5, "gptj", "bshd", 0, None, axes)
         assert all(torch.equal(t, s) for t, s in zip(backward, PF.rope_qk_backward(
             q, k, positions[..., 0, :], freq, 0.5, "gptj", "bshd", 0, None, axes)))
