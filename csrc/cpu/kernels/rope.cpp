@@ -72,6 +72,18 @@ void rotate_back_heads(RopeLayout layout, const RotaryView<scalar_t>& view, cons
   }
 }
 
+// A row of coefficients formed in the channels' order in `formed` [2 * pairs] (cos, then sin), each half put in
+// neox_word_order into `row` (takes_words: bf16 only, in the baseline and AVX2 builds).
+template <typename opmath>
+void word_order_row(const opmath* formed, int64_t pairs, opmath* row) {
+#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
+  if constexpr (std::is_same_v<opmath, float>) {
+    word_order(formed, pairs, row);
+    word_order(formed + pairs, pairs, row + pairs);
+  }
+#endif
+}
+
 // Positions shared by several batch rows: one table of [seq, 2 * pairs] coefficients (cos, then sin) for all of
 // them, each row in neox_word_order where in_words; else none (each token forms its own).
 template <typename scalar_t, typename opmath>
@@ -84,17 +96,9 @@ ScratchVector<opmath> coefficient_table(const RopeProblem<scalar_t>& problem, op
     SmallScratch<opmath> formed(in_words ? 2 * pairs : 0);
     for (int64_t s = begin; s < end; ++s) {
       opmath* row = &coeffs[s * 2 * pairs];
-      if (!in_words) {
-        angle_coeffs(problem, s, scale, row, row + pairs);
-        continue;
-      }
-#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-      if constexpr (std::is_same_v<opmath, float>) {
-        angle_coeffs(problem, s, scale, formed.data(), formed.data() + pairs);
-        word_order(formed.data(), pairs, row);
-        word_order(formed.data() + pairs, pairs, row + pairs);
-      }
-#endif
+      opmath* into = in_words ? formed.data() : row;
+      angle_coeffs(problem, s, scale, into, into + pairs);
+      if (in_words) word_order_row(formed.data(), pairs, row);
     }
   });
   return coeffs;
@@ -131,14 +135,7 @@ ScratchVector<opmath> value_table(const RopeProblem<scalar_t>& problem, bool in_
       opmath* row = &values[v * 2 * pairs];
       opmath* into = in_words ? formed.data() : row;
       sincos_row(low + v, problem.inv_freq, pairs, problem.max_abs_freq, into + pairs, into);
-#if defined(POSENC_BF16_BY_SSE2) || defined(POSENC_BF16_BY_AVX2)
-      if constexpr (std::is_same_v<opmath, float>) {
-        if (in_words) {
-          word_order(formed.data(), pairs, row);
-          word_order(formed.data() + pairs, pairs, row + pairs);
-        }
-      }
-#endif
+      if (in_words) word_order_row(formed.data(), pairs, row);
     }
   });
   return values;
