@@ -74,20 +74,28 @@ Capability choose() {
               "\"");
 }
 
-int64_t choose_stream_bytes() {
-  if (const auto bytes = requested_count("POSENC_STREAM_BYTES", "a byte count", LLONG_MAX)) return *bytes;
-  // One instance of the last-level cache as Linux describes it, but at most 32 MiB: a virtual machine is shown the
-  // host's whole cache, not the share its cores keep. An Emerald Rapids guest of 2 cores lists 300 MiB, yet its
-  // copies slow to memory's speed past working sets of 64 MiB, and rope_qk writing 32 MiB of float32 ran 1.5-1.7x
-  // as fast past the caches. Read with C's stdio, not an iostream: a library built with a copy of libstdc++ of its
-  // own crashed on the iostream's locale (docs/install.md).
-  constexpr int64_t kMostBytes = int64_t{32} << 20;
+// The size of the first CPU's cache at `index` (index2: its L2, index3: the last level) as Linux describes it, or 0
+// where it does not. Read with C's stdio, not an iostream: a library built with a copy of libstdc++ of its own crashed
+// on the iostream's locale (docs/install.md).
+int64_t cache_bytes(int index) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu0/cache/index%d/size", index);
   long long kib = 0;
-  if (std::FILE* file = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+  if (std::FILE* file = std::fopen(path, "r")) {
     if (std::fscanf(file, "%lld", &kib) != 1) kib = 0;
     std::fclose(file);
   }
-  return kib > 0 ? std::min(static_cast<int64_t>(kib) << 10, kMostBytes) : kMostBytes;
+  return kib > 0 ? static_cast<int64_t>(kib) << 10 : 0;
+}
+
+int64_t choose_stream_bytes() {
+  if (const auto bytes = requested_count("POSENC_STREAM_BYTES", "a byte count", LLONG_MAX)) return *bytes;
+  // One instance of the last-level cache, but at most 32 MiB: a virtual machine is shown the host's whole cache,
+  // not the share its cores keep. An Emerald Rapids guest of 2 cores lists 300 MiB, yet its copies slow to memory's
+  // speed past working sets of 64 MiB, and rope_qk writing 32 MiB of float32 ran 1.5-1.7x as fast past the caches.
+  constexpr int64_t kMostBytes = int64_t{32} << 20;
+  const int64_t bytes = cache_bytes(3);
+  return bytes > 0 ? std::min(bytes, kMostBytes) : kMostBytes;
 }
 
 }  // namespace
@@ -99,6 +107,14 @@ int64_t stream_bytes() {
 
 int64_t encoding_cache_bytes() {
   static const int64_t bytes = choose_encoding_cache_bytes();
+  return bytes;
+}
+
+int64_t core_cache_bytes() {
+  static const int64_t bytes = [] {
+    const int64_t l2 = cache_bytes(2);
+    return l2 > 0 ? l2 : int64_t{1} << 20;
+  }();
   return bytes;
 }
 

@@ -321,6 +321,24 @@ def test_backward_sums_the_leading_rows_in_order(dtype):
         assert leads <= 3 or in_order(values) != 0  # the two orders differ (one 1 alone vanishes either way)
 
 
+@pytest.mark.parametrize("leads", [1, 3, 8])
+def test_backward_of_a_large_grid_sums_the_leading_rows_in_order(leads):
+    """DINOv2-L's grid (37 x 37 to 46 x 46, 1024 channels), whose runs of sums pass a core's L2 cache on some CPUs:
+    there the CPU forms the whole sum first, not grid row by grid row as it goes. Either way the float32 gradient is
+    the float64 sum of the leading rows, in order, through the float64 adjoint, rounded once; and that adjoint is
+    F.interpolate's."""
+    torch.manual_seed(9)
+    args = ((37, 37), (46, 46), "bicubic", False, False, None, 1)
+    grad = torch.randn(leads, 1 + 46 * 46, 1024)
+    summed = grad[0].double()
+    for row in grad[1:]:
+        summed = summed + row.double()
+    expected = PF.resample_learned_backward(summed[None], *args)
+    assert same_bits(PF.resample_learned_backward(grad, *args), expected.float())
+    weight = torch.zeros(1 + 37 * 37, 1024, dtype=torch.float64, requires_grad=True)
+    assert_relative(expected, torch.autograd.grad(interpolated(weight, *args), weight, summed)[0], 1e-12)
+
+
 # ---------------------------------------------------------------- errors
 
 

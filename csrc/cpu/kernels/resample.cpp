@@ -450,10 +450,14 @@ inline int64_t adjoint_channels(int64_t width, int64_t bytes_per_channel) {
 // (the output rows reading an input are a run whose ends never decrease); with more, the whole sum is formed first,
 // by rows in contiguous runs, as the gradient's reads are then most of the work. Before, the whole sum was always
 // formed first and read by table rows, every channel at once, each grid row's sums read again by every table row
-// reading it. In-process A/B, resample_learned_backward, 2 threads: DINOv2-L [8, 2117, 1024] 1.10-1.19x (bf16,
-// float32), of one row 1.78-2.26x; ViT-B [1 | 8 | 32, 577, 768] bf16 1.32x, 1.01x, 0.97x (formed first; formed in
-// the pass there was 0.86-0.94x). Every sum of a channel is the same in any cut of the channels, and no task writes
-// another's.
+// reading it. In-process A/B, resample_learned_backward, 2 threads, Emerald Rapids (2 MiB of L2 a core): DINOv2-L
+// [8, 2117, 1024] 1.10-1.19x (bf16, float32), of one row 1.78-2.26x; ViT-B [1 | 8 | 32, 577, 768] bf16 1.32x, 1.01x,
+// 0.97x (formed first; formed in the pass there was 0.86-0.94x). Where a run's window and mid do not fit the core's
+// L2 (Zen 2: 512 KiB; DINOv2-L's runs take 1.3 MB, ViT-B's 0.6 MB), the window is kept only up to 4 bytes of blocks:
+// formed first, separate processes, DINOv2-L bf16 [8] took 0.75-0.78x the window's time, float32 0.84x, fp16 0.77x,
+// [4] 0.87x; ViT-B bf16 [8] 0.74-0.76x, [4] 0.80-0.97x, [2] 1.00x, [1] 1.3x. Smaller runs, whose window would fit
+// there, read the gradient in pieces of a few hundred bytes: 1.4-1.6x slower. Every sum of a channel is the same in
+// any cut of the channels, and no task writes another's.
 template <typename scalar_t>
 void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
@@ -468,7 +472,9 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const AxisTaps cols(grid.width, true);
   const int64_t window = std::max<int64_t>(1, max_users(rows));
   const int64_t lanes = adjoint_channels(width, (window + 1) * out_cols * static_cast<int64_t>(sizeof(double)));
-  const bool summed_first = problem.leads * static_cast<int64_t>(sizeof(scalar_t)) > 32;
+  const int64_t run_bytes = (window + 1) * out_cols * lanes * static_cast<int64_t>(sizeof(double));  // sums and mid
+  const int64_t most_lead_bytes = run_bytes <= core_cache_bytes() ? 32 : 4;
+  const bool summed_first = problem.leads * static_cast<int64_t>(sizeof(scalar_t)) > most_lead_bytes;
   const std::unique_ptr<double[]> summed(summed_first ? new double[block] : nullptr);
   if (summed_first) {
     parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
