@@ -228,6 +228,25 @@ def test_reduced_precision_tables_round_once_from_float64():
         assert_rounds_once_within(PF.resample_learned(w, *args), reference(w, *args), 1e-12 * magnitude(w, args))
 
 
+@pytest.mark.parametrize("dtype, last_place, hair", [(torch.bfloat16, 2.0 ** -7, 2.0 ** -40),
+                                                      (torch.float16, 2.0 ** -10, 2.0 ** -24)])
+def test_reduced_precision_sums_a_hair_off_a_midpoint_round_to_its_side(dtype, last_place, hair):
+    """Sums a hair off a midpoint of the type (at most half a float32 ulp: their nearest float32 is the midpoint
+    itself) round to the side they lie on, the midpoints themselves to even: what rounding the float64 sum once
+    gives, not rounding it to float32 first. The gradient's three leading rows sum to them in float64 (each row is a
+    value of the type), and an adjoint onto a grid of the same size passes them through."""
+    args = ((3, 4), (3, 4), "bicubic", False, False, None, 0)
+    half = last_place / 2
+    cases = {(1.0, half, hair): 1 + last_place, (1.0, half, -hair): 1.0, (1.0, half, 0.0): 1.0,
+             (1.0 + last_place, half, hair): 1 + 2 * last_place, (1.0 + last_place, half, -hair): 1 + last_place,
+             (1.0 + last_place, half, 0.0): 1 + 2 * last_place, (-1.0, -half, -hair): -1 - last_place}
+    for rows, expected in cases.items():
+        grad = torch.tensor(rows, dtype=torch.float64)[:, None, None].expand(3, 12, 40).to(dtype)
+        assert torch.equal(grad.double().sum(0), torch.full((12, 40), sum(rows), dtype=torch.float64))
+        out = PF.resample_learned_backward(grad, *args)
+        assert torch.equal(out.double(), torch.full((12, 40), expected, dtype=torch.float64)), rows
+
+
 def test_strided_weight_and_x():
     torch.manual_seed(4)
     weight = torch.randn(8, 1 + 12).t()  # [13, 8], transposed
