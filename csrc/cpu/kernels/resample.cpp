@@ -474,10 +474,10 @@ inline int64_t adjoint_channels(int64_t width, int64_t bytes_per_channel) {
 // [8, 2117, 1024] 1.10-1.19x (bf16, float32), of one row 1.78-2.26x; ViT-B [1 | 8 | 32, 577, 768] bf16 1.32x, 1.01x,
 // 0.97x (formed first; formed in the pass there was 0.86-0.94x). Where a run's window and mid do not fit the core's
 // L2 (Zen 2: 512 KiB; DINOv2-L's runs take 1.3 MB, ViT-B's 0.6 MB), the window is kept only up to 4 bytes of blocks:
-// formed first, separate processes, DINOv2-L bf16 [8] took 0.75-0.78x the window's time, float32 0.84x, fp16 0.77x,
-// [4] 0.87x; ViT-B bf16 [8] 0.74-0.76x, [4] 0.80-0.97x, [2] 1.00x, [1] 1.3x. Smaller runs, whose window would fit
-// there, read the gradient in pieces of a few hundred bytes: 1.4-1.6x slower. Every sum of a channel is the same in
-// any cut of the channels, and no task writes another's.
+// formed first, separate processes, DINOv2-L bf16 [8] took 0.74-0.79x the window's time, [4] 0.80-0.88x, float32 [8]
+// 0.73-0.86x, fp16 [8] 0.76-0.77x; ViT-B bf16 [8] 0.74-0.76x, [4] 0.91-0.97x, [2] 1.00x, [1] 1.32x. Smaller runs,
+// whose window would fit there, read the gradient in pieces of a few hundred bytes: 1.4-1.6x slower. Every sum of a
+// channel is the same in any cut of the channels, and no task writes another's.
 template <typename scalar_t>
 void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
