@@ -491,9 +491,9 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const AxisTaps rows(grid.height, true);
   const AxisTaps cols(grid.width, true);
   const int64_t window = std::max<int64_t>(1, max_users(rows));
-  const int64_t lanes = adjoint_channels(width, (window + 1) * out_cols * static_cast<int64_t>(sizeof(double)));
-  const int64_t run_bytes = (window + 1) * out_cols * lanes * static_cast<int64_t>(sizeof(double));  // sums and mid
-  const int64_t most_lead_bytes = run_bytes <= core_cache_bytes() ? 32 : 4;
+  const int64_t channel_bytes = (window + 1) * out_cols * static_cast<int64_t>(sizeof(double));  // sums and mid
+  const int64_t lanes = adjoint_channels(width, channel_bytes);
+  const int64_t most_lead_bytes = lanes * channel_bytes <= core_cache_bytes() ? 32 : 4;
   const bool summed_first = problem.leads * static_cast<int64_t>(sizeof(scalar_t)) > most_lead_bytes;
   const std::unique_ptr<double[]> summed(summed_first ? new double[block] : nullptr);
   if (summed_first) {

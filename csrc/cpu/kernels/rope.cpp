@@ -415,28 +415,6 @@ inline void inverse_rms_of_rows(const float* row, int64_t heads, int64_t n, floa
   const auto channels = [&](int64_t h, int64_t i) { return _mm256_loadu_ps(row + h * n + i); };
   inverse_rms_of_rows_from(channels, heads, n, eps, inv_rms);
 }
-
-// load_heads and inverse_rms_of_rows in one pass, for bf16 or fp16 heads of n contiguous channels (`head_stride`
-// apart): each 8 widened in registers, stored into the token's row and squared there, not read back from the row.
-// qk_norm_rope, q, k [4, 2048, 16|8, 128], Zen 2, 2 threads, separate processes taking turns: bf16 forward 1.06-1.09x
-// (7.71-7.73 -> 7.08-7.29 ms), backward 1.06x, fp16 1.09x and 1.06-1.07x; in cache ([1, 256], one thread) the bf16
-// forward 77 -> 71 ns a head.
-template <typename scalar_t>
-inline void widen_inverse_rms_of_heads(const scalar_t* in, int64_t head_stride, int64_t heads, int64_t n, float eps,
-                                       float* row, float* inv_rms) {
-  const auto channels = [&](int64_t h, int64_t i) {
-    const scalar_t* p = in + h * head_stride + i;
-    __m256 v;
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      v = Bf16Vectors::widen(p);
-    } else {
-      v = widen_halfx8(p);
-    }
-    _mm256_storeu_ps(row + h * n + i, v);
-    return v;
-  };
-  inverse_rms_of_rows_from(channels, heads, n, eps, inv_rms);
-}
 #endif
 
 #if POSENC_CPU_CAPABILITY_INDEX == 2 && (defined(__x86_64__) || defined(__i386__))
@@ -608,6 +586,22 @@ inline void store_floats(__m256 v, scalar_t* p) {
   } else {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(Bf16Vectors::narrow(v, v)));
   }
+}
+
+// load_heads and inverse_rms_of_rows in one pass, for bf16 or fp16 heads of n contiguous channels (`head_stride`
+// apart): each 8 widened in registers, stored into the token's row and squared there, not read back from the row.
+// qk_norm_rope, q, k [4, 2048, 16|8, 128], Zen 2, 2 threads, separate processes taking turns: bf16 forward 1.06-1.09x
+// (7.71-7.73 -> 7.08-7.29 ms), backward 1.06x, fp16 1.09x and 1.06-1.07x; in cache ([1, 256], one thread) the bf16
+// forward 77 -> 71 ns a head.
+template <typename scalar_t>
+inline void widen_inverse_rms_of_heads(const scalar_t* in, int64_t head_stride, int64_t heads, int64_t n, float eps,
+                                       float* row, float* inv_rms) {
+  const auto channels = [&](int64_t h, int64_t i) {
+    const __m256 v = load_floats(in + h * head_stride + i);
+    _mm256_storeu_ps(row + h * n + i, v);
+    return v;
+  };
+  inverse_rms_of_rows_from(channels, heads, n, eps, inv_rms);
 }
 
 // neox_head_mean_dot and store_neox_head_input_grad in the AVX2 build, 8 pairs a step: the same operations on the
