@@ -367,12 +367,28 @@ def test_add_sinusoidal_strided_input():
     assert_close(out, x + reference_pe(torch.arange(10), inv_freq, "interleaved"), atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("x_scale", [0.25, 1.0, -3.0])
-def test_add_sinusoidal_backward_is_scale(x_scale):
-    x = torch.randn(2, 5, 8, requires_grad=True)
-    grad = torch.randn(2, 5, 8)
-    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(8), x_scale).backward(grad)
-    assert torch.equal(x.grad, grad * x_scale)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_scale", [0.25, 1.0, -3.0, 0.3, 1 / 3 + 1e-12])
+def test_add_sinusoidal_backward_is_scale(x_scale, dtype):
+    # 2 x 37 tokens of 67 channels: whole vectors and tails; zeros of both signs, values near the type's largest and
+    # smallest, infinities and NaN
+    x = torch.randn(2, 37, 67, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 37, 67, dtype=dtype) * torch.logspace(-6, 6, 67, dtype=torch.float64).to(dtype)
+    info = torch.finfo(dtype)
+    grad[0, 0, :8] = torch.tensor([0.0, -0.0, info.max, -info.max, info.tiny, info.smallest_normal / 3, math.inf,
+                                   math.nan], dtype=dtype)
+    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(66), x_scale).backward(grad)
+    expected = grad * x_scale  # ATen's product, x_scale rounded to the compute type
+    assert torch.equal(x.grad.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(x.grad).view(-1), torch.nan_to_num(expected).view(-1))
+    assert torch.equal(x.grad.signbit() | x.grad.isnan(), expected.signbit() | expected.isnan())  # zeros' signs
+    # a strided gradient (the expanded one of a sum) and a batch of one token
+    x.grad = None
+    PF.add_sinusoidal(x, None, posenc.frequencies.sinusoidal(66), x_scale).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1.0) * x_scale)
+    one = torch.randn(1, 67, dtype=dtype, requires_grad=True)
+    PF.add_sinusoidal(one, None, posenc.frequencies.sinusoidal(66), x_scale).backward(grad[0, :1])
+    assert torch.equal(torch.nan_to_num(one.grad), torch.nan_to_num(grad[0, :1] * x_scale))
 
 
 def test_add_sinusoidal_gradcheck():
