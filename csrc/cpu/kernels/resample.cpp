@@ -190,43 +190,55 @@ void round_row(const double* src, scalar_t* dst, int64_t width) {
 }
 
 #if defined(POSENC_HAS_F16C) && POSENC_CPU_CAPABILITY_INDEX >= 1
-// Eight fp16 values widened to float64 by vcvtph2ps and vcvtps2pd, one vector of the AVX-512 build or two of AVX2's,
-// and the float64 arithmetic the sums below do on them: to_opmath's integer form, which GCC vectorizes into a dozen
-// instructions a vector, took a third of the DINOv2-L fp16 adjoint's samples and a fifth of its forward's. AVX2,
-// in-process A/B against that form, 2 threads: DINOv2-L fwd 1.11-1.13x, fwd+bwd 1.17-1.21x; ViT-B 1.03-1.05x,
-// 1.15-1.16x.
-struct HalfDoubles {
+// Eight fp16 or bf16 values widened to float64 (fp16 by vcvtph2ps, bf16 as the high half of a float; then vcvtps2pd),
+// one vector of the AVX-512 build or two of AVX2's, and the float64 arithmetic the sums below do on them: to_opmath's
+// integer form, which GCC vectorizes into a dozen instructions a vector, took a third of the DINOv2-L fp16 adjoint's
+// samples and a fifth of its forward's. AVX2, in-process A/B against that form, 2 threads: fp16 DINOv2-L fwd
+// 1.11-1.13x, fwd+bwd 1.17-1.21x; ViT-B 1.03-1.05x, 1.15-1.16x. bf16 (Zen 2, separate processes): ViT-B's adjoint
+// [32, 577, 768] 2.29-2.40 -> 1.83-1.87 ms, DINOv2-L's table 1.99 -> 1.75 ms.
+struct EightDoubles {
   static constexpr int64_t kLanes = 8;
 #if POSENC_CPU_CAPABILITY_INDEX == 2
   __m512d v;
-  static HalfDoubles widen(const c10::Half* p) {
+  static EightDoubles widen(const c10::Half* p) {
     return {_mm512_maskz_cvtps_pd(0xFF, widen_halfx8(p))};
   }
-  static HalfDoubles load(const double* p) { return {_mm512_loadu_pd(p)}; }
-  static HalfDoubles zero() { return {_mm512_setzero_pd()}; }
+  static EightDoubles widen(const c10::BFloat16* p) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_maskz_cvtps_pd(0xFF, _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)))};
+  }
+  static EightDoubles load(const double* p) { return {_mm512_loadu_pd(p)}; }
+  static EightDoubles zero() { return {_mm512_setzero_pd()}; }
   void store(double* p) const { _mm512_storeu_pd(p, v); }
-  HalfDoubles operator+(HalfDoubles o) const { return {_mm512_add_pd(v, o.v)}; }
-  HalfDoubles times(double w) const { return {_mm512_mul_pd(_mm512_set1_pd(w), v)}; }
+  EightDoubles operator+(EightDoubles o) const { return {_mm512_add_pd(v, o.v)}; }
+  EightDoubles times(double w) const { return {_mm512_mul_pd(_mm512_set1_pd(w), v)}; }
 #else
   __m256d low, high;
-  static HalfDoubles widen(const c10::Half* p) {
+  static EightDoubles widen(const c10::Half* p) {
     const __m256 f = widen_halfx8(p);
     return {_mm256_cvtps_pd(_mm256_castps256_ps128(f)), _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1))};
   }
-  static HalfDoubles load(const double* p) { return {_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }
-  static HalfDoubles zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  // a bf16 value is the high half of its float: two interleaves with zero words, no shifts
+  static EightDoubles widen(const c10::BFloat16* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i zero = _mm_setzero_si128();
+    return {_mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(zero, bits))),
+            _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(zero, bits)))};
+  }
+  static EightDoubles load(const double* p) { return {_mm256_loadu_pd(p), _mm256_loadu_pd(p + 4)}; }
+  static EightDoubles zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   void store(double* p) const {
     _mm256_storeu_pd(p, low);
     _mm256_storeu_pd(p + 4, high);
   }
-  HalfDoubles operator+(HalfDoubles o) const { return {_mm256_add_pd(low, o.low), _mm256_add_pd(high, o.high)}; }
-  HalfDoubles times(double w) const {
+  EightDoubles operator+(EightDoubles o) const { return {_mm256_add_pd(low, o.low), _mm256_add_pd(high, o.high)}; }
+  EightDoubles times(double w) const {
     const __m256d weight = _mm256_set1_pd(w);
     return {_mm256_mul_pd(weight, low), _mm256_mul_pd(weight, high)};
   }
 #endif
 };
-#define POSENC_HALF_DOUBLES 1
+#define POSENC_EIGHT_DOUBLES 1
 #endif
 
 // acc[d] = (acc[d] +) rows[0][d] + ... + rows[kRows - 1][d] in float64, the terms added in row order onto acc
@@ -234,12 +246,12 @@ struct HalfDoubles {
 template <int kRows, typename scalar_t>
 void sum_rows(const scalar_t* const* rows, double* acc, int64_t n, bool onto) {
   int64_t first = 0;
-#if defined(POSENC_HALF_DOUBLES)
-  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-    for (; first + HalfDoubles::kLanes <= n; first += HalfDoubles::kLanes) {
-      HalfDoubles total = HalfDoubles::widen(rows[0] + first);
-      if (onto) total = HalfDoubles::load(acc + first) + total;
-      for (int k = 1; k < kRows; ++k) total = total + HalfDoubles::widen(rows[k] + first);
+#if defined(POSENC_EIGHT_DOUBLES)
+  if constexpr (std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    for (; first + EightDoubles::kLanes <= n; first += EightDoubles::kLanes) {
+      EightDoubles total = EightDoubles::widen(rows[0] + first);
+      if (onto) total = EightDoubles::load(acc + first) + total;
+      for (int k = 1; k < kRows; ++k) total = total + EightDoubles::widen(rows[k] + first);
       total.store(acc + first);
     }
   }
@@ -278,11 +290,11 @@ inline int64_t max_users(const AxisTaps& taps) {
 template <typename T>
 void weighted_rows(const double* weights, const T* const* rows, int64_t count, double* acc, int64_t n) {
   int64_t first = 0;  // channels [0, first) summed already, eight at a time, in the same order
-#if defined(POSENC_HALF_DOUBLES)
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    for (; count > 0 && first + HalfDoubles::kLanes <= n; first += HalfDoubles::kLanes) {
-      HalfDoubles total = HalfDoubles::zero();
-      for (int64_t k = 0; k < count; ++k) total = total + HalfDoubles::widen(rows[k] + first).times(weights[k]);
+#if defined(POSENC_EIGHT_DOUBLES)
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    for (; count > 0 && first + EightDoubles::kLanes <= n; first += EightDoubles::kLanes) {
+      EightDoubles total = EightDoubles::zero();
+      for (int64_t k = 0; k < count; ++k) total = total + EightDoubles::widen(rows[k] + first).times(weights[k]);
       total.store(acc + first);
     }
   }
@@ -375,44 +387,51 @@ void resample_kernel(const ResampleProblem<scalar_t>& problem) {
 }
 
 // A task's block of resampled table rows (add_to_rows' Blocks), rounded to scalar_t as resample_kernel rounds
-// them, so that x + the table is add_learned's sum of the same rows. A block (128 KiB) holds part of an output grid
-// row or a few; the resampler keeps the row pass of the last grid row it formed, so a task runs each grid row's
-// row pass once. The table is never written out and read back: for DINOv2-L's [2117, 1024] float32 table that was
-// 8.7 MB stored, then read again past the input's stream.
+// them, so that x + the table is add_learned's sum of the same rows; fp16 and bf16 rows are kept widened to float, so
+// that add_rows does not widen a row again for every pair of batch rows (ViT-B, DINOv2-L bf16 fwd 0.96-0.97x). A
+// block (128 KiB) holds part of an output grid row or a few; the resampler keeps the row pass of the last grid row it
+// formed, so a task runs each grid row's row pass once. The table is never written out and read back: for
+// DINOv2-L's [2117, 1024] float32 table that was 8.7 MB stored, then read again past the input's stream.
 template <typename scalar_t>
 class ResampledBlocks {
+  using opmath = opmath_t<scalar_t>;
+  static constexpr bool kWidened = !std::is_same_v<scalar_t, opmath>;
+
  public:
   ResampledBlocks(const AddResampledProblem<scalar_t>& problem, const AxisTaps& rows, const AxisTaps& cols,
                   int64_t block)
       : problem_(problem),
         resampler_(problem.table + problem.grid.prefix * problem.width, problem.width, problem.grid, rows, cols),
-        buffer_(block * problem.width) {}
+        buffer_(block * problem.width), rounded_(kWidened ? problem.width : 0) {}
 
   void prepare(int64_t first, int64_t count) {
     const int64_t width = problem_.width;
     const int64_t prefix = problem_.grid.prefix;
     const int64_t out_cols = problem_.grid.width.out;
     for (int64_t p = 0; p < count; ++p) {
-      scalar_t* row = buffer_.data() + p * width;
+      opmath* row = buffer_.data() + p * width;
+      scalar_t* rounded = kWidened ? rounded_.data() : reinterpret_cast<scalar_t*>(row);
       const int64_t token = first + p;
       if (token < prefix) {
-        std::copy_n(problem_.table + token * width, width, row);
+        std::copy_n(problem_.table + token * width, width, rounded);
       } else {
-        resampler_.resample((token - prefix) / out_cols, (token - prefix) % out_cols, row);
+        resampler_.resample((token - prefix) / out_cols, (token - prefix) % out_cols, rounded);
       }
+      if constexpr (kWidened) widen(rounded, row, width);
     }
     first_ = first;
   }
 
   void add(int64_t count, const scalar_t* const* in, int64_t position, scalar_t* const* out, int64_t width,
-           opmath_t<scalar_t> scale, RowStores stores) const {
+           opmath scale, RowStores stores) const {
     add_rows(count, in, buffer_.data() + (position - first_) * width, out, width, width, scale, stores);
   }
 
  private:
   const AddResampledProblem<scalar_t>& problem_;
   GridRowResampler<scalar_t> resampler_;
-  ScratchVector<scalar_t> buffer_;
+  ScratchVector<opmath> buffer_;
+  ScratchVector<scalar_t> rounded_;
   int64_t first_ = 0;
 };
 
@@ -422,7 +441,7 @@ void add_resampled_kernel(const AddResampledProblem<scalar_t>& problem) {
   const AxisTaps rows(grid.height, false);
   const AxisTaps cols(grid.width, false);
   const int64_t tokens = resampled_tokens(grid);
-  const int64_t block = std::min(tokens, rows_per_block(problem.width * static_cast<int64_t>(sizeof(scalar_t))));
+  const int64_t block = std::min(tokens, rows_per_block(problem.width * static_cast<int64_t>(sizeof(opmath_t<scalar_t>))));
   add_to_rows(RowInput<scalar_t>{problem.in, nullptr}, problem.out, problem.rows, problem.width, tokens, block, 1.0,
               [&] { return ResampledBlocks<scalar_t>(problem, rows, cols, block); });
 }
