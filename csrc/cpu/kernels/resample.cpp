@@ -136,33 +136,44 @@ inline void round_to_odd(const double* src, float* dst, int64_t n) {
 
 // fp16 and bf16 go through float blocks rounded to odd, then narrow's vector conversions. The AVX2 build rounds
 // both through the nearest floats in registers, the baseline's bf16 through floats rounded to odd in registers,
-// without the block (a step holding a value that is neither goes value by value).
-template <typename scalar_t>
-void round_row(const double* src, scalar_t* dst, int64_t width) {
+// without the block (a step holding a value that is neither goes value by value). out_t float (the fused add's
+// rows, ResampledBlocks): each value rounded to scalar_t, then stored widened back to float.
+template <typename scalar_t, typename out_t = scalar_t>
+void round_row(const double* src, out_t* dst, int64_t width) {
+  static_assert(std::is_same_v<out_t, scalar_t> || std::is_same_v<out_t, opmath_t<scalar_t>>);
+  constexpr bool kWidened = !std::is_same_v<out_t, scalar_t>;
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
     for (int64_t d = 0; d < width; ++d) dst[d] = round_from_double<scalar_t>(src[d]);
   } else {
     int64_t done = 0;
     const auto value_by_value = [&](int64_t n) {
-      for (int64_t d = done; d < done + n; ++d) dst[d] = round_from_double<scalar_t>(src[d]);
+      for (int64_t d = done; d < done + n; ++d) dst[d] = static_cast<out_t>(round_from_double<scalar_t>(src[d]));
     };
 #if defined(POSENC_BF16_BY_AVX2)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       for (; done + 16 <= width; done += 16) {
         const __m256 low = nearest_floats(src + done), high = nearest_floats(src + done + 8);
-        if (rounds_alike<0x8000>(low, 0x1p-126f, INFINITY) && rounds_alike<0x8000>(high, 0x1p-126f, INFINITY)) {
-          Bf16Vectors::store<false>(dst + done, Bf16Vectors::narrow<false>(low, high));
-        } else {
+        if (!rounds_alike<0x8000>(low, 0x1p-126f, INFINITY) || !rounds_alike<0x8000>(high, 0x1p-126f, INFINITY)) {
           value_by_value(16);
+        } else if constexpr (kWidened) {
+          Bf16Vectors::store_floats(dst + done, Bf16Vectors::round<false>(low));
+          Bf16Vectors::store_floats(dst + done + 8, Bf16Vectors::round<false>(high));
+        } else {
+          Bf16Vectors::store<false>(dst + done, Bf16Vectors::narrow<false>(low, high));
         }
       }
     } else {
       for (; done + 8 <= width; done += 8) {
         const __m256 nearest = nearest_floats(src + done);
-        if (rounds_alike<0x1000>(nearest, 0x1p-14f, 0x1p16f)) {
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + done), _mm256_cvtps_ph(nearest, _MM_FROUND_TO_NEAREST_INT));
-        } else {
+        if (!rounds_alike<0x1000>(nearest, 0x1p-14f, 0x1p16f)) {
           value_by_value(8);
+          continue;
+        }
+        const __m128i halves = _mm256_cvtps_ph(nearest, _MM_FROUND_TO_NEAREST_INT);
+        if constexpr (kWidened) {
+          _mm256_storeu_ps(dst + done, _mm256_cvtph_ps(halves));
+        } else {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + done), halves);
         }
       }
     }
@@ -171,20 +182,29 @@ void round_row(const double* src, scalar_t* dst, int64_t width) {
       using V = Bf16Vectors;
       for (; done + 2 * V::kLanes <= width; done += 2 * V::kLanes) {
         V::Floats low, high;
-        if (odd_floats(src + done, &low) && odd_floats(src + done + V::kLanes, &high)) {
-          V::store<false>(dst + done, V::narrow<false>(low, high));  // no NaN: float-sized
-        } else {
+        if (!odd_floats(src + done, &low) || !odd_floats(src + done + V::kLanes, &high)) {
           value_by_value(2 * V::kLanes);
+        } else if constexpr (kWidened) {  // no NaN: float-sized
+          V::store_floats(dst + done, V::round<false>(low));
+          V::store_floats(dst + done + V::kLanes, V::round<false>(high));
+        } else {
+          V::store<false>(dst + done, V::narrow<false>(low, high));
         }
       }
     }
 #endif
     constexpr int64_t kBlock = 256;
     float odd[kBlock];
+    scalar_t narrowed[kWidened ? kBlock : 1];
     for (int64_t d0 = done; d0 < width; d0 += kBlock) {
       const int64_t n = std::min(kBlock, width - d0);
       round_to_odd(src + d0, odd, n);
-      narrow(odd, dst + d0, n);
+      if constexpr (kWidened) {
+        narrow(odd, narrowed, n);
+        widen(narrowed, dst + d0, n);
+      } else {
+        narrow(odd, dst + d0, n);
+      }
     }
   }
 }
@@ -335,12 +355,13 @@ class GridRowResampler {
       : table_(grid_table), width_(width), in_cols_(grid.width.in), rows_(rows), cols_(cols),
         mid_(in_cols_ * width), acc_(width), row_taps_(rows.max_taps), col_taps_(cols.max_taps) {}
 
-  // Output grid row (h, w), rounded, into out[0, width).
-  void resample(int64_t h, int64_t w, scalar_t* out) {
+  // Output grid row (h, w), rounded to scalar_t, into out[0, width) (out_t: round_row's).
+  template <typename out_t>
+  void resample(int64_t h, int64_t w, out_t* out) {
     if (h != formed_) form_row(h);
     for (int64_t l = 0; l < cols_.count[w]; ++l) col_taps_[l] = mid_.data() + (cols_.first[w] + l) * width_;
     weighted_rows(&cols_.weights[w * cols_.max_taps], col_taps_.data(), cols_.count[w], acc_.data(), width_);
-    round_row(acc_.data(), out, width_);
+    round_row<scalar_t>(acc_.data(), out, width_);
   }
 
  private:
@@ -387,8 +408,10 @@ void resample_kernel(const ResampleProblem<scalar_t>& problem) {
 }
 
 // A task's block of resampled table rows (add_to_rows' Blocks), rounded to scalar_t as resample_kernel rounds
-// them, so that x + the table is add_learned's sum of the same rows; fp16 and bf16 rows are kept widened to float, so
-// that add_rows does not widen a row again for every pair of batch rows (ViT-B, DINOv2-L bf16 fwd 0.96-0.97x). A
+// them, so that x + the table is add_learned's sum of the same rows; fp16 and bf16 rows are kept as the floats of
+// their rounded values (round_row's out_t), so that add_rows does not widen a row again for every pair of batch rows
+// (ViT-B, DINOv2-L bf16 fwd 0.96-0.97x, Zen 2) and the AVX2 build widens each rounded vector in registers rather
+// than packing it and reading it back (ViT-B bf16 and fp16 fwd 0.95-0.96x more, DINOv2-L bf16 0.91x, fp16 1.00x). A
 // block (128 KiB) holds part of an output grid row or a few; the resampler keeps the row pass of the last grid row it
 // formed, so a task runs each grid row's row pass once. The table is never written out and read back: for
 // DINOv2-L's [2117, 1024] float32 table that was 8.7 MB stored, then read again past the input's stream.
@@ -402,7 +425,7 @@ class ResampledBlocks {
                   int64_t block)
       : problem_(problem),
         resampler_(problem.table + problem.grid.prefix * problem.width, problem.width, problem.grid, rows, cols),
-        buffer_(block * problem.width), rounded_(kWidened ? problem.width : 0) {}
+        buffer_(block * problem.width) {}
 
   void prepare(int64_t first, int64_t count) {
     const int64_t width = problem_.width;
@@ -410,14 +433,14 @@ class ResampledBlocks {
     const int64_t out_cols = problem_.grid.width.out;
     for (int64_t p = 0; p < count; ++p) {
       opmath* row = buffer_.data() + p * width;
-      scalar_t* rounded = kWidened ? rounded_.data() : reinterpret_cast<scalar_t*>(row);
       const int64_t token = first + p;
-      if (token < prefix) {
-        std::copy_n(problem_.table + token * width, width, rounded);
+      if (token >= prefix) {
+        resampler_.resample((token - prefix) / out_cols, (token - prefix) % out_cols, row);
+      } else if constexpr (kWidened) {
+        widen(problem_.table + token * width, row, width);
       } else {
-        resampler_.resample((token - prefix) / out_cols, (token - prefix) % out_cols, rounded);
+        std::copy_n(problem_.table + token * width, width, row);
       }
-      if constexpr (kWidened) widen(rounded, row, width);
     }
     first_ = first;
   }
@@ -431,7 +454,6 @@ class ResampledBlocks {
   const AddResampledProblem<scalar_t>& problem_;
   GridRowResampler<scalar_t> resampler_;
   ScratchVector<opmath> buffer_;
-  ScratchVector<scalar_t> rounded_;
   int64_t first_ = 0;
 };
 
@@ -535,7 +557,7 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
       const scalar_t* grad = problem.grad + first;
       for (int64_t t = 0; t < prefix; ++t) {
         if (!summed_first) sum_blocks(grad + t * width, problem.leads, block, 1, 0, n, acc.data(), 0);
-        round_row(summed_first ? summed.get() + t * width + first : acc.data(), problem.out + t * width + first, n);
+        round_row<scalar_t>(summed_first ? summed.get() + t * width + first : acc.data(), problem.out + t * width + first, n);
       }
       // grid row h's sums of the run's channels, its rows `stride` apart
       const int64_t stride = summed_first ? width : lanes;
@@ -563,7 +585,7 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
           const int64_t readers = cols.user_start[j + 1] - v0;
           for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.data() + cols.users[v0 + v] * lanes;
           weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), n);
-          round_row(acc.data(), problem.out + (prefix + i * in_cols + j) * width + first, n);
+          round_row<scalar_t>(acc.data(), problem.out + (prefix + i * in_cols + j) * width + first, n);
         }
       }
     }
