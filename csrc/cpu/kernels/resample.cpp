@@ -470,7 +470,8 @@ void add_resampled_kernel(const AddResampledProblem<scalar_t>& problem) {
   const AxisTaps rows(grid.height, false);
   const AxisTaps cols(grid.width, false);
   const int64_t tokens = resampled_tokens(grid);
-  const int64_t block = std::min(tokens, rows_per_block(problem.width * static_cast<int64_t>(sizeof(opmath_t<scalar_t>))));
+  const int64_t row_bytes = problem.width * static_cast<int64_t>(sizeof(opmath_t<scalar_t>));  // rows kept as floats
+  const int64_t block = std::min(tokens, rows_per_block(row_bytes));
   add_to_rows(RowInput<scalar_t>{problem.in, nullptr}, problem.out, problem.rows, problem.width, tokens, block, 1.0,
               [&] { return ResampledBlocks<scalar_t>(problem, rows, cols, block); });
 }
@@ -564,7 +565,8 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
       const scalar_t* grad = problem.grad + first;
       for (int64_t t = 0; t < prefix; ++t) {
         if (!summed_first) sum_blocks(grad + t * width, problem.leads, block, 1, 0, n, acc.data(), 0);
-        round_row<scalar_t>(summed_first ? summed.get() + t * width + first : acc.data(), problem.out + t * width + first, n);
+        const double* sums = summed_first ? summed.get() + t * width + first : acc.data();
+        round_row<scalar_t>(sums, problem.out + t * width + first, n);
       }
       // grid row h's sums of the run's channels, its rows `stride` apart
       const int64_t stride = summed_first ? width : lanes;
