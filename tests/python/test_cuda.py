@@ -581,6 +581,20 @@ def test_sinusoidal_family(dtype, layout):
 
 @cuda_only
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_add_sinusoidal_backward_is_scale(dtype):
+    """The gradient of x, computed by add_sinusoidal itself with every token a prefix token: grad * x_scale as
+    PyTorch's mul gives it on the GPU, and the CPU's bits."""
+    x = torch.randn(2, 37, 67, dtype=dtype, device="cuda", requires_grad=True)
+    grad = torch.randn(2, 37, 67, dtype=dtype, device="cuda")
+    PF.add_sinusoidal(x, None, FQ.sinusoidal(66).cuda(), 1 / 3 + 1e-12).backward(grad)
+    same(x.grad, grad * (1 / 3 + 1e-12))
+    cpu = x.detach().cpu().requires_grad_()
+    PF.add_sinusoidal(cpu, None, FQ.sinusoidal(66), 1 / 3 + 1e-12).backward(grad.cpu())
+    same(x.grad, cpu.grad)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("convention", FQ.GRID_CONVENTIONS)
 def test_sinusoidal_grids(dtype, convention):
     """Multi-axis positions (shared and per row), every grid convention, prefix tokens, an odd width."""
