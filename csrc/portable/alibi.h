@@ -61,6 +61,29 @@ inline int64_t alibi_row_bf16_vectors(const c10::BFloat16* src, c10::BFloat16* d
 }
 #endif
 
+#if defined(POSENC_HAS_F16C)
+// The first keys of a contiguous fp16 row where the build has F16C (src null: the bias alone), eight a step, widened
+// by vcvtph2ps and rounded by vcvtps2ph (to nearest even, as from_opmath rounds): the same distance, product, sum
+// and rounding as alibi_row's loop, so the same bits. GCC's loop widened and rounded by to_opmath's and
+// from_opmath's integer forms: fp16 add_alibi_ [4, 16, 1024, 1024] took 38.0 ms, 4.5x bf16's time; now 7.2 (Zen 2,
+// 2 threads). Returns the count done (a multiple of eight).
+template <AlibiMode kMode>
+inline int64_t alibi_row_half_vectors(const c10::Half* src, c10::Half* dst, int64_t k_len, float slope,
+                                      float distance0, const float* key_pos) {
+  const __m256 minus_slope = _mm256_set1_ps(-slope);
+  const __m256 d0 = _mm256_set1_ps(distance0);
+  int64_t j = 0;
+  for (; j + 8 <= k_len; j += 8) {
+    __m256 d = _mm256_sub_ps(d0, _mm256_loadu_ps(key_pos + j));
+    if constexpr (kMode == AlibiMode::Symmetric) d = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), d);
+    __m256 v = _mm256_mul_ps(minus_slope, d);
+    if (src != nullptr) v = _mm256_add_ps(widen_halfx8(src + j), v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  return j;
+}
+#endif
+
 #if !defined(__CUDACC__)
 // dst[j] = src[j] + bias_j over one row (src null: the bias alone). key_pos[j] = j in the maths type, so the
 // loop is float arithmetic the compiler vectorizes; unit strides get their own loop. In place (add_alibi_)
@@ -73,6 +96,13 @@ void alibi_row(const scalar_t* src, int64_t src_stride, scalar_t* dst, int64_t d
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (dst_stride == 1 && (src == nullptr || src_stride == 1)) {
       done = alibi_row_bf16_vectors<kMode>(src, dst, k_len, slope, distance0, key_pos);
+    }
+  }
+#endif
+#if defined(POSENC_HAS_F16C)
+  if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    if (dst_stride == 1 && (src == nullptr || src_stride == 1)) {
+      done = alibi_row_half_vectors<kMode>(src, dst, k_len, slope, distance0, key_pos);
     }
   }
 #endif
@@ -111,6 +141,20 @@ double alibi_row_gradient(const scalar_t* row, int64_t stride, int64_t k_len, do
   double lanes[kLanes] = {};
   int64_t j = 0;
   if (stride == 1) {
+#if defined(POSENC_HAS_F16C)
+    // fp16 widened 256 keys at a time by F16C (widen) rather than value by value by to_opmath's integer form: the
+    // same values in the same lanes. Zen 2, 2 threads, alibi_backward [4, 16, 1024, 1024]: 17.6 -> 9.5 ms.
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      constexpr int64_t kBlock = 256;
+      float block[kBlock];
+      for (; j + kBlock <= k_len; j += kBlock) {
+        widen(row + j, block, kBlock);
+        for (int64_t b = 0; b < kBlock; b += kLanes) {
+          for (int64_t l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(block[b + l]) * weight(j + b + l);
+        }
+      }
+    }
+#endif
     for (; j + kLanes <= k_len; j += kLanes) {
       for (int64_t l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(to_opmath(row[j + l])) * weight(j + l);
     }
