@@ -92,7 +92,20 @@ void t5_bias_backward_kernel(const T5BiasBackwardProblem<scalar_t>& p) {
         const scalar_t* row = p.grad + (h * q_len + i) * k_len;
         const int64_t lo = std::max(r_begin, first);
         const int64_t hi = std::min(r_end, first + k_len);
-        for (int64_t r = lo; r < hi; ++r) sums[r] += static_cast<double>(to_opmath(row[r - first]));
+        int64_t r = lo;
+#if defined(POSENC_HAS_F16C)
+        // fp16 widened 256 at a time by F16C (widen), not value by value by to_opmath's integer form: the same
+        // values. Zen 2, 2 threads, grad [1, 16, 1024, 1024]: 3.92-4.06 -> 2.93-3.22 ms.
+        if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+          constexpr int64_t kBlock = 256;
+          float block[kBlock];
+          for (; r + kBlock <= hi; r += kBlock) {
+            widen(row + (r - first), block, kBlock);
+            for (int64_t b = 0; b < kBlock; ++b) sums[r + b] += static_cast<double>(block[b]);
+          }
+        }
+#endif
+        for (; r < hi; ++r) sums[r] += static_cast<double>(to_opmath(row[r - first]));
       }
     }
   });
