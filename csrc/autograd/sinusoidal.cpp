@@ -32,7 +32,7 @@ at::Tensor sinusoidal_autograd(const at::Tensor& positions, const at::Tensor& in
   return sinusoidal(positions, inv_freq, layout, dtype, offset, pair_axis);
 }
 
-// d(x * x_scale + PE)/dx = x_scale: the scale and inv_freq (for the backward's own call) are saved.
+// d(x * x_scale + PE)/dx = x_scale: the scale is saved, and inv_freq where the backward calls this op (x_scale != 1).
 struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
   static constexpr const char* kOp = "posenc::add_sinusoidal";
 
@@ -40,7 +40,7 @@ struct AddSinusoidal : public torch::autograd::Function<AddSinusoidal> {
                             const at::Tensor& inv_freq, double x_scale, c10::string_view layout, int64_t offset,
                             const std::optional<at::Tensor>& pair_axis, int64_t num_prefix_tokens) {
     check_not_differentiable("add_sinusoidal", positions, inv_freq);
-    ctx->save_for_backward({inv_freq});
+    if (x_scale != 1.0) ctx->save_for_backward({inv_freq});
     ctx->saved_data["x_scale"] = x_scale;
     at::AutoDispatchBelowADInplaceOrView guard;
     return add_sinusoidal(x, positions, inv_freq, x_scale, layout, offset, pair_axis, num_prefix_tokens);

@@ -53,10 +53,11 @@ void accumulate(const T* __restrict__ v, opmath* __restrict__ acc, int64_t width
 template <typename scalar_t>
 void embedding_backward_kernel(const EmbeddingBackwardProblem<scalar_t>& problem) {
   using opmath = opmath_t<scalar_t>;
-  // fp16 rows widened by convert.h's F16C conversions into a row in L1 and the sums narrowed by them, where
-  // to_opmath / from_opmath value by value took GCC's integer form: the same bits. Zen 2, 2 threads, grad [8, 2048,
-  // 1024] (separate processes taking turns): into 2048 position rows 0.89x the time, into a 32000-token table 0.72x.
-  // bf16, whose to_opmath is a shift, kept GCC's loops (its token table 1.10x slower through the row).
+  // fp16 rows widened by convert.h's vector conversions (F16C where the build has it) into a row in L1 and the sums
+  // narrowed by them, where to_opmath / from_opmath value by value took GCC's integer form: the same bits. Zen 2, 2
+  // threads, grad [8, 2048, 1024] (separate processes taking turns): into 2048 position rows 0.89x the time, into a
+  // 32000-token table 0.72x. bf16, whose to_opmath is a shift, kept GCC's loops (its token table 1.10x slower through
+  // the row).
   constexpr bool kWidens = std::is_same_v<scalar_t, c10::Half>;
   const int64_t width = problem.width;
   const auto groups = group_rows(problem.ids, problem.num_ids, problem.num_grad_rows, problem.num_rows, problem.skip);
