@@ -110,14 +110,6 @@ int64_t encoding_cache_bytes() {
   return bytes;
 }
 
-int64_t core_cache_bytes() {
-  static const int64_t bytes = [] {
-    const int64_t l2 = cache_bytes(2);
-    return l2 > 0 ? l2 : int64_t{1} << 20;
-  }();
-  return bytes;
-}
-
 bool has_avx512_bf16() {
   static const bool has = cpu_has_avx512_bf16();
   return has;

@@ -32,10 +32,6 @@ int64_t stream_bytes();
 // Whether a call that moves `bytes` (read or written) is past the caches: at least stream_bytes(), and not empty.
 inline bool past_caches(int64_t bytes) { return bytes > 0 && bytes >= stream_bytes(); }
 
-// The size of a core's L2 cache as Linux describes it (Zen 2: 512 KiB; Emerald Rapids: 2 MiB), or 1 MiB where it
-// does not say. Read at the first call.
-int64_t core_cache_bytes();
-
 // The most bytes of sinusoidal encoding tables kept between calls (cpu/sinusoidal.cpp): 64 MiB, or the environment
 // variable POSENC_ENCODING_CACHE_MB (0: none kept). Read at the first call.
 int64_t encoding_cache_bytes();

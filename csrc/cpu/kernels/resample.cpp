@@ -500,33 +500,63 @@ void sum_blocks(const scalar_t* from, int64_t blocks, int64_t block, int64_t cou
   }
 }
 
-// The adjoint's channels per task: one run of them per thread, or a multiple of the threads where a run's grid
-// rows (its window of sums, and its row pass's output) would pass kAdjointRunBytes; a multiple of 16.
-constexpr int64_t kAdjointRunBytes = 2 * 1024 * 1024;
+// One input grid row i of the adjoint, over n channels: mid[w] = sum over the output rows h reading row i of
+// rows(h, i) * sums[h, w], float64 [W, n], then out[j] = sum over the output columns w reading column j of
+// cols(w, j) * mid[w], rounded once. grid_row(h) gives output grid row h's sums, its W rows `stride` apart; out's
+// rows are `out_stride` apart.
+template <typename scalar_t>
+class AdjointRows {
+ public:
+  AdjointRows(const AxisTaps& rows, const AxisTaps& cols, int64_t out_cols, int64_t n)
+      : rows_(rows), cols_(cols), out_cols_(out_cols), n_(n), mid_(out_cols * n), acc_(n),
+        grid_rows_(max_users(rows)), taps_(std::max(max_users(rows), max_users(cols))) {}
 
-inline int64_t adjoint_channels(int64_t width, int64_t bytes_per_channel) {
-  const int64_t threads = num_threads();
-  const int64_t most = std::max<int64_t>(16, kAdjointRunBytes / bytes_per_channel);
-  const int64_t runs = threads * ((width + threads * most - 1) / (threads * most));
-  return ((width + runs - 1) / runs + 15) / 16 * 16;
-}
+  template <typename GridRow>
+  void run(int64_t i, const GridRow& grid_row, int64_t stride, scalar_t* out, int64_t out_stride) {
+    const int64_t u0 = rows_.user_start[i];
+    const int64_t users = rows_.user_start[i + 1] - u0;
+    for (int64_t u = 0; u < users; ++u) grid_rows_[u] = grid_row(rows_.users[u0 + u]);
+    for (int64_t w = 0; w < out_cols_; ++w) {
+      for (int64_t u = 0; u < users; ++u) taps_[u] = grid_rows_[u] + w * stride;
+      weighted_rows(&rows_.user_weights[u0], taps_.data(), users, mid_.data() + w * n_, n_);
+    }
+    for (int64_t j = 0; j + 1 < static_cast<int64_t>(cols_.user_start.size()); ++j) {
+      const int64_t v0 = cols_.user_start[j];
+      const int64_t readers = cols_.user_start[j + 1] - v0;
+      for (int64_t v = 0; v < readers; ++v) taps_[v] = mid_.data() + cols_.users[v0 + v] * n_;
+      weighted_rows(&cols_.user_weights[v0], taps_.data(), readers, acc_.data(), n_);
+      round_row<scalar_t>(acc_.data(), out + j * out_stride, n_);
+    }
+  }
 
-// The adjoint, a run of channels per task through every pass, the forward's passes transposed in reverse: mid[w] =
-// sum over the output rows h reading table row i of rows(h, i) * sum[h, w], float64 [W, channels]; then out[i, j] =
-// sum over the output columns w reading j of cols(w, j) * mid[w], rounded once. sum is the gradient's leading blocks
-// summed in block order. With few blocks (leads * element size <= 32 bytes) each grid row's sums are formed where
-// the row pass first needs them, into a window of the last `window` formed, which the table rows reading them share
-// (the output rows reading an input are a run whose ends never decrease); with more, the whole sum is formed first,
-// by rows in contiguous runs, as the gradient's reads are then most of the work. Before, the whole sum was always
-// formed first and read by table rows, every channel at once, each grid row's sums read again by every table row
-// reading it. In-process A/B, resample_learned_backward, 2 threads, Emerald Rapids (2 MiB of L2 a core): DINOv2-L
-// [8, 2117, 1024] 1.10-1.19x (bf16, float32), of one row 1.78-2.26x; ViT-B [1 | 8 | 32, 577, 768] bf16 1.32x, 1.01x,
-// 0.97x (formed first; formed in the pass there was 0.86-0.94x). Where a run's window and mid do not fit the core's
-// L2 (Zen 2: 512 KiB; DINOv2-L's runs take 1.3 MB, ViT-B's 0.6 MB), the window is kept only up to 4 bytes of blocks:
-// formed first, separate processes, DINOv2-L bf16 [8] took 0.74-0.79x the window's time, [4] 0.80-0.88x, float32 [8]
-// 0.73-0.86x, fp16 [8] 0.76-0.77x; ViT-B bf16 [8] 0.74-0.76x, [4] 0.91-0.97x, [2] 1.00x, [1] 1.32x. Smaller runs,
-// whose window would fit there, read the gradient in pieces of a few hundred bytes: 1.4-1.6x slower. Every sum of a
-// channel is the same in any cut of the channels, and no task writes another's.
+ private:
+  const AxisTaps& rows_;
+  const AxisTaps& cols_;
+  int64_t out_cols_;
+  int64_t n_;
+  ScratchVector<double> mid_;
+  ScratchVector<double> acc_;
+  std::vector<const double*> grid_rows_;
+  std::vector<const double*> taps_;
+};
+
+// The adjoint, the forward's passes transposed in reverse (AdjointRows), the gradient's leading blocks summed in block
+// order first. Two ways to cut it into tasks:
+// - by input grid rows, a run of them per thread: a task forms the sums of each output grid row its rows read, all
+//   channels, where it first needs them, into a window of the last `window` formed (the output rows reading an input
+//   row are a run whose ends never decrease). Up to window - 1 grid rows next to each cut are read by both sides, so
+//   there the gradient is read twice.
+// - by runs of channels, the whole sum formed first (float64 [tokens, width], written and read back).
+// The first is taken where its gradient read twice is at most the sum's bytes (the sum first writes and reads them;
+// the rows read twice fall on the tasks beside the cuts alone). Before, tasks were runs of channels only, each
+// forming its sums in a window (up to 4 bytes of leading blocks) or from the sum formed first, each block read in
+// pieces of a run's width (the window did not fit Zen 2's L2 either). Separate processes taking turns, 2 threads,
+// Zen 2, by rows: DINOv2-L [8, 2117, 1024] bf16 4.0-4.7 -> 3.2-3.4 ms, fp16 4.3-4.5 -> 3.5, float32 4.9-5.3 ->
+// 3.9, bf16 [1] 2.5-3.1 -> 2.1-2.5; ViT-B [32, 577, 768] takes the sum first (by rows 1.92-2.02 ms against
+// 1.66-1.74: a quarter of its grid rows formed twice). Every sum of a channel is the same in any cut, and no task
+// writes another's outputs.
+constexpr int64_t kAdjointRunBytes = 2 * 1024 * 1024;  // a run's mid rows (the sum first) at most
+
 template <typename scalar_t>
 void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const auto& grid = problem.grid;
@@ -540,63 +570,61 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const AxisTaps rows(grid.height, true);
   const AxisTaps cols(grid.width, true);
   const int64_t window = std::max<int64_t>(1, max_users(rows));
-  const int64_t channel_bytes = (window + 1) * out_cols * static_cast<int64_t>(sizeof(double));  // sums and mid
-  const int64_t lanes = adjoint_channels(width, channel_bytes);
-  const int64_t most_lead_bytes = lanes * channel_bytes <= core_cache_bytes() ? 32 : 4;
-  const bool summed_first = problem.leads * static_cast<int64_t>(sizeof(scalar_t)) > most_lead_bytes;
-  const std::unique_ptr<double[]> summed(summed_first ? new double[block] : nullptr);
-  if (summed_first) {
-    parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
-      sum_blocks(problem.grad + begin * width, problem.leads, block, 1, 0, (end - begin) * width,
-                 summed.get() + begin * width, 0);
+  const int64_t threads = num_threads();
+  const int64_t row_bytes = out_cols * width * static_cast<int64_t>(sizeof(scalar_t));  // a grid row of one block
+  const int64_t twice_read = (threads - 1) * (window - 1) * row_bytes * problem.leads;
+  scalar_t* const grid_out = problem.out + prefix * width;
+  if (threads <= in_rows && twice_read <= tokens * width * static_cast<int64_t>(sizeof(double))) {
+    parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      AdjointRows<scalar_t> adjoint(rows, cols, out_cols, width);
+      // grid row h's sums in slot h % window, [W, width]; not cleared: every slot is formed before it is read
+      const std::unique_ptr<double[]> sums(new double[window * out_cols * width]);
+      for (int64_t task = begin; task < end; ++task) {
+        std::vector<int64_t> held(window, -1);
+        if (task == 0) {
+          for (int64_t t = 0; t < prefix; ++t) {
+            sum_blocks(problem.grad + t * width, problem.leads, block, 1, 0, width, sums.get(), 0);
+            round_row<scalar_t>(sums.get(), problem.out + t * width, width);
+          }
+        }
+        const auto grid_row = [&](int64_t h) -> const double* {
+          double* slot = sums.get() + (h % window) * out_cols * width;
+          if (held[h % window] != h) {  // its W tokens are contiguous in each block: one run of each
+            sum_blocks(problem.grad + (prefix + h * out_cols) * width, problem.leads, block, 1, 0, out_cols * width,
+                       slot, 0);
+            held[h % window] = h;
+          }
+          return slot;
+        };
+        for (int64_t i = in_rows * task / threads; i < in_rows * (task + 1) / threads; ++i) {
+          adjoint.run(i, grid_row, width, grid_out + i * in_cols * width, width);
+        }
+      }
     });
+    return;
   }
+  const std::unique_ptr<double[]> summed(new double[block]);
+  parallel_for(0, tokens, rows_per_task(width * problem.leads), [&](int64_t begin, int64_t end) {
+    sum_blocks(problem.grad + begin * width, problem.leads, block, 1, 0, (end - begin) * width,
+               summed.get() + begin * width, 0);
+  });
+  // runs of channels, one per thread or a multiple of the threads where a run's mid rows would pass
+  // kAdjointRunBytes; a multiple of 16
+  const int64_t most = std::max<int64_t>(16, kAdjointRunBytes / (out_cols * static_cast<int64_t>(sizeof(double))));
+  const int64_t runs = threads * ((width + threads * most - 1) / (threads * most));
+  const int64_t lanes = ((width + runs - 1) / runs + 15) / 16 * 16;
   parallel_for(0, (width + lanes - 1) / lanes, 1, [&](int64_t begin, int64_t end) {
-    ScratchVector<double> sums(summed_first ? 0 : window * out_cols * lanes);  // grid row h's in slot h % window
-    std::vector<int64_t> held(window);
-    ScratchVector<double> mid(out_cols * lanes);
-    ScratchVector<double> acc(lanes);
-    std::vector<const double*> grid_rows(window);
-    std::vector<const double*> row_taps(window);
-    std::vector<const double*> col_taps(max_users(cols));
     for (int64_t run = begin; run < end; ++run) {
       const int64_t first = run * lanes;
       const int64_t n = std::min(lanes, width - first);
-      const scalar_t* grad = problem.grad + first;
+      AdjointRows<scalar_t> adjoint(rows, cols, out_cols, n);
       for (int64_t t = 0; t < prefix; ++t) {
-        if (!summed_first) sum_blocks(grad + t * width, problem.leads, block, 1, 0, n, acc.data(), 0);
-        const double* sums = summed_first ? summed.get() + t * width + first : acc.data();
-        round_row<scalar_t>(sums, problem.out + t * width + first, n);
+        round_row<scalar_t>(summed.get() + t * width + first, problem.out + t * width + first, n);
       }
-      // grid row h's sums of the run's channels, its rows `stride` apart
-      const int64_t stride = summed_first ? width : lanes;
-      std::fill(held.begin(), held.end(), -1);
       const auto grid_row = [&](int64_t h) -> const double* {
-        const int64_t token = prefix + h * out_cols;
-        if (summed_first) return summed.get() + token * width + first;
-        double* slot = sums.data() + (h % window) * out_cols * lanes;
-        if (held[h % window] != h) {
-          sum_blocks(grad + token * width, problem.leads, block, out_cols, width, n, slot, lanes);
-          held[h % window] = h;
-        }
-        return slot;
+        return summed.get() + (prefix + h * out_cols) * width + first;
       };
-      for (int64_t i = 0; i < in_rows; ++i) {
-        const int64_t u0 = rows.user_start[i];
-        const int64_t users = rows.user_start[i + 1] - u0;
-        for (int64_t u = 0; u < users; ++u) grid_rows[u] = grid_row(rows.users[u0 + u]);
-        for (int64_t w = 0; w < out_cols; ++w) {
-          for (int64_t u = 0; u < users; ++u) row_taps[u] = grid_rows[u] + w * stride;
-          weighted_rows(&rows.user_weights[u0], row_taps.data(), users, mid.data() + w * lanes, n);
-        }
-        for (int64_t j = 0; j < in_cols; ++j) {
-          const int64_t v0 = cols.user_start[j];
-          const int64_t readers = cols.user_start[j + 1] - v0;
-          for (int64_t v = 0; v < readers; ++v) col_taps[v] = mid.data() + cols.users[v0 + v] * lanes;
-          weighted_rows(&cols.user_weights[v0], col_taps.data(), readers, acc.data(), n);
-          round_row<scalar_t>(acc.data(), problem.out + (prefix + i * in_cols + j) * width + first, n);
-        }
-      }
+      for (int64_t i = 0; i < in_rows; ++i) adjoint.run(i, grid_row, width, grid_out + i * in_cols * width + first, width);
     }
   });
 }
