@@ -318,6 +318,22 @@ def test_backward_is_bitwise_identical_for_any_thread_count(same_bits_for_any_th
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("leads", [1, 40])
+def test_backward_cut_by_grid_rows_or_channels_gives_the_same_bits(same_bits_for_any_thread_count, leads, dtype):
+    """The CPU adjoint gives each thread a run of input grid rows, each forming the gradient's sums for the output grid
+    rows they read (those beside a cut formed on both sides), or, where those twice-formed rows would read more than
+    a sum formed first writes (40 leading rows at 2 and 3 threads here), forms the whole sum first and gives each
+    thread a run of channels: the same bits for any thread count, both ways, and the float64 adjoint rounded once."""
+    torch.manual_seed(11)
+    args = ((12, 9), (17, 13), "bicubic", False, False, None, 2)
+    grad = torch.randn(leads, 2 + 17 * 13, 64, dtype=torch.float64).to(dtype)
+    got = same_bits_for_any_thread_count(lambda: PF.resample_learned_backward(grad, *args))
+    weight = torch.zeros(2 + 12 * 9, 64, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(interpolated(weight, *args), weight, grad.double().sum(0))[0]
+    assert got.dtype == dtype
+    assert_relative(got.double(), expected.to(dtype).double(), 2e-6 if dtype == torch.float32 else 2.0 ** -7)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_sums_the_leading_rows_in_order(dtype):
     """grad's leading rows are summed in float64 in their order, one after another, whatever their count (the CPU
     adds up to eight in one sweep): rows 2^53, 1, ..., 1, -2^53 sum to 0, each 1 vanishing into 2^53 (half its last

@@ -552,9 +552,10 @@ class AdjointRows {
 // forming its sums in a window (up to 4 bytes of leading blocks) or from the sum formed first, each block read in
 // pieces of a run's width (the window did not fit Zen 2's L2 either). Separate processes taking turns, 2 threads,
 // Zen 2, by rows: DINOv2-L [8, 2117, 1024] bf16 4.0-4.7 -> 3.2-3.4 ms, fp16 4.3-4.5 -> 3.5, float32 4.9-5.3 ->
-// 3.9, bf16 [1] 2.5-3.1 -> 2.1-2.5; ViT-B [32, 577, 768] takes the sum first (by rows 1.92-2.02 ms against
-// 1.66-1.74: a quarter of its grid rows formed twice). Every sum of a channel is the same in any cut, and no task
-// writes another's outputs.
+// 3.9, bf16 [1] 2.5-3.1 -> 2.1-2.5; ViT-B [8, 577, 768] 0.92-0.97 -> 0.84-0.90; ViT-B [32] takes the sum first (by
+// rows 1.92-2.02 ms against 1.66-1.74: a quarter of its grid rows formed twice). Slower: a task's passes in runs of
+// 128-512 channels (1.05-1.2x the time of whole rows), the sum first in runs of 64-256 channels (1.1-1.5x). Every
+// sum of a channel is the same in any cut, and no task writes another's outputs.
 constexpr int64_t kAdjointRunBytes = 2 * 1024 * 1024;  // a run's mid rows (the sum first) at most
 
 template <typename scalar_t>
@@ -624,7 +625,9 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
       const auto grid_row = [&](int64_t h) -> const double* {
         return summed.get() + (prefix + h * out_cols) * width + first;
       };
-      for (int64_t i = 0; i < in_rows; ++i) adjoint.run(i, grid_row, width, grid_out + i * in_cols * width + first, width);
+      for (int64_t i = 0; i < in_rows; ++i) {
+        adjoint.run(i, grid_row, width, grid_out + i * in_cols * width + first, width);
+      }
     }
   });
 }
