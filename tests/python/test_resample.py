@@ -333,6 +333,7 @@ def test_backward_cut_by_grid_rows_or_channels_gives_the_same_bits(same_bits_for
     assert got.dtype == dtype
     assert_relative(got.double(), expected.to(dtype).double(), 2e-6 if dtype == torch.float32 else 2.0 ** -7)
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_sums_the_leading_rows_in_order(dtype):
     """grad's leading rows are summed in float64 in their order, one after another, whatever their count (the CPU
