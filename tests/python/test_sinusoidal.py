@@ -345,18 +345,26 @@ def test_embed_sinusoidal_reads_kept_tables_too():
 
 
 def test_no_kept_tables_compute_the_same_bits(tmp_path):
-    """POSENC_ENCODING_CACHE_MB=0 keeps no table: every call computes its encodings, with the bits of kept ones."""
+    """POSENC_ENCODING_CACHE_MB=0 keeps no table, nor a grid's axis values: every call computes its encodings, with
+    the bits of kept ones."""
     torch.manual_seed(0)
     x = torch.randn(2, 600, 1024, dtype=torch.bfloat16)
     w = posenc.frequencies.sinusoidal(1024)
+    grid = torch.ops.posenc.grid_positions([20, 30], None, None, 1.0)
+    grid_freq, pair_axis, layout = torch.ops.posenc.grid_sinusoidal_inv_freq(1024, "mae", 10000.0)
     kept = [PF.add_sinusoidal(x, None, w, 1.0, "half", offset) for offset in (0, 50)]
-    torch.save([x, w], tmp_path / "inputs")
+    kept += [torch.ops.posenc.add_sinusoidal(x, grid, grid_freq, 1.0, layout, 0, pair_axis) for _ in range(2)]
+    torch.save([x, w, grid, grid_freq, pair_axis, layout], tmp_path / "inputs")
     code = ("import sys, torch, posenc, posenc.functional as PF\n"
-            "x, w = torch.load(sys.argv[1] + '/inputs')\n"
-            "torch.save([PF.add_sinusoidal(x, None, w, 1.0, 'half', o) for o in (0, 50)], sys.argv[1] + '/out')\n")
+            "x, w, grid, grid_freq, pair_axis, layout = torch.load(sys.argv[1] + '/inputs')\n"
+            "out = [PF.add_sinusoidal(x, None, w, 1.0, 'half', o) for o in (0, 50)]\n"
+            "ops = torch.ops.posenc\n"
+            "out += [ops.add_sinusoidal(x, grid, grid_freq, 1.0, layout, 0, pair_axis) for _ in range(2)]\n"
+            "torch.save(out, sys.argv[1] + '/out')\n")
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="0")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=300)
-    assert all(same_bits(a, b) for a, b in zip(kept, torch.load(tmp_path / "out")))
+    out = torch.load(tmp_path / "out")
+    assert len(out) == len(kept) and all(same_bits(a, b) for a, b in zip(kept, out))
 
 
 def test_add_sinusoidal_strided_input():

@@ -522,6 +522,34 @@ def test_threads_split_grid_rows_alike(same_bits_for_any_thread_count):
                  **tolerance(torch.float32))
 
 
+def test_axis_values_kept_between_calls_follow_frequencies_and_positions():
+    """Each thread keeps an axis's sin and cos from call to call, keyed by the axis's frequencies bit for bit: calls
+    that change the grid, overflow what an axis keeps (256 values at 1024 channels), meet more frequency sets than
+    a thread keeps, or differ in a frequency's last bit each get their own values, against the formula."""
+    inv_freq, pair_axis, layout = grid_frequencies(1024, "mae")
+
+    def check(freq, grid, what):
+        positions = OPS.grid_positions(grid, None, None, 1.0)
+        x = torch.randn(2, positions.shape[1], 1024)
+        out = OPS.add_sinusoidal(x, positions, freq, 1.0, layout, 0, pair_axis, 0)
+        assert_close(out.double(), x.double() + reference_pe(positions, freq, layout, pair_axis),
+                     **tolerance(torch.float32), msg=what)
+
+    check(inv_freq, [16, 16], "first grid")
+    check(inv_freq, [300, 2], "300 rows: past what an axis keeps")
+    check(inv_freq, [16, 16], "first grid again")
+    for k in range(8):  # more frequency sets than a thread keeps
+        check(inv_freq * (1.5 + k), [9, 7], f"frequencies x {1.5 + k}")
+    check(inv_freq, [16, 16], "first grid after eight others")
+    pairs = torch.tensor([0, 1, 0, 1])
+    positions = OPS.grid_positions([3, 3], None, None, 1.0) + 1e6  # a last-bit change of a frequency shows
+    for first in (0.5, math.nextafter(0.5, 1.0), 0.5):
+        freq = torch.tensor([first, 0.5, 0.125, 0.25], dtype=F64)
+        table = OPS.sinusoidal(positions, freq, "half", torch.float32, 0, pairs)
+        assert_close(table.double(), reference_pe(positions, freq, "half", pairs), **tolerance(torch.float32),
+                     msg=f"first frequency {first!r}")
+
+
 # ---------------------------------------------------------------- backward, opcheck, compile, export, script
 
 @pytest.mark.parametrize("x_scale", [1.0, 2.5])
