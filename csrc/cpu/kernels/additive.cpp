@@ -198,8 +198,8 @@ class AxisValues {
 // every position it has met, computed once per thread. A full one is replaced by an empty one (a call then computes
 // its own grid's values again, not every token's); a thread keeps the last kKept axes it met, up to 1 MiB each, or
 // none where POSENC_ENCODING_CACHE_MB is 0. A call's blocks hold theirs, so one dropped meanwhile lives until they
-// end. PixArt's grid (bf16 [2, 4096, 1152], Zen 2, 2 threads, separate processes taking turns): 1.633-1.706 ->
-// 1.538-1.606 ms, the same bits.
+// end. PixArt's grid (bf16 [2, 4096, 1152], Zen 2, 2 threads, separate processes taking turns, three rounds):
+// 1.54-1.71 -> 1.48-1.61 ms, the same bits.
 template <typename opmath>
 std::shared_ptr<AxisValues<opmath>> kept_axis_values(std::vector<double> inv_freq, int64_t capacity) {
   constexpr size_t kKept = 6;
