@@ -541,6 +541,14 @@ def test_axis_values_kept_between_calls_follow_frequencies_and_positions():
     for k in range(8):  # more frequency sets than a thread keeps
         check(inv_freq * (1.5 + k), [9, 7], f"frequencies x {1.5 + k}")
     check(inv_freq, [16, 16], "first grid after eight others")
+    # runs of one channel (each token's encoding copied together) on two axes of equal frequencies, which share what
+    # they keep: every entry a token needs made before any is read
+    w = posenc.frequencies.sinusoidal(8).repeat_interleave(2).to(F64)
+    axes = torch.tensor([0, 1] * 4)
+    for scale in (1.5, 2.5, 3.5, 4.5, 5.5):  # new positions each time, none 0 (whose sin is as small as a bad read)
+        positions = OPS.grid_positions([40, 40], None, None, 1.0).double() * scale + 1.0
+        assert_close(OPS.sinusoidal(positions, w, "interleaved", F64, 0, axes),
+                     reference_pe(positions, w, "interleaved", axes), **tolerance(F64), msg=f"scale {scale}")
     pairs = torch.tensor([0, 1, 0, 1])
     positions = OPS.grid_positions([3, 3], None, None, 1.0) + 1e6  # a last-bit change of a frequency shows
     for first in (0.5, math.nextafter(0.5, 1.0), 0.5):
