@@ -292,14 +292,19 @@ class AxisEncodingBlocks {
       int64_t* entries = entries_.data() + p * n_axes;
       const double* position = problem_.positions + index * n_axes;
       const bool fast = fast_angles(position, n_axes, problem_.max_abs_freq);  // sincos_row_axes' path
-      bool kept = segmented_;
-      for (int64_t a = 0; a < n_axes && kept; ++a) kept = (entries[a] = axes_[a]->entry(position[a], fast)) >= 0;
-      if (kept) return;
+      // Every axis's entry made before any value is read: axes of equal frequencies share their AxisValues, whose
+      // entries move as it grows.
+      bool all_kept = true;
+      for (int64_t a = 0; a < n_axes; ++a) {
+        entries[a] = axes_[a]->entry(position[a], fast);
+        all_kept = all_kept && entries[a] >= 0;
+      }
+      if (segmented_ && all_kept) return;
+      for (int64_t a = 0; a < n_axes; ++a) {  // past capacity (-1): computed into the axis's scratch
+        values_[a] = entries[a] >= 0 ? axes_[a]->values(entries[a])
+                                     : axes_[a]->at(position[a], fast, scratch_[a].data());
+      }
       entries[0] = -1;  // the encoding is the row pe
-      // Axes of equal frequencies share their AxisValues, whose entries move as it grows: every axis's entry made
-      // first, then the values read where they are.
-      for (int64_t a = 0; a < n_axes; ++a) axes_[a]->entry(position[a], fast);
-      for (int64_t a = 0; a < n_axes; ++a) values_[a] = axes_[a]->at(position[a], fast, scratch_[a].data());
       for (const auto& s : segments_) std::copy_n(values_[s.axis] + s.offset, s.length, pe + s.channel);
     });
   }
