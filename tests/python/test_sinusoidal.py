@@ -626,6 +626,24 @@ def test_nan_and_inf_positions_propagate():
     assert torch.isnan(out[0, 1]) and torch.isfinite(out[0, [0, 2, 3]]).all()
 
 
+
+def test_signed_zero_angles_as_documented():
+    # architecture.md, "Angles": a -0.0 angle's float32 sine is +0.0 on the fast reduction, -0.0 on the exact path
+    # (a row with an angle past 2^26 rad) and in float64, as torch.sin gives it
+    inv_freq = torch.tensor([1.0, -0.0, -0.5], dtype=torch.float64)
+    positions = torch.tensor([0.0, 3.0, 2.0**30], dtype=torch.float64)
+    angles = positions[:, None] * inv_freq
+    expected = torch.cat([angles.sin(), angles.cos()], dim=1)
+    out64 = PF.sinusoidal(positions, inv_freq, layout="half", dtype=torch.float64)
+    out32 = PF.sinusoidal(positions, inv_freq, layout="half", dtype=torch.float32)
+    assert torch.equal(out64.signbit(), expected.signbit())
+    assert_close(out32.double(), expected, atol=1e-6, rtol=0)
+    negative_zeros = (angles == 0) & angles.signbit()
+    assert negative_zeros.sum() == 4
+    assert not out32[:2, :3][negative_zeros[:2]].signbit().any()  # fast rows
+    assert out32[2:, :3][negative_zeros[2:]].signbit().all()  # the exact path's row
+
+
 # ---------------------------------------------------------------- coverage: sample calls, properties, bad inputs
 # This family's entries in the coverage tests, registered with op_registry.py (which imports this file to find
 # them): each op's sample call (op_registry.SAMPLES: determinism, concurrency, no_grad, CUDA and CPU-capability
