@@ -29,6 +29,7 @@ struct AxisTaps {
   std::vector<int64_t> user_start;
   std::vector<int64_t> users;
   std::vector<double> user_weights;
+  int64_t max_users = 0;  // the most outputs that read one input
 
   explicit AxisTaps(const ResampleAxis& axis, bool transpose)
       : first(axis.out), count(axis.out), weights(axis.out * axis.max_taps), max_taps(axis.max_taps) {
@@ -44,6 +45,7 @@ struct AxisTaps {
         user_weights.push_back(weights[o * max_taps + (i - first[o])]);
       }
       user_start.push_back(static_cast<int64_t>(users.size()));
+      max_users = std::max(max_users, hi - lo);
     }
   }
 };
@@ -288,13 +290,6 @@ void sum_rows(const scalar_t* const* rows, double* acc, int64_t n, bool onto) {
   }
 }
 
-// The most outputs that read one input.
-inline int64_t max_users(const AxisTaps& taps) {
-  int64_t most = 0;
-  for (size_t i = 0; i + 1 < taps.user_start.size(); ++i) most = std::max(most, taps.user_start[i + 1] - taps.user_start[i]);
-  return most;
-}
-
 // acc[d] = (acc[d] | 0) + weights[0] * rows[0][d] + ... over channels [first, n), the kRows terms added in order
 // onto acc (`onto`) or onto the literal 0, in one sweep.
 template <int kRows, typename T>
@@ -509,7 +504,7 @@ class AdjointRows {
  public:
   AdjointRows(const AxisTaps& rows, const AxisTaps& cols, int64_t out_cols, int64_t n)
       : rows_(rows), cols_(cols), out_cols_(out_cols), n_(n), mid_(out_cols * n), acc_(n),
-        grid_rows_(max_users(rows)), taps_(std::max(max_users(rows), max_users(cols))) {}
+        grid_rows_(rows.max_users), taps_(std::max(rows.max_users, cols.max_users)) {}
 
   template <typename GridRow>
   void run(int64_t i, const GridRow& grid_row, int64_t stride, scalar_t* out, int64_t out_stride) {
@@ -570,7 +565,7 @@ void resample_adjoint_kernel(const ResampleAdjointProblem<scalar_t>& problem) {
   const int64_t block = tokens * width;
   const AxisTaps rows(grid.height, true);
   const AxisTaps cols(grid.width, true);
-  const int64_t window = std::max<int64_t>(1, max_users(rows));
+  const int64_t window = std::max<int64_t>(1, rows.max_users);
   const int64_t threads = num_threads();
   const int64_t row_bytes = out_cols * width * static_cast<int64_t>(sizeof(scalar_t));  // a grid row of one block
   const int64_t twice_read = (threads - 1) * (window - 1) * row_bytes * problem.leads;
