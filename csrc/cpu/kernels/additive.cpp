@@ -155,12 +155,11 @@ class AxisValues {
   }
   bool full() const { return static_cast<int64_t>(keys_.size()) == capacity_; }
 
-  // [sin | cos] at `value`: the entry's, or computed into `scratch` (width values) past capacity.
-  const opmath* at(double value, bool fast, opmath* scratch) {
-    const int64_t found = entry(value, fast);
-    if (found >= 0) return values(found);
-    compute(value, fast, scratch);
-    return scratch;
+  // [sin | cos] at `value` computed into `out` (width values): a new entry's, or past capacity the caller's scratch.
+  const opmath* compute(double value, bool fast, opmath* out) const {
+    const auto n = static_cast<int64_t>(inv_freq_.size());
+    sincos_row_on_path(value, inv_freq_.data(), n, fast, out, out + n);
+    return out;
   }
 
  private:
@@ -179,10 +178,6 @@ class AxisValues {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
-  }
-  void compute(double value, bool fast, opmath* out) const {
-    const auto n = static_cast<int64_t>(inv_freq_.size());
-    sincos_row_on_path(value, inv_freq_.data(), n, fast, out, out + n);
   }
 
   std::vector<double> inv_freq_;  // the axis's pairs, in pair order
@@ -302,7 +297,7 @@ class AxisEncodingBlocks {
       if (segmented_ && all_kept) return;
       for (int64_t a = 0; a < n_axes; ++a) {  // past capacity (-1): computed into the axis's scratch
         values_[a] = entries[a] >= 0 ? axes_[a]->values(entries[a])
-                                     : axes_[a]->at(position[a], fast, scratch_[a].data());
+                                     : axes_[a]->compute(position[a], fast, scratch_[a].data());
       }
       entries[0] = -1;  // the encoding is the row pe
       for (const auto& s : segments_) std::copy_n(values_[s.axis] + s.offset, s.length, pe + s.channel);
