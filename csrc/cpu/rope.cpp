@@ -5,6 +5,7 @@
 #include "common/qk_norm.h"
 #include "common/rope.h"
 #include "cpu/device.h"
+#include "cpu/encoding_tables.h"
 #include "cpu/kernels/rope.h"
 
 #include <ATen/Dispatch.h>
@@ -103,6 +104,9 @@ struct CpuRope : CpuDevice {
         if (!r.outputs[i].is_same(r.inputs[i])) written += r.inputs[i].nbytes();
       }
       for (auto& view : views) view = streamed(view, read, written, true);
+      // the sin and cos of whole-number positions read from a kept table (the same bits as computing them)
+      const at::Tensor kept = cpu::kept_encodings(c10::CppTypeToScalarType<opmath>::value, SinusoidalLayout::Half,
+                                                  freq, pos);
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
       const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
                                  : RotaryView<scalar_t>{};
@@ -111,7 +115,8 @@ struct CpuRope : CpuDevice {
                                 pos.n_axes, pos.axes(),
                                 freq.data(), freq.size(), freq.max_abs(), r.attention_scale, r.inverse,
                                 r.args.layout, r.norms != nullptr ? norms.data() : nullptr, r.q_scale,
-                                scaled_view, copies ? &v_view : nullptr});
+                                scaled_view, copies ? &v_view : nullptr,
+                                kept.defined() ? kept.const_data_ptr<opmath>() : nullptr});
     });
   }
 

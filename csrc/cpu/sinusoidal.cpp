@@ -3,109 +3,13 @@
 #include "common/positions.h"
 #include "common/sinusoidal.h"
 #include "cpu/device.h"
+#include "cpu/encoding_tables.h"
 #include "cpu/kernels/additive.h"
 
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <mutex>
-#include <vector>
-
 namespace posenc {
 namespace {
-
-// Encoding tables kept between calls. A model adds the same encodings to every batch: positions 0..S-1 (or an
-// offset into them, or each row's own) at the same frequencies, whose sin/cos cost more than the add itself where no
-// batch rows share them (batch 1, one position row per batch row). So a call whose positions are whole numbers >= 0
-// reads the rows of a table kept here, computed by the same kernel (the same bits), as eager code reads a table it
-// keeps: bf16 [1, 2048, 1024] 1.7x as fast, [8, 2048, 1024] with a position row per batch row 1.6x, and no faster
-// with one row shared by batch 8, where the memory hides the sin/cos. Least recently used out first, within
-// cpu::encoding_cache_bytes().
-class EncodingTables {
- public:
-  static EncodingTables& instance() {
-    static EncodingTables tables;
-    return tables;
-  }
-
-  // A table of at least the positions [0, end) in `layout` at freq's frequencies, of type `type` (the maths
-  // type), or an undefined tensor where none fits.
-  at::Tensor table(at::ScalarType type, SinusoidalLayout layout, const Frequencies& freq, int64_t end) {
-    const int64_t row_bytes = 2 * freq.size() * static_cast<int64_t>(c10::elementSize(type));
-    if (row_bytes == 0 || end > budget_ / row_bytes) return {};
-    int64_t rows = (end + 255) / 256 * 256;
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      ++clock_;
-      for (auto& entry : entries_) {
-        if (!entry.holds(type, layout, freq)) continue;
-        if (entry.table.size(0) >= end) {
-          entry.used = clock_;
-          return entry.table;
-        }
-        rows = std::max(rows, 2 * entry.table.size(0));  // a growing sequence: fewer tables computed
-      }
-    }
-    rows = std::min(rows, budget_ / row_bytes);
-    at::Tensor table = compute(type, layout, freq, rows);
-    const std::lock_guard<std::mutex> lock(mutex_);
-    std::erase_if(entries_, [&](const Entry& entry) { return entry.holds(type, layout, freq); });
-    int64_t kept = table.nbytes();
-    for (const auto& entry : entries_) kept += entry.table.nbytes();
-    while (kept > budget_) {  // the least recently used out
-      const auto oldest = std::min_element(entries_.begin(), entries_.end(),
-                                           [](const Entry& a, const Entry& b) { return a.used < b.used; });
-      kept -= oldest->table.nbytes();
-      entries_.erase(oldest);
-    }
-    entries_.push_back({type, layout, {freq.data(), freq.data() + freq.size()}, table, ++clock_});
-    return table;
-  }
-
- private:
-  struct Entry {
-    at::ScalarType type;
-    SinusoidalLayout layout;
-    std::vector<double> inv_freq;
-    at::Tensor table;
-    uint64_t used;
-    bool holds(at::ScalarType t, SinusoidalLayout l, const Frequencies& freq) const {
-      return type == t && layout == l && static_cast<int64_t>(inv_freq.size()) == freq.size() &&
-             std::memcmp(inv_freq.data(), freq.data(), inv_freq.size() * sizeof(double)) == 0;  // bits: -0.0, NaN
-    }
-  };
-
-  static at::Tensor compute(at::ScalarType type, SinusoidalLayout layout, const Frequencies& freq, int64_t rows) {
-    const int64_t encoded = 2 * freq.size();
-    auto table = at::detail::empty_cpu({rows, encoded}, at::TensorOptions().dtype(type));
-    AT_DISPATCH_FLOATING_TYPES(type, "posenc_encoding_table", [&] {
-      cpu::sinusoidal_stub<scalar_t>({{}, table.mutable_data_ptr<scalar_t>(), rows, encoded, nullptr, 0, rows,
-                                      {rows, 0}, 1, nullptr, freq.data(), freq.size(), freq.max_abs(), layout, 1.0});
-    });
-    return table;
-  }
-
-  std::mutex mutex_;
-  std::vector<Entry> entries_;
-  uint64_t clock_ = 0;
-  const int64_t budget_ = cpu::encoding_cache_bytes();
-};
-
-// Below this many (position, frequency) pairs a call's sin/cos cost less than a look-up in the kept tables.
-constexpr int64_t kKeptTableMinPairs = 8192;
-
-// 1 + the largest of one axis's positions where every one is a whole number >= 0 (rows of a kept table), else 0.
-int64_t positions_end(const HostPositions<double>& positions) {
-  if (positions.data() == nullptr) return positions.first >= 0 ? positions.first + positions.count : 0;
-  double last = 0;
-  for (const double p : positions.values) {
-    if (!(p >= 0 && p == std::floor(p) && p < 0x1p53)) return 0;  // NaN too
-    last = std::max(last, p);
-  }
-  return static_cast<int64_t>(last) + 1;
-}
 
 struct CpuSinusoidal : CpuDevice {
 
@@ -125,11 +29,7 @@ struct CpuSinusoidal : CpuDevice {
     const RowInput<scalar_t> input{in.defined() ? in.const_data_ptr<scalar_t>() : nullptr,
                                    ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr};
     using opmath = opmath_t<scalar_t>;
-    at::Tensor table;
-    if (pos.n_axes == 1 && pos.values.count * freq.size() >= kKeptTableMinPairs) {
-      const int64_t end = positions_end(pos.values);
-      if (end > 0) table = EncodingTables::instance().table(c10::CppTypeToScalarType<opmath>::value, layout, freq, end);
-    }
+    const at::Tensor table = cpu::kept_encodings(c10::CppTypeToScalarType<opmath>::value, layout, freq, pos);
     cpu::sinusoidal_stub<scalar_t>({input, out.mutable_data_ptr<scalar_t>(), out.numel() / width, width,
                                     pos.values.data(), pos.values.first, rows.num_positions, rows.sequence,
                                     pos.n_axes, pos.axes(), freq.data(), freq.size(), freq.max_abs(), layout, scale,

@@ -2,7 +2,10 @@
 reference libraries (Hugging Face transformers, rotary-embedding-torch), RoPE's properties, gradients,
 context parallelism, the module, opcheck, torch.compile, torch.export and the bad inputs (docs/errors.md)."""
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 import posenc
-from helpers import assert_exports, randn, rotate_pairs, tolerance
+from helpers import assert_exports, randn, rotate_pairs, same_bits, tolerance
 from mutations import (F64, grow, not_floating, not_index, on_meta, overlapping, positions_beyond_domain,
                        positions_length, put, small, to_dtype, unknown_string, wrong_rank)
 from op_registry import bad_inputs, call_args, property_check, sample
@@ -504,6 +507,50 @@ def test_rope_inplace_rejects_overlapping_memory():
     x = torch.randn(1, 1, 1, 8).expand(2, 3, 1, 8)
     with pytest.raises(RuntimeError, match="posenc.rope_: x has elements that share memory"):
         PF.rope_(x, None, FQ.rope(8)[0])
+
+
+# ---------------------------------------------------------------- kept tables
+
+KEPT_CALLS = """
+def rotations(q, k, w, inv_freq, scale, rows, scattered):
+    out = list(PF.rope_qk(q, k, None, inv_freq, scale, offset=5))  # shared arange: the batch's table
+    out += PF.rope_qk(q.float(), k.float(), rows, inv_freq, scale)  # a position row per batch row: token by token
+    out += PF.rope_qk(q[:1].half(), k[:1].half(), rows[:1], inv_freq, scale, "gptj")
+    out.append(PF.rope(q.double(), scattered, inv_freq, scale))  # float64: the exact path's table
+    out.append(PF.rope_backward(q, rows, inv_freq, scale, "gptj"))  # the inverse rotation
+    out += PF.qk_norm_rope(q[:1], k[:1], w, w, rows[:1], inv_freq)  # QK-norm, batch 1
+    out.append(PF.rope(q, scattered + 0.5, inv_freq))  # not whole numbers, negative: computed either way
+    out.append(PF.rope(q, rows - 100, inv_freq))
+    return out
+"""
+
+
+def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
+    """Whole-number positions >= 0 of one axis read their sin and cos from the kept encoding tables (calls of at
+    least 8192 position-frequency pairs: here 300 positions of 64 pairs); POSENC_ENCODING_CACHE_MB=0 keeps none and
+    computes every one. The same bits, for each way positions come, each dtype, the backward and the QK-norm."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16)
+    w = torch.rand(128, dtype=torch.bfloat16) + 0.5
+    inv_freq, scale = FQ.rope(128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 64})
+    rows = torch.stack([torch.arange(300), torch.arange(300) * 3 + 7])
+    scattered = torch.randint(0, 6000, (300,))
+    inputs = [q, k, w, inv_freq, scale, rows, scattered]
+    namespace = {"PF": PF}
+    exec(KEPT_CALLS, namespace)
+    kept = namespace["rotations"](*inputs)
+    assert all(same_bits(a, b) for a, b in zip(kept, namespace["rotations"](*inputs)))  # tables found, not made
+    assert_close(kept[6], reference_rope(q.double(), scattered, inv_freq, "neox", scale))
+    torch.save(inputs, tmp_path / "inputs")
+    code = ("import sys, torch, posenc.functional as PF\n" + KEPT_CALLS +
+            "torch.save(rotations(*torch.load(sys.argv[1] + '/inputs')), sys.argv[1] + '/out')\n")
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="0")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=300)
+    computed = torch.load(tmp_path / "out")
+    assert len(computed) == len(kept) == 12
+    assert all(same_bits(a, b) for a, b in zip(kept, computed))
 
 
 # ---------------------------------------------------------------- gradients

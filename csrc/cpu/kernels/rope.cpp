@@ -15,24 +15,31 @@ namespace {
 
 using namespace posenc::portable;
 
-// cos/sin of each pair of token `index` (the angle engine's row: one position, or one per axis), times the
-// attention scale; sin negated for the inverse rotation.
+// cos/sin of each pair of token `index` (the angle engine's row: one position, or one per axis; or the kept table's
+// row of its position, the same bits), times the attention scale; sin negated for the inverse rotation.
 template <typename scalar_t, typename opmath_t>
 void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t scale, opmath_t* cos,
                   opmath_t* sin) {
   const int64_t pairs = problem.pairs;
+  const opmath_t* sin_from = sin;
+  const opmath_t* cos_from = cos;
   if (problem.pair_axis == nullptr) {
     const double position = problem.positions != nullptr ? problem.positions[index]
                                                           : static_cast<double>(problem.first_position + index);
-    sincos_row(position, problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
+    if (problem.kept != nullptr) {
+      sin_from = problem.kept + static_cast<int64_t>(position) * 2 * pairs;
+      cos_from = sin_from + pairs;
+    } else {
+      sincos_row(position, problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
+    }
   } else {
     sincos_row_axes(problem.positions + index * problem.n_axes, problem.n_axes, problem.pair_axis, problem.inv_freq,
                     pairs, problem.max_abs_freq, sin, cos);
   }
   const opmath_t sin_scale = problem.inverse ? -scale : scale;
   for (int64_t i = 0; i < pairs; ++i) {
-    cos[i] *= scale;
-    sin[i] *= sin_scale;
+    cos[i] = cos_from[i] * scale;
+    sin[i] = sin_from[i] * sin_scale;
   }
 }
 
@@ -164,7 +171,7 @@ struct Coefficients {
   Coefficients(const RopeProblem<scalar_t>& p, opmath attention_scale)
       : problem(p), scale(attention_scale), in_words(takes_words(p)),
         table(coefficient_table(p, attention_scale, in_words)) {
-    if (table.empty()) values = value_table<scalar_t, opmath>(p, in_words, &lowest);
+    if (table.empty() && p.kept == nullptr) values = value_table<scalar_t, opmath>(p, in_words, &lowest);
     if (!values.empty()) runs = axis_runs();
     if (table.empty() || p.scaled_view < 0) return;
     q_table.resize(table.size());
