@@ -84,8 +84,8 @@ class EncodingTables {
     const int64_t encoded = 2 * freq.size();
     auto table = at::detail::empty_cpu({rows, encoded}, at::TensorOptions().dtype(type));
     AT_DISPATCH_FLOATING_TYPES(type, "posenc_encoding_table", [&] {
-      sinusoidal_stub<scalar_t>({{}, table.mutable_data_ptr<scalar_t>(), rows, encoded, nullptr, 0, rows,
-                                      {rows, 0}, 1, nullptr, freq.data(), freq.size(), freq.max_abs(), layout, 1.0});
+      sinusoidal_stub<scalar_t>({{}, table.mutable_data_ptr<scalar_t>(), rows, encoded, nullptr, 0, rows, {rows, 0}, 1,
+                                 nullptr, freq.data(), freq.size(), freq.max_abs(), layout, 1.0});
     });
     return table;
   }
@@ -95,6 +95,12 @@ class EncodingTables {
   uint64_t clock_ = 0;
   const int64_t budget_ = encoding_cache_bytes();
 };
+
+// The rows a rotation may ask a kept table to hold, per position of the call, and the share of the budget: a call
+// at a far offset does not compute many times its own sin and cos, and a model's few frequency sets (Gemma 3's two)
+// stay kept together rather than replacing each other layer by layer.
+constexpr int64_t kRotationRowsPerPosition = 4;
+constexpr int64_t kRotationBudgetShare = 4;
 
 // Below this many (position, frequency) pairs a call's sin/cos cost less than a look-up in the kept tables.
 constexpr int64_t kKeptTableMinPairs = 8192;
@@ -117,6 +123,17 @@ at::Tensor kept_encodings(at::ScalarType type, SinusoidalLayout layout, const Fr
   if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return {};
   const int64_t end = positions_end(pos.values);
   return end > 0 ? EncodingTables::instance().table(type, layout, freq, end) : at::Tensor();
+}
+
+at::Tensor kept_rotation_table(at::ScalarType type, const Frequencies& freq, const AxisPositions& pos) {
+  if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return {};
+  const int64_t end = positions_end(pos.values);
+  const int64_t row_bytes = 2 * freq.size() * static_cast<int64_t>(c10::elementSize(type));
+  if (end == 0 || end > kRotationRowsPerPosition * pos.values.count ||
+      end > encoding_cache_bytes() / kRotationBudgetShare / row_bytes) {
+    return {};
+  }
+  return EncodingTables::instance().table(type, SinusoidalLayout::Half, freq, end);
 }
 
 }  // namespace posenc::cpu

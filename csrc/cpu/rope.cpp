@@ -105,8 +105,7 @@ struct CpuRope : CpuDevice {
       }
       for (auto& view : views) view = streamed(view, read, written, true);
       // the sin and cos of whole-number positions read from a kept table (the same bits as computing them)
-      const at::Tensor kept = cpu::kept_encodings(c10::CppTypeToScalarType<opmath>::value, SinusoidalLayout::Half,
-                                                  freq, pos);
+      const at::Tensor kept = cpu::kept_rotation_table(c10::CppTypeToScalarType<opmath>::value, freq, pos);
       const bool copies = r.cache != nullptr && r.cache->v.numel() != 0;
       const auto v_view = copies ? cache_view<scalar_t>(r, r.cache->v, r.cache->v_cache, slots.values.data(), slots.shared)
                                  : RotaryView<scalar_t>{};

@@ -519,16 +519,18 @@ def rotations(q, k, w, inv_freq, scale, rows, scattered):
     out.append(PF.rope(q.double(), scattered, inv_freq, scale))  # float64: the exact path's table
     out.append(PF.rope_backward(q, rows, inv_freq, scale, "gptj"))  # the inverse rotation
     out += PF.qk_norm_rope(q[:1], k[:1], w, w, rows[:1], inv_freq)  # QK-norm, batch 1
-    out.append(PF.rope(q, scattered + 0.5, inv_freq))  # not whole numbers, negative: computed either way
+    out.append(PF.rope(q, scattered + 0.5, inv_freq))  # not whole numbers, negative, far: computed either way
     out.append(PF.rope(q, rows - 100, inv_freq))
+    out.append(PF.rope(q, None, inv_freq, offset=5000))
     return out
 """
 
 
 def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     """Whole-number positions >= 0 of one axis read their sin and cos from the kept encoding tables (calls of at
-    least 8192 position-frequency pairs: here 300 positions of 64 pairs); POSENC_ENCODING_CACHE_MB=0 keeps none and
-    computes every one. The same bits, for each way positions come, each dtype, the backward and the QK-norm."""
+    least 8192 position-frequency pairs, here 300 positions of 64 pairs, whose table holds at most 4 rows a
+    position); POSENC_ENCODING_CACHE_MB=0 keeps none and computes every one. The same bits, for each way positions
+    come, each dtype, the backward and the QK-norm."""
     torch.manual_seed(0)
     q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16)
@@ -536,7 +538,7 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     inv_freq, scale = FQ.rope(128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
                                              "original_max_position_embeddings": 64})
     rows = torch.stack([torch.arange(300), torch.arange(300) * 3 + 7])
-    scattered = torch.randint(0, 6000, (300,))
+    scattered = torch.randint(0, 1200, (300,))
     inputs = [q, k, w, inv_freq, scale, rows, scattered]
     namespace = {"PF": PF}
     exec(KEPT_CALLS, namespace)
@@ -549,7 +551,7 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="0")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=300)
     computed = torch.load(tmp_path / "out")
-    assert len(computed) == len(kept) == 12
+    assert len(computed) == len(kept) == 13
     assert all(same_bits(a, b) for a, b in zip(kept, computed))
 
 
