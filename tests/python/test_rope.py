@@ -555,6 +555,26 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     assert all(same_bits(a, b) for a, b in zip(kept, computed))
 
 
+
+def test_kept_tables_under_concurrent_rotations(tmp_path):
+    """Threads that compute, grow, replace and read kept tables at once (four frequency sets in a budget of 2 MiB,
+    so tables are dropped while other calls hold them) each get the bits of the same call made alone."""
+    code = """
+import concurrent.futures, torch, posenc.functional as PF, posenc.frequencies as FQ
+freqs = [FQ.rope(128, base)[0] for base in (100.0, 1000.0, 10000.0, 500000.0)]
+q, k = torch.randn(1, 256, 2, 128), torch.randn(1, 256, 1, 128)
+cases = [(i % 4, (i // 4) % 4 * 256) for i in range(32)]
+expected = [PF.rope_qk(q, k, None, freqs[f], 1.0, offset=o) for f, o in cases]
+def call(i):
+    f, o = cases[i]
+    return all(torch.equal(a, b) for a, b in zip(PF.rope_qk(q, k, None, freqs[f], 1.0, offset=o), expected[i]))
+with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    assert all(pool.map(call, list(range(32)) * 4))
+"""
+    env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="2")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+
+
 # ---------------------------------------------------------------- gradients
 
 def test_backward_is_the_inverse_rotation():
