@@ -116,18 +116,23 @@ int64_t positions_end(const HostPositions<double>& positions) {
   return static_cast<int64_t>(last) + 1;
 }
 
+// The rows a kept table needs for a call: positions_end where the call's positions are one axis and enough pairs to
+// be worth a look-up, else 0.
+int64_t kept_rows_needed(const Frequencies& freq, const AxisPositions& pos) {
+  if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return 0;
+  return positions_end(pos.values);
+}
+
 }  // namespace
 
 at::Tensor kept_encodings(at::ScalarType type, SinusoidalLayout layout, const Frequencies& freq,
                           const AxisPositions& pos) {
-  if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return {};
-  const int64_t end = positions_end(pos.values);
+  const int64_t end = kept_rows_needed(freq, pos);
   return end > 0 ? EncodingTables::instance().table(type, layout, freq, end) : at::Tensor();
 }
 
 at::Tensor kept_rotation_table(at::ScalarType type, const Frequencies& freq, const AxisPositions& pos) {
-  if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return {};
-  const int64_t end = positions_end(pos.values);
+  const int64_t end = kept_rows_needed(freq, pos);
   const int64_t row_bytes = 2 * freq.size() * static_cast<int64_t>(c10::elementSize(type));
   if (end == 0 || end > kRotationRowsPerPosition * pos.values.count ||
       end > encoding_cache_bytes() / kRotationBudgetShare / row_bytes) {
