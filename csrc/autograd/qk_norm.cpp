@@ -3,6 +3,7 @@
 // is not itself differentiated: a second derivative of the norm is refused with an error, never silently zero.
 #include <posenc/qk_norm.h>
 
+#include "autograd/angles.h"
 #include "autograd/kernels.h"
 #include "families.h"
 
@@ -23,42 +24,22 @@ void check_inv_freq_constant(const char* op, const at::Tensor& inv_freq) {
               "train through rope or rope_qk (detach it)");
 }
 
-std::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
 // Everything but q and k, as saved for the backward.
 struct NormRope {
   at::Tensor q_weight;
   at::Tensor k_weight;
-  std::optional<at::Tensor> positions;
-  at::Tensor inv_freq;
   double eps;
   std::string norm;
-  double attention_scale;
-  std::string layout;
-  std::string format;
-  int64_t offset;
-  std::optional<at::Tensor> cu_seqlens;
-  std::optional<at::Tensor> pair_axis;
-  double q_scale_beta;
-  int64_t q_scale_length;
-  int64_t q_scale_shift;
+  Angles angles;
 
   // q and k: the forward's inputs (copies of them in place).
   void save(const char* op, AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k) const {
-    check_inv_freq_constant(op, inv_freq);
-    ctx->save_for_backward({q, k, q_weight, k_weight, positions.value_or(at::Tensor()), inv_freq,
-                            cu_seqlens.value_or(at::Tensor()), pair_axis.value_or(at::Tensor())});
+    check_inv_freq_constant(op, angles.inv_freq);
+    std::vector<at::Tensor> saved{q, k, q_weight, k_weight};
+    angles.save(ctx, saved);
+    ctx->save_for_backward(saved);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["norm"] = norm;
-    ctx->saved_data["attention_scale"] = attention_scale;
-    ctx->saved_data["layout"] = layout;
-    ctx->saved_data["format"] = format;
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["q_scale_beta"] = q_scale_beta;
-    ctx->saved_data["q_scale_length"] = q_scale_length;
-    ctx->saved_data["q_scale_shift"] = q_scale_shift;
   }
 
   // The gradients of q, k, q_weight and k_weight, then none for the other ten arguments.
@@ -66,13 +47,11 @@ struct NormRope {
     const auto s = ctx->get_saved_variables();
     const auto grad_q = grads[0].defined() ? grads[0] : at::zeros_like(s[0]);
     const auto grad_k = grads[1].defined() ? grads[1] : at::zeros_like(s[1]);
+    const auto a = Angles::load(ctx, s, 4);  // saved after q, k and the weights
     const auto [gq, gk, gqw, gkw] = qk_norm_rope_backward(
-        grad_q, grad_k, s[0], s[1], s[2], s[3], optional_of(s[4]), s[5], ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["norm"].toStringRef(), ctx->saved_data["attention_scale"].toDouble(),
-        ctx->saved_data["layout"].toStringRef(), ctx->saved_data["format"].toStringRef(),
-        ctx->saved_data["offset"].toInt(), optional_of(s[6]), optional_of(s[7]),
-        ctx->saved_data["q_scale_beta"].toDouble(), ctx->saved_data["q_scale_length"].toInt(),
-        ctx->saved_data["q_scale_shift"].toInt());
+        grad_q, grad_k, s[0], s[1], s[2], s[3], a.positions, a.inv_freq, ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["norm"].toStringRef(), a.attention_scale, a.layout, a.format, a.offset, a.cu_seqlens,
+        a.pair_axis, a.q_scale_beta, a.q_scale_length, a.q_scale_shift);
     variable_list out(17);  // q, k and the weights, then the thirteen arguments without a gradient
     out[0] = gq;
     out[1] = gk;
@@ -95,9 +74,9 @@ struct QkNormRope : public torch::autograd::Function<QkNormRope<kInPlace>> {
                                c10::string_view format, int64_t offset, const std::optional<at::Tensor>& cu_seqlens,
                                const std::optional<at::Tensor>& pair_axis, double q_scale_beta,
                                int64_t q_scale_length, int64_t q_scale_shift) {
-    const NormRope args{q_weight,      k_weight,     positions,       inv_freq,       eps,
-                        std::string(norm), attention_scale, std::string(layout), std::string(format), offset,
-                        cu_seqlens,    pair_axis,    q_scale_beta,    q_scale_length, q_scale_shift};
+    const NormRope args{q_weight, k_weight, eps, std::string(norm),
+                        {positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
+                         cu_seqlens, pair_axis, q_scale_beta, q_scale_length, q_scale_shift}};
     at::AutoDispatchBelowADInplaceOrView guard;
     if constexpr (kInPlace) {
       args.save("qk_norm_rope_", ctx, q.clone(), k.clone());

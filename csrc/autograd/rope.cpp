@@ -6,6 +6,7 @@
 // straight below autograd, as PyTorch's VariableType kernels do.
 #include <posenc/rope.h>
 
+#include "autograd/angles.h"
 #include "autograd/kernels.h"
 #include "common/rope.h"
 #include "families.h"
@@ -27,64 +28,18 @@ void check_constant(const char* op, const char* arg, const at::Tensor& t) {
               " is not differentiable (only the rotated tensors are); detach it");
 }
 
-std::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+// The rotation's outputs, saved after the angles' tensors where inv_freq requires grad (saved as outputs: no
+// reference cycle), and read back from ctx->get_saved_variables().
+void save_rotation(AutogradContext* ctx, const Angles& angles, const std::vector<at::Tensor>& outputs = {}) {
+  std::vector<at::Tensor> saved;
+  angles.save(ctx, saved);
+  if (angles.inv_freq.requires_grad()) saved.insert(saved.end(), outputs.begin(), outputs.end());
+  ctx->save_for_backward(saved);
 }
 
-// Everything a rotation by angles needs besides the rotated tensors.
-struct Angles {
-  std::optional<at::Tensor> positions;
-  at::Tensor inv_freq;
-  double attention_scale;
-  std::string layout;
-  std::string format;
-  int64_t offset;
-  std::optional<at::Tensor> cu_seqlens;
-  std::optional<at::Tensor> pair_axis;
-  double q_scale_beta = 0.0;  // rope_qk's query scale
-  int64_t q_scale_length = 1;
-  int64_t q_scale_shift = 0;
-
-  // `outputs`: the rotation's outputs where inv_freq requires grad (saved as outputs: no reference cycle).
-  void save(AutogradContext* ctx, const std::vector<at::Tensor>& outputs = {}) const {
-    std::vector<at::Tensor> saved{positions.value_or(at::Tensor()), inv_freq, cu_seqlens.value_or(at::Tensor()),
-                                  pair_axis.value_or(at::Tensor())};
-    if (inv_freq.requires_grad()) saved.insert(saved.end(), outputs.begin(), outputs.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["attention_scale"] = attention_scale;
-    ctx->saved_data["layout"] = layout;
-    ctx->saved_data["format"] = format;
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["q_scale_beta"] = q_scale_beta;
-    ctx->saved_data["q_scale_length"] = q_scale_length;
-    ctx->saved_data["q_scale_shift"] = q_scale_shift;
-  }
-
-  // `saved`: ctx->get_saved_variables(), read once per backward (non-reentrant activation checkpointing refuses a
-  // second read of the same saved tensors).
-  // The outputs saved with the angles (none unless inv_freq required grad).
-  static std::vector<at::Tensor> outputs(const variable_list& saved) { return {saved.begin() + 4, saved.end()}; }
-
-  static Angles load(AutogradContext* ctx, const variable_list& saved) {
-    return {optional_of(saved[0]),
-            saved[1],
-            ctx->saved_data["attention_scale"].toDouble(),
-            ctx->saved_data["layout"].toStringRef(),
-            ctx->saved_data["format"].toStringRef(),
-            ctx->saved_data["offset"].toInt(),
-            optional_of(saved[2]),
-            optional_of(saved[3]),
-            ctx->saved_data["q_scale_beta"].toDouble(),
-            ctx->saved_data["q_scale_length"].toInt(),
-            ctx->saved_data["q_scale_shift"].toInt()};
-  }
-
-  at::Tensor rotate(const at::Tensor& x, bool inverse) const {
-    return inverse
-               ? rope_backward(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis)
-               : rope(x, positions, inv_freq, attention_scale, layout, format, offset, cu_seqlens, pair_axis);
-  }
-};
+std::vector<at::Tensor> saved_outputs(const variable_list& saved) {
+  return {saved.begin() + Angles::kTensors, saved.end()};
+}
 
 // The gradient of a rotation with respect to inv_freq (learned frequencies), from its output `out` and that output's
 // gradient `grad`, both in the rotation's format. Pair i of token t turns by angle p_t * w_i (p_t the position of
@@ -148,7 +103,7 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
       at::AutoDispatchBelowADInplaceOrView guard;
       out = angles.rotate(x, kInverse);
     }
-    angles.save(ctx, {out});
+    save_rotation(ctx, angles, {out});
     return out;
   }
 
@@ -156,7 +111,7 @@ struct Rope : public torch::autograd::Function<Rope<kInverse>> {
     const auto saved = ctx->get_saved_variables();
     const auto angles = Angles::load(ctx, saved);
     const auto grad_x = angles.rotate(grads[0], !kInverse);
-    const auto out = Angles::outputs(saved);
+    const auto out = saved_outputs(saved);
     const auto grad_w = out.empty() ? at::Tensor() : inv_freq_grad(angles, out[0], grads[0], kInverse);
     return {grad_x, at::Tensor(), grad_w, at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -184,7 +139,7 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(q_out, k_out) = rotate(angles, q, k, kInverse);
     }
-    angles.save(ctx, {q_out, k_out});
+    save_rotation(ctx, angles, {q_out, k_out});
     return {q_out, k_out};
   }
 
@@ -195,7 +150,7 @@ struct RopeQK : public torch::autograd::Function<RopeQK<kInverse>> {
     variable_list out(13);  // q, k, positions, inv_freq, then nine arguments without a gradient
     out[0] = grad_q;
     out[1] = grad_k;
-    const auto outputs = Angles::outputs(saved);
+    const auto outputs = saved_outputs(saved);
     if (!outputs.empty()) {
       // q's query scale (a factor of q's output, constant in the angle) is part of q's output already
       out[3] = inv_freq_grad(angles, outputs[0], grads[0], kInverse) +
@@ -226,7 +181,7 @@ struct RopeInplace : public torch::autograd::Function<RopeInplace> {
                 "frequencies train through rope or rope_qk (detach it here)");
     const Angles angles{positions, inv_freq, attention_scale, std::string(layout), std::string(format), offset,
                         cu_seqlens, pair_axis};
-    angles.save(ctx);
+    save_rotation(ctx, angles);
     ctx->mark_dirty({x});
     {
       at::AutoDispatchBelowADInplaceOrView guard;
