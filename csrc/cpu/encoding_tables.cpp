@@ -21,8 +21,8 @@ namespace {
 // batch rows share them (batch 1, one position row per batch row). So a call whose positions are whole numbers >= 0
 // reads the rows of a table kept here, computed by the same kernel (the same bits), as eager code reads a table it
 // keeps: bf16 [1, 2048, 1024] 1.7x as fast, [8, 2048, 1024] with a position row per batch row 1.6x, and no faster
-// with one row shared by batch 8, where the memory hides the sin/cos. The rotary family reads the "half" tables'
-// rows, [sin | cos] of a position, as the sin and cos it scales: a model's layers rotate by the same positions, and
+// with one row shared by batch 8, where the memory hides the sin/cos. The rotary family reads "half_cos_first" tables'
+// rows, [cos | sin] of a position, as its coefficients: a model's layers rotate by the same positions, and
 // at batch 1 each token's 64 sin/cos pairs were 13% of a bf16 rope_qk of q, k [1, 4096, 16, 128]; read, q, k
 // [1, 4096, 16|8, 128] run 1.08x as fast in bf16, 1.12x in fp16 (Zen 2, 2 threads). Least recently used out first,
 // within encoding_cache_bytes().
@@ -138,7 +138,7 @@ at::Tensor kept_rotation_table(at::ScalarType type, const Frequencies& freq, con
       end > encoding_cache_bytes() / kRotationBudgetShare / row_bytes) {
     return {};
   }
-  return EncodingTables::instance().table(type, SinusoidalLayout::Half, freq, end);
+  return EncodingTables::instance().table(type, SinusoidalLayout::HalfCosFirst, freq, end);
 }
 
 }  // namespace posenc::cpu

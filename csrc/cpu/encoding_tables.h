@@ -14,8 +14,9 @@ namespace posenc::cpu {
 at::Tensor kept_encodings(at::ScalarType type, SinusoidalLayout layout, const Frequencies& freq,
                           const AxisPositions& pos);
 
-// The kept "half" table (row p: [sin | cos] of position p) for a rotation's positions, as kept_encodings finds one,
-// but only where it holds at most 4 rows per position of the call and a quarter of the budget; else undefined.
+// The kept "half_cos_first" table (row p: [cos | sin] of position p, a rotation's coefficients as they are) for a
+// rotation's positions, as kept_encodings finds one, but only where it holds at most 4 rows per position of the call
+// and a quarter of the budget; else undefined.
 at::Tensor kept_rotation_table(at::ScalarType type, const Frequencies& freq, const AxisPositions& pos);
 
 }  // namespace posenc::cpu

@@ -522,6 +522,8 @@ def rotations(q, k, w, inv_freq, scale, rows, scattered):
     out.append(PF.rope(q, scattered + 0.5, inv_freq))  # not whole numbers, negative, far: computed either way
     out.append(PF.rope(q, rows - 100, inv_freq))
     out.append(PF.rope(q, None, inv_freq, offset=5000))
+    out += PF.rope_qk(q, k, rows, inv_freq)  # unscaled: the tokens read the table's rows as they are
+    out += PF.rope_qk(q[:1].half(), k[:1].half(), None, inv_freq, q_scale_beta=0.1, q_scale_length=64)  # q's scaled
     return out
 """
 
@@ -530,7 +532,8 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     """Whole-number positions >= 0 of one axis read their sin and cos from the kept encoding tables (calls of at
     least 8192 position-frequency pairs, here 300 positions of 64 pairs, whose table holds at most 4 rows a
     position); POSENC_ENCODING_CACHE_MB=0 keeps none and computes every one. The same bits, for each way positions
-    come, each dtype, the backward and the QK-norm."""
+    come, each dtype, scaled and unscaled rotations (whose tokens read the table's rows as they are), the backward
+    and the QK-norm."""
     torch.manual_seed(0)
     q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, 128, dtype=torch.bfloat16)
@@ -551,7 +554,7 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="0")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=300)
     computed = torch.load(tmp_path / "out")
-    assert len(computed) == len(kept) == 13
+    assert len(computed) == len(kept) == 17
     assert all(same_bits(a, b) for a, b in zip(kept, computed))
 
 

@@ -15,6 +15,12 @@ namespace {
 
 using namespace posenc::portable;
 
+// The kept table's row of a whole-number position: [cos | sin] of its pairs.
+template <typename scalar_t>
+const opmath_t<scalar_t>* kept_row(const RopeProblem<scalar_t>& problem, double position) {
+  return problem.kept + static_cast<int64_t>(position) * 2 * problem.pairs;
+}
+
 // cos/sin of each pair of token `index` (the angle engine's row: one position, or one per axis; or the kept table's
 // row of its position, the same bits), times the attention scale; sin negated for the inverse rotation.
 template <typename scalar_t, typename opmath_t>
@@ -27,8 +33,8 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
     const double position = problem.positions != nullptr ? problem.positions[index]
                                                           : static_cast<double>(problem.first_position + index);
     if (problem.kept != nullptr) {
-      sin_from = problem.kept + static_cast<int64_t>(position) * 2 * pairs;
-      cos_from = sin_from + pairs;
+      cos_from = kept_row(problem, position);
+      sin_from = cos_from + pairs;
     } else {
       sincos_row(position, problem.inv_freq, pairs, problem.max_abs_freq, sin, cos);
     }
@@ -167,11 +173,15 @@ struct Coefficients {
   int64_t lowest = 0;
   ScratchVector<opmath> values;        // value_table's, where there is no table
   std::vector<AxisRun> runs;           // of values' pairs, by the axis they follow
+  // The tokens' rows are the kept table's, as they are: one axis, no attention scale, a forward rotation. In-process
+  // A/B, bf16 rope_qk q, k [1, 4096, 16|8, 128], 2 threads, Zen 2: TODO.
+  bool reads_kept_rows = false;
 
   Coefficients(const RopeProblem<scalar_t>& p, opmath attention_scale)
       : problem(p), scale(attention_scale), in_words(takes_words(p)),
         table(coefficient_table(p, attention_scale, in_words)) {
     if (table.empty() && p.kept == nullptr) values = value_table<scalar_t, opmath>(p, in_words, &lowest);
+    reads_kept_rows = table.empty() && p.kept != nullptr && p.pair_axis == nullptr && scale == opmath(1) && !p.inverse;
     if (!values.empty()) runs = axis_runs();
     if (table.empty() || p.scaled_view < 0) return;
     q_table.resize(table.size());
@@ -212,14 +222,18 @@ struct Coefficients {
     const int64_t s = n % problem.seq;
     if (!table.empty()) return table_rows(s);
     const int64_t index = problem.shared_positions ? s : n;
-    if (values.empty()) {
+    const opmath* row = own;
+    if (reads_kept_rows) {
+      row = kept_row(problem, problem.positions != nullptr ? problem.positions[index]
+                                                           : static_cast<double>(problem.first_position + index));
+    } else if (values.empty()) {
       angle_coeffs(problem, index, scale, own, own + pairs);
     } else {
       gather_values(index, own, own + pairs);
     }
-    if (problem.scaled_view < 0) return {own, own};
-    scale_row(own, query_factor(index), own + 2 * pairs);
-    return {own, own + 2 * pairs};
+    if (problem.scaled_view < 0) return {row, row};
+    scale_row(row, query_factor(index), own + 2 * pairs);
+    return {row, own + 2 * pairs};
   }
 
   // Runs of consecutive pairs that follow one axis, in the values' order (word order where in_words: the axes as

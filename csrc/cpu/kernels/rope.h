@@ -33,7 +33,7 @@ struct RopeProblem {
   QScale q_scale;        // of view scaled_view (q), whose coefficients it multiplies
   int64_t scaled_view;   // -1: none
   const RotaryView<scalar_t>* copy = nullptr;  // rope_qk_cache_'s v, copied into its cache token by token
-  // A kept table whose row p is [sin | cos] of position p (sincos_row's bits), holding every position of the call
+  // A kept table whose row p is [cos | sin] of position p (sincos_row's bits), holding every position of the call
   // (one axis); or null
   const opmath_t<scalar_t>* kept = nullptr;
 };
