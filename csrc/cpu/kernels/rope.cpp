@@ -15,6 +15,12 @@ namespace {
 
 using namespace posenc::portable;
 
+// Token `index`'s position (one axis).
+template <typename scalar_t>
+double position_of(const RopeProblem<scalar_t>& problem, int64_t index) {
+  return problem.positions != nullptr ? problem.positions[index] : static_cast<double>(problem.first_position + index);
+}
+
 // The kept table's row of a whole-number position: [cos | sin] of its pairs.
 template <typename scalar_t>
 const opmath_t<scalar_t>* kept_row(const RopeProblem<scalar_t>& problem, double position) {
@@ -30,8 +36,7 @@ void angle_coeffs(const RopeProblem<scalar_t>& problem, int64_t index, opmath_t 
   const opmath_t* sin_from = sin;
   const opmath_t* cos_from = cos;
   if (problem.pair_axis == nullptr) {
-    const double position = problem.positions != nullptr ? problem.positions[index]
-                                                          : static_cast<double>(problem.first_position + index);
+    const double position = position_of(problem, index);
     if (problem.kept != nullptr) {
       cos_from = kept_row(problem, position);
       sin_from = cos_from + pairs;
@@ -208,9 +213,7 @@ struct Coefficients {
   }
 
   opmath query_factor(int64_t index) const {
-    const double position = problem.positions != nullptr ? problem.positions[index]
-                                                          : static_cast<double>(problem.first_position + index);
-    return static_cast<opmath>(query_scale(position, problem.q_scale));
+    return static_cast<opmath>(query_scale(position_of(problem, index), problem.q_scale));
   }
 
   void scale_row(const opmath* row, opmath factor, opmath* out) const {
@@ -225,8 +228,7 @@ struct Coefficients {
     const int64_t index = problem.shared_positions ? s : n;
     const opmath* row = own;
     if (reads_kept_rows) {
-      row = kept_row(problem, problem.positions != nullptr ? problem.positions[index]
-                                                           : static_cast<double>(problem.first_position + index));
+      row = kept_row(problem, position_of(problem, index));
     } else if (values.empty()) {
       angle_coeffs(problem, index, scale, own, own + pairs);
     } else {
