@@ -96,10 +96,11 @@ class EncodingTables {
   const int64_t budget_ = encoding_cache_bytes();
 };
 
-// The rows a rotation may ask a kept table to hold, per position of the call, and the share of the budget: a call
-// at a far offset does not compute many times its own sin and cos, and a model's few frequency sets (Gemma 3's two)
-// stay kept together rather than replacing each other layer by layer.
-constexpr int64_t kRotationRowsPerPosition = 4;
+// The rows a call may ask a kept table to hold, per position of the call: a call at a far offset does not compute
+// many times its own sin and cos (a chunk of 16 tokens of 1024 channels at position 15,000 built a table of 60 MB
+// once, in 63 ms, and pushed the other tables out of the budget). And a rotation's share of the budget: a model's few
+// frequency sets (Gemma 3's two) stay kept together rather than replacing each other layer by layer.
+constexpr int64_t kKeptRowsPerPosition = 4;
 constexpr int64_t kRotationBudgetShare = 4;
 
 // Below this many (position, frequency) pairs a call's sin/cos cost less than a look-up in the kept tables.
@@ -116,11 +117,12 @@ int64_t positions_end(const HostPositions<double>& positions) {
   return static_cast<int64_t>(last) + 1;
 }
 
-// The rows a kept table needs for a call: positions_end where the call's positions are one axis and enough pairs to
-// be worth a look-up, else 0.
+// The rows a kept table needs for a call: positions_end where the call's positions are one axis, enough pairs to be
+// worth a look-up and at most kKeptRowsPerPosition rows per position, else 0.
 int64_t kept_rows_needed(const Frequencies& freq, const AxisPositions& pos) {
   if (pos.n_axes != 1 || pos.values.count * freq.size() < kKeptTableMinPairs) return 0;
-  return positions_end(pos.values);
+  const int64_t end = positions_end(pos.values);
+  return end <= kKeptRowsPerPosition * pos.values.count ? end : 0;
 }
 
 }  // namespace
@@ -134,10 +136,7 @@ at::Tensor kept_encodings(at::ScalarType type, SinusoidalLayout layout, const Fr
 at::Tensor kept_rotation_table(at::ScalarType type, const Frequencies& freq, const AxisPositions& pos) {
   const int64_t end = kept_rows_needed(freq, pos);
   const int64_t row_bytes = 2 * freq.size() * static_cast<int64_t>(c10::elementSize(type));
-  if (end == 0 || end > kRotationRowsPerPosition * pos.values.count ||
-      end > encoding_cache_bytes() / kRotationBudgetShare / row_bytes) {
-    return {};
-  }
+  if (end == 0 || end > encoding_cache_bytes() / kRotationBudgetShare / row_bytes) return {};
   return EncodingTables::instance().table(type, SinusoidalLayout::HalfCosFirst, freq, end);
 }
 
