@@ -524,6 +524,7 @@ def rotations(q, k, w, inv_freq, scale, rows, scattered):
     out.append(PF.rope(q, None, inv_freq, offset=5000))
     out += PF.rope_qk(q, k, rows, inv_freq)  # unscaled: the tokens read the table's rows as they are
     out += PF.rope_qk(q[:1].half(), k[:1].half(), None, inv_freq, q_scale_beta=0.1, q_scale_length=64)  # q's scaled
+    out += PF.rope_qk(q[0], k[0], None, inv_freq, format="thd", cu_seqlens=torch.tensor([0, 100, 300]))  # packed
     return out
 """
 
@@ -543,7 +544,7 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     rows = torch.stack([torch.arange(300), torch.arange(300) * 3 + 7])
     scattered = torch.randint(0, 1200, (300,))
     inputs = [q, k, w, inv_freq, scale, rows, scattered]
-    namespace = {"PF": PF}
+    namespace = {"PF": PF, "torch": torch}
     exec(KEPT_CALLS, namespace)
     kept = namespace["rotations"](*inputs)
     assert all(same_bits(a, b) for a, b in zip(kept, namespace["rotations"](*inputs)))  # tables found, not made
@@ -554,7 +555,7 @@ def test_kept_tables_give_the_bits_of_computed_rotations(tmp_path):
     env = dict(os.environ, POSENC_LIBRARY=posenc.library_path, POSENC_ENCODING_CACHE_MB="0")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, check=True, timeout=300)
     computed = torch.load(tmp_path / "out")
-    assert len(computed) == len(kept) == 17
+    assert len(computed) == len(kept) == 19
     assert all(same_bits(a, b) for a, b in zip(kept, computed))
 
 
