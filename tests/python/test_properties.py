@@ -22,9 +22,12 @@ Profiles (conftest.py): "ci" (default; derandomized, 25 examples per property, 1
 """
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -120,29 +123,82 @@ def test_every_op_has_a_property_and_bad_input_cases():
     assert sorted({op for op, *_ in bad_input_fuzzer.CASES.values()}) == tensor_ops()
 
 
+# A case runner that prints nothing for this long is hung in its case (a case of the "long" profile takes seconds,
+# the whole run of its bad inputs most of an hour on a 2-core machine).
+CASE_STALL_SECONDS = 600
+
+
+def _lines_into(stream, lines):
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 def run_in_subprocesses(command):
     """Runs a case runner (this file's __main__, or bad_input_fuzzer.py) that prints a JSON line when each case
-    starts and ends. When the process dies (segfault, abort), the case it was running is recorded as a crash
-    and a new process resumes after it. Returns {case: record}."""
+    starts and ends. When the process dies (segfault, abort), or prints nothing for CASE_STALL_SECONDS (then it is
+    killed), the case it was running is recorded as failed and a new process resumes after it. Returns
+    {case: record}."""
     results, after = {}, []
     while True:
-        run = subprocess.run(command + after, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
-        running = None
-        for line in run.stdout.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                if record["status"] == "start":
-                    running = record["case"]
-                else:
-                    results[record["case"]] = record
-                    running = None
-        if run.returncode == 0 or running is None:
-            if run.returncode != 0:
-                results["(runner)"] = {"status": "fail", "detail": f"exit {run.returncode}: {run.stderr[-4000:]}"}
+        with tempfile.TemporaryFile("w+") as stderr:
+            process = subprocess.Popen(command + after, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                       env=dict(os.environ))
+            lines = queue.Queue()
+            threading.Thread(target=_lines_into, args=(process.stdout, lines), daemon=True).start()
+            running, hung = None, False
+            while (line := _next_line(lines, process)) is not None:
+                if line == "":
+                    hung = True
+                elif line.startswith("{"):
+                    record = json.loads(line)
+                    if record["status"] == "start":
+                        running = record["case"]
+                    else:
+                        results[record["case"]] = record
+                        running = None
+            returncode = process.wait()
+            stderr.seek(0)
+            tail = stderr.read()[-4000:]
+        if returncode == 0 or running is None:
+            if returncode != 0:
+                results["(runner)"] = {"status": "fail", "detail": f"exit {returncode}: {tail}"}
             return results
-        results[running] = {"status": "fail", "detail": f"the process died (exit {run.returncode}) on this case; "
-                                                        f"stderr (tail):\n{run.stderr[-4000:]}"}
+        cause = (f"the process printed nothing for {CASE_STALL_SECONDS} s on this case (killed)" if hung
+                 else f"the process died (exit {returncode}) on this case")
+        results[running] = {"status": "fail", "detail": f"{cause}; stderr (tail):\n{tail}"}
         after = ["--after", running]
+
+
+def _next_line(lines, process):
+    """The runner's next line of output; "" where it printed nothing for CASE_STALL_SECONDS (it is killed, and its
+    remaining lines follow); None at the end of its output."""
+    try:
+        return lines.get(timeout=CASE_STALL_SECONDS)
+    except queue.Empty:
+        process.kill()
+        return ""
+
+
+def test_a_hung_or_dying_case_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+    """The runner of cases a, b, c, d: b prints nothing for longer than the stall limit, c kills its process. Each is
+    recorded as failed, and a new process resumes after it."""
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        "import json, os, sys, time\n"
+        "cases = ['a', 'b', 'c', 'd']\n"
+        "after = sys.argv[sys.argv.index('--after') + 1] if '--after' in sys.argv else None\n"
+        "for case in cases[cases.index(after) + 1 if after else 0:]:\n"
+        "    print(json.dumps({'case': case, 'status': 'start'}), flush=True)\n"
+        "    if case == 'b': time.sleep(60)\n"
+        "    if case == 'c': os.abort()\n"
+        "    print(json.dumps({'case': case, 'status': 'ok', 'detail': ''}), flush=True)\n")
+    monkeypatch.setattr(sys.modules[__name__], "CASE_STALL_SECONDS", 1)
+    results = run_in_subprocesses([sys.executable, str(runner)])
+    assert sorted(results) == ["a", "b", "c", "d"]
+    assert results["a"]["status"] == results["d"]["status"] == "ok"
+    assert results["b"]["status"] == "fail" and "printed nothing for 1 s" in results["b"]["detail"]
+    assert results["c"]["status"] == "fail" and "died" in results["c"]["detail"]
 
 
 def profile_arguments(examples_divisor=1):
