@@ -103,6 +103,15 @@ def test_bucket_matches_hugging_face_t5():
         assert torch.equal(PF.relative_position_bucket(relative, bidirectional, num_buckets, max_distance), expected)
 
 
+def test_bucket_at_an_exact_tie_follows_the_correctly_rounded_log():
+    """17 causal buckets, max_distance 27, distance 12: T5's log term is exactly 3 (12 / 8 = 1.5, 27 / 8 = 1.5^3).
+    The correctly rounded float32 log of 1.5 puts it a hair below and the bucket at 8 + 2; torch's float32 log, one
+    ulp high there, gives Hugging Face 8 + 3 (docs/alibi-t5.md)."""
+    relative = torch.tensor([-11, -12, -13])
+    assert PF.relative_position_bucket(relative, False, 17, 27).tolist() == [10, 10, 11]
+    assert t5_bucket(relative, False, 17, 27).tolist() == [10, 10, 11]
+
+
 # ---------------------------------------------------------------- fused bias
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -314,14 +323,16 @@ def _build_t5_bias_backward(m):
 
 def t5_bucket(relative, bidirectional, num_buckets, max_distance):
     """Mesh TensorFlow's bucketing with T5's float32 steps, from Python integers (no int64 wrap at
-    INT64_MIN: its distance 2^63 falls in the last bucket)."""
+    INT64_MIN: its distance 2^63 falls in the last bucket), the float32 log correctly rounded (the float64 log of
+    the float32 quotient, rounded): torch's float32 log is 1 ulp off at 1.5, which puts distance 12 of 17 causal
+    buckets and max_distance 27 (27 / 8 = 1.5^3) one bucket higher."""
     n_dir = num_buckets // 2 if bidirectional else num_buckets
     exact = n_dir // 2
     flat = relative.flatten().tolist()
     offsets = [n_dir if (bidirectional and r > 0) else 0 for r in flat]
     distances = [abs(r) if bidirectional else max(-r, 0) for r in flat]
     far = torch.tensor([min(d, 2 ** 63 - 1) for d in distances], dtype=torch.long).float()  # T5: .float()
-    log_part = torch.log(far / exact) / math.log(max_distance / exact) * (n_dir - exact)
+    log_part = torch.log((far / exact).double()).float() / math.log(max_distance / exact) * (n_dir - exact)
     large = (exact + log_part.long()).clamp(max=n_dir - 1).tolist()
     buckets = [o + (d if d < exact else lg) for o, d, lg in zip(offsets, distances, large)]
     return torch.tensor(buckets, dtype=torch.long).reshape(relative.shape)
