@@ -12,9 +12,15 @@ namespace posenc {
 
 // T5 splits num_buckets into N' = num_buckets / 2 per direction (bidirectional) or N' = num_buckets
 // (causal); the first e = N' / 2 buckets hold exact distances, the rest log-spaced ones up to max_distance.
-// e must be at least 1 and max_distance above e, or T5's formula divides by log(max_distance / e) <= 0.
+// e must be at least 1 and max_distance above e, or T5's formula divides by log(max_distance / e) <= 0. The
+// log-spaced buckets' edges are tabulated once per bucketing (portable/t5.h), N' - e of them: kMaxT5Buckets keeps
+// that to a few milliseconds (T5's models use 32 buckets; 2^31 took hours and gigabytes).
+constexpr int64_t kMaxT5Buckets = 65536;
+
 inline void check_t5_buckets(const char* op, bool bidirectional, int64_t num_buckets, int64_t max_distance) {
   TORCH_CHECK(num_buckets > 0, "posenc.", op, ": num_buckets must be positive, got ", num_buckets);
+  TORCH_CHECK(num_buckets <= kMaxT5Buckets, "posenc.", op, ": num_buckets must be at most ", kMaxT5Buckets, ", got ",
+              num_buckets);
   TORCH_CHECK(max_distance > 0, "posenc.", op, ": max_distance must be positive, got ", max_distance);
   const int64_t exact = (bidirectional ? num_buckets / 2 : num_buckets) / 2;
   TORCH_CHECK(exact >= 1, "posenc.", op, ": num_buckets ", num_buckets, " is too few; ",

@@ -886,6 +886,15 @@ def pooled_shared_slots(draw, kw):
         kw["cache_positions"] = torch.arange(seq_of(kw))
 
 
+def other_cache_format(draw, kw):
+    """The caches, [B, Hkv, S_max, D], read as another format; where S_max equals Hkv they would fit "bshd" too
+    (the fuzzer's long profile drew such a call), so S_max grows by one."""
+    if kw["k_cache"].shape[1] == kw["k_cache"].shape[2]:
+        for name in ("k_cache", "v_cache"):
+            kw[name] = torch.cat([kw[name], kw[name][:, :, :1]], 2)
+    kw["cache_format"] = draw(st.sampled_from(["bshd", "shd"]))
+
+
 def requires_grad(draw, kw):
     name = draw(st.sampled_from(["q", "k", "v", "k_cache", "v_cache"]))
     kw[name] = kw[name].clone().requires_grad_()
@@ -911,7 +920,7 @@ def cache_mutations():
         "k_cache_on_meta": on_meta("k_cache"),
         "v_cache_on_meta": on_meta("v_cache"),
         "cache_format_unknown": unknown_string("cache_format", {"bhsd", "bshd", "shd"}),
-        "cache_format_other": lambda draw, kw: kw.update(cache_format=draw(st.sampled_from(["bshd", "shd"]))),
+        "cache_format_other": other_cache_format,
         "slot_out_of_range": slot_out_of_range,
         "slots_shared": slots_shared,
         "pooled_shared_slots": pooled_shared_slots,

@@ -420,9 +420,13 @@ def t5_bias_backward(draw):
 
 def t5_buckets_invalid(draw, kw):
     bidirectional = kw["bidirectional"]
-    how = draw(st.sampled_from(["buckets_nonpositive", "too_few", "distance_nonpositive", "distance_small"]))
+    how = draw(st.sampled_from(["buckets_nonpositive", "too_few", "too_many", "distance_nonpositive",
+                                "distance_small"]))
     if how == "buckets_nonpositive":
         kw["num_buckets"] = draw(st.sampled_from([0, -1, INT64_MIN]))
+    elif how == "too_many":  # the weight keeps its rows: the bucket count is refused before they are compared
+        kw["num_buckets"] = draw(st.sampled_from([65537, 2 ** 31, INT64_MAX]))
+        kw["max_distance"] = INT64_MAX
     elif how == "too_few":
         kw["num_buckets"] = 3 if bidirectional else 1
     elif how == "distance_nonpositive":
