@@ -124,7 +124,7 @@ def test_every_op_has_a_property_and_bad_input_cases():
 
 
 # A case runner that prints nothing for this long is hung in its case (a case of the "long" profile takes seconds,
-# the whole run of its bad inputs most of an hour on a 2-core machine).
+# the whole run of its bad inputs over 20 minutes on a 2-core machine).
 CASE_STALL_SECONDS = 600
 
 
